@@ -1,0 +1,11 @@
+"""Exact gradient accumulation for TensorFlow 2 / Keras 3.
+
+`GradientAccumulator(optimizer, accum_steps)` wraps any Keras 3 optimizer so that
+training with micro-batches follows the run with the `accum_steps`-times larger
+batch. This package imports neither TFX nor anything beyond TensorFlow and Keras.
+"""
+
+from accumulator.optimizer import GradientAccumulator, validate_accum_steps
+
+__all__ = ["GradientAccumulator", "validate_accum_steps"]
+__version__ = "0.1.0"
