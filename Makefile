@@ -1,0 +1,44 @@
+# `make demo` runs the local pipeline, `make test` the whole test suite, `make bench`
+# the benchmarks. Each sets up what it needs on a fresh machine first.
+PYTHON ?= python3
+VENV := .venv
+LATEST := .venv-tf-latest
+PYTEST_ARGS ?=
+
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+export KERAS_BACKEND := tensorflow
+export PYTHONUNBUFFERED := 1
+
+.PHONY: test test-tfx test-latest setup setup-latest clean
+
+setup: $(VENV)/.installed
+setup-latest: $(LATEST)/.installed
+
+# The TFX 1.16 stack. tfx's metadata says Python < 3.11 while its libraries ship
+# 3.11 wheels, hence --ignore-requires-python; the constraints keep pip from
+# backtracking.
+$(VENV)/.installed: setup.py constraints/tfx-1.16.txt
+	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "TFX 1.16 needs Python 3.11 here; got " + sys.version' 
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade "pip<25" setuptools wheel
+	$(VENV)/bin/pip install -q --ignore-requires-python -c constraints/tfx-1.16.txt -e '.[tfx,test,bench]'
+	touch $@
+
+# The core library alone on the newest TensorFlow and Keras.
+$(LATEST)/.installed: setup.py constraints/tf-latest.txt
+	$(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/pip install -q --upgrade pip
+	$(LATEST)/bin/pip install -q -r constraints/tf-latest.txt pytest pytest-timeout
+	$(LATEST)/bin/pip install -q --no-deps -e .
+	touch $@
+
+test: test-tfx test-latest
+
+test-tfx: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
+
+test-latest: $(LATEST)/.installed
+	$(LATEST)/bin/python -m pytest tests/accumulator $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) $(LATEST) *.egg-info

@@ -1,0 +1,74 @@
+"""Independent references the accumulator is compared against.
+
+* `fit_large_batch`: plain Keras `fit` with the effective batch, no accumulator.
+* `tape_accumulation_loop`: the seeds' hand-written `tf.GradientTape` loop
+  (sum the micro-batch gradients, divide by their count, apply every N).
+"""
+
+import numpy as np
+import keras
+import tensorflow as tf
+
+FEATURES = 6
+
+
+def regression_data(samples, seed=0):
+    rng = np.random.RandomState(seed)
+    x = rng.randn(samples, FEATURES).astype("float32")
+    w = rng.randn(FEATURES, 1).astype("float32")
+    y = (np.tanh(x @ w) + 0.1 * rng.randn(samples, 1)).astype("float32")
+    return x, y
+
+
+def mlp(seed=0, dtype=None):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(16, activation="tanh", dtype=dtype),
+            keras.layers.Dense(8, activation="tanh", dtype=dtype),
+            keras.layers.Dense(1, dtype=dtype),
+        ]
+    )
+
+
+def max_abs_diff(weights_a, weights_b):
+    return max(float(np.max(np.abs(a - b))) for a, b in zip(weights_a, weights_b))
+
+
+def fit_large_batch(model, optimizer, x, y, batch_size, epochs=1, loss="mse"):
+    model.compile(optimizer=optimizer, loss=loss)
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    return model
+
+
+def tape_accumulation_loop(model, optimizer, x, y, micro_batch, accum_steps, loss_fn):
+    """The seeds' pattern: sum gradients, divide by the count, apply, reset."""
+    variables = model.trainable_variables
+    buffers = [tf.Variable(tf.zeros_like(v)) for v in variables]
+
+    @tf.function
+    def micro_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        for buf, g in zip(buffers, tape.gradient(loss, variables)):
+            buf.assign_add(g)
+
+    @tf.function
+    def apply(count):
+        optimizer.apply_gradients(
+            [(buf / count, v) for buf, v in zip(buffers, variables)]
+        )
+        for buf in buffers:
+            buf.assign(tf.zeros_like(buf))
+
+    seen = 0
+    for start in range(0, len(x), micro_batch):
+        micro_step(x[start:start + micro_batch], y[start:start + micro_batch])
+        seen += 1
+        if seen == accum_steps:
+            apply(tf.constant(float(seen)))
+            seen = 0
+    if seen:
+        apply(tf.constant(float(seen)))
+    return model
