@@ -1,0 +1,135 @@
+"""Save, load and resume: the open window survives, nothing counts twice."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import keras
+import tensorflow as tf
+
+from accumulator import GradientAccumulator
+from tests.accumulator import reference as ref
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MICRO = 8
+ACCUM = 4
+
+
+def _optimizer():
+    return GradientAccumulator(
+        keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(1e-2, 4, 0.7), clipnorm=0.2),
+        accum_steps=ACCUM,
+    )
+
+
+def _compiled(seed=0):
+    model = ref.mlp(seed)
+    model.compile(optimizer=_optimizer(), loss="mse")
+    return model
+
+
+def test_keras_file_loads_in_a_fresh_process_without_custom_objects(tmp_path):
+    x, y = ref.regression_data(MICRO * 16)
+    first, rest = MICRO * 6, MICRO * 10   # stop 2 micro-batches into a window
+
+    uninterrupted = _compiled()
+    uninterrupted.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+
+    model = _compiled()
+    model.fit(x[:first], y[:first], batch_size=MICRO, shuffle=False, verbose=0)
+    assert int(model.optimizer.micro_step.numpy()) == 2
+    model.save(tmp_path / "model.keras")
+    np.savez(tmp_path / "rest.npz", x=x[first:], y=y[first:])
+
+    script = f"""
+import json, numpy as np, keras
+import accumulator  # registers the class: no custom_objects needed
+model = keras.models.load_model({str(tmp_path / 'model.keras')!r})
+opt = model.optimizer
+info = dict(cls=type(opt).__name__, accum=opt.accum_steps, micro=int(opt.micro_step.numpy()),
+            inner=opt.inner_optimizer.get_config()['clipnorm'],
+            acc_nonzero=bool(any(np.any(a.numpy()) for a in opt.accumulators)))
+data = np.load({str(tmp_path / 'rest.npz')!r})
+model.fit(data['x'], data['y'], batch_size={MICRO}, shuffle=False, verbose=0)
+np.savez({str(tmp_path / 'out.npz')!r}, *model.get_weights())
+print(json.dumps(info))
+"""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    assert info == dict(cls="GradientAccumulator", accum=ACCUM, micro=2, inner=0.2, acc_nonzero=True)
+    resumed = np.load(tmp_path / "out.npz")
+    resumed = [resumed[f"arr_{i}"] for i in range(len(resumed.files))]
+    assert ref.max_abs_diff(resumed, uninterrupted.get_weights()) <= 1e-6
+
+
+def test_tf_train_checkpoint_mid_window_resumes_exactly(tmp_path):
+    x, y = ref.regression_data(MICRO * 18)
+    loss_fn = keras.losses.MeanSquaredError()
+
+    def train(model, optimizer, start, stop):
+        @tf.function
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, model(xb, training=True))
+            optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        for i in range(start, stop):
+            step(x[i * MICRO:(i + 1) * MICRO], y[i * MICRO:(i + 1) * MICRO])
+
+    uninterrupted, opt_u = ref.mlp(), _optimizer()
+    train(uninterrupted, opt_u, 0, 18)
+
+    model, opt = ref.mlp(), _optimizer()
+    opt.build(model.trainable_variables)
+    train(model, opt, 0, 7)  # window 2 holds 3 micro-batches
+    path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ckpt"))
+
+    restored, opt_r = ref.mlp(seed=1), _optimizer()  # different init: must be overwritten
+    opt_r.build(restored.trainable_variables)
+    tf.train.Checkpoint(model=restored, optimizer=opt_r).restore(path).assert_consumed()
+    assert int(opt_r.micro_step.numpy()) == 3
+    assert int(opt_r.iterations.numpy()) == 1
+    train(restored, opt_r, 7, 18)
+    assert ref.max_abs_diff(restored.get_weights(), uninterrupted.get_weights()) <= 1e-6
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+        self.epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise RuntimeError("simulated preemption")
+
+
+def test_backup_and_restore_keeps_the_open_window(tmp_path):
+    # 10 micro-batches an epoch, windows of 4: epoch 0 ends 2 micro-batches into a window.
+    x, y = ref.regression_data(MICRO * 10)
+    uninterrupted = _compiled()
+    uninterrupted.fit(x, y, batch_size=MICRO, epochs=4, shuffle=False, verbose=0)
+
+    backup = str(tmp_path / "backup")
+    model = _compiled()
+    try:
+        model.fit(x, y, batch_size=MICRO, epochs=4, shuffle=False, verbose=0,
+                  callbacks=[keras.callbacks.BackupAndRestore(backup), _Interrupt(1, 6)])
+    except RuntimeError:
+        pass
+    assert os.path.exists(backup)
+
+    resumed = _compiled(seed=1)
+    seen = []
+    resumed.fit(x, y, batch_size=MICRO, epochs=4, shuffle=False, verbose=0,
+                callbacks=[keras.callbacks.BackupAndRestore(backup),
+                           keras.callbacks.LambdaCallback(on_epoch_begin=lambda e, l: seen.append(e))])
+    assert seen == [1, 2, 3]
+    assert int(resumed.optimizer.iterations.numpy()) == 10
+    assert ref.max_abs_diff(resumed.get_weights(), uninterrupted.get_weights()) <= 1e-6
