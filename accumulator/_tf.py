@@ -1,11 +1,22 @@
-"""TensorFlow-specific mechanics of the accumulator: buffers and replica contexts.
+"""TensorFlow mechanics of the accumulator: buffers, replica contexts, reductions.
 
 Kept apart from the update rule in `optimizer.py` so that the rule reads as
 maths and this module holds what `tf.distribute` demands of it.
+
+Under a strategy, every micro-step stays on its replica. When a window closes,
+the accumulators are reduced across replicas in one batched all-reduce, and the
+inner optimizer is handed the *global* window gradient with its own all-reduce
+switched off. Clipping and weight decay therefore act on the same gradient as
+on one device (stock Keras clips each replica's share before reducing, so its
+result depends on how the batch is split).
 """
+
+import contextlib
 
 import tensorflow as tf
 from keras import ops
+
+SUM = tf.distribute.ReduceOp.SUM
 
 
 def executing_eagerly():
@@ -29,13 +40,54 @@ def add_weighted(accumulator, grad, weight):
         variable.assign_add(tf.cast(grad, variable.dtype) * weight)
 
 
+def _optimizer_chain(optimizer):
+    while optimizer is not None:
+        yield optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+
+
+@contextlib.contextmanager
+def gradients_already_reduced(optimizer):
+    """Switches off the all-reduce of `optimizer` (and of the ones it wraps).
+
+    Keras' TF optimizers all-reduce the gradients they are given
+    (`_all_reduce_sum_gradients`); the window gradient is reduced already.
+    The switch is an instance attribute, set while the update is traced or
+    run, and removed afterwards.
+    """
+    chain = [o for o in _optimizer_chain(optimizer) if hasattr(o, "_all_reduce_sum_gradients")]
+    for o in chain:
+        o._all_reduce_sum_gradients = _identity
+    try:
+        yield
+    finally:
+        for o in chain:
+            del o._all_reduce_sum_gradients
+
+
+def _identity(grads_and_vars):
+    return list(grads_and_vars)
+
+
+def check_inner_supports_distribution(optimizer):
+    if tf.distribute.has_strategy() and not any(
+        hasattr(o, "_all_reduce_sum_gradients") for o in _optimizer_chain(optimizer)
+    ):
+        raise NotImplementedError(
+            "GradientAccumulator under tf.distribute needs a Keras TensorFlow "
+            "optimizer with `_all_reduce_sum_gradients` (Keras >= 3.5); got "
+            f"{type(optimizer).__name__}."
+        )
+
+
 def apply_in_context(optimizer, grads, indices, weight=1.0):
     """One micro-step: accumulate locally, and close the window when it is full.
 
     With a strategy that needs `merge_call` (MirroredStrategy, multi-worker),
-    the window test runs in cross-replica context and the window is applied in
-    each replica through `call_for_each_replica`, so the inner optimizer's own
-    `merge_call` and all-reduce run outside any replica-context `cond`.
+    the window test runs in cross-replica context, the accumulators are reduced
+    there with one `batch_reduce_to`, and the window is applied in each replica
+    through `call_for_each_replica`; so the inner optimizer's own `merge_call`
+    never sits inside a replica-context `cond`.
     """
     if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
         raise ValueError(
@@ -50,19 +102,40 @@ def apply_in_context(optimizer, grads, indices, weight=1.0):
         optimizer._micro_step.assign_add(1)
 
         def close():
-            apply_window(with_grads | optimizer._seen_in_window)
+            apply_window(sorted(with_grads | optimizer._seen_in_window))
             optimizer._micro_step.assign(0)
             optimizer._seen_in_window = set()
 
         ops.cond(optimizer._window_is_full(), close, lambda: None)
 
-    if tf.__internal__.distribute.strategy_supports_no_merge_call():
-        step(optimizer._apply_window)
+    def local_sums(used):
+        return [optimizer._accumulators[i].value for i in used]
+
+    if not tf.distribute.has_strategy():
+        step(lambda used: optimizer._apply_window(used, local_sums(used)))
+    elif tf.__internal__.distribute.strategy_supports_no_merge_call():
+        context = tf.distribute.get_replica_context()
+
+        def apply_window(used):
+            sums = context.all_reduce(SUM, [tf.identity(s) for s in local_sums(used)])
+            with gradients_already_reduced(optimizer.inner_optimizer):
+                optimizer._apply_window(used, sums)
+
+        step(apply_window)
     else:
-        tf.distribute.get_replica_context().merge_call(
-            lambda distribution: step(
-                lambda used: distribution.extended.call_for_each_replica(
-                    optimizer._apply_window, args=(used,)
+
+        def cross_replica(distribution):
+            def apply_window(used):
+                variables = optimizer._trainable_variables
+                sums = distribution.extended.batch_reduce_to(
+                    SUM,
+                    [(optimizer._accumulators[i].value, variables[i].value) for i in used],
                 )
-            )
-        )
+                with gradients_already_reduced(optimizer.inner_optimizer):
+                    distribution.extended.call_for_each_replica(
+                        optimizer._apply_window, args=(used, sums)
+                    )
+
+            step(apply_window)
+
+        tf.distribute.get_replica_context().merge_call(cross_replica)

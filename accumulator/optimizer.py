@@ -176,6 +176,7 @@ class GradientAccumulator(keras.optimizers.Optimizer):
             for i, v in enumerate(var_list)
         ]
         self.inner_optimizer.build(var_list)
+        _tf.check_inner_supports_distribution(self.inner_optimizer)
         super().build(var_list)
 
     def _add_local_variable(self, shape, dtype, name):
@@ -276,20 +277,19 @@ class GradientAccumulator(keras.optimizers.Optimizer):
     def _window_is_full(self):
         return self._micro_step >= self._accum_steps_var
 
-    def _apply_window(self, used):
+    def _apply_window(self, used, sums):
         """Replica-local: applies the window's mean gradient, then resets it.
 
-        `used` holds the indices of the variables that had a gradient in the
-        window; the others get `None`, as they would in the large batch.
+        `used` lists the indices of the variables that had a gradient in the
+        window, `sums` their accumulated (and, under a strategy, reduced)
+        gradients; the other variables get `None`, as in the large batch.
         """
         weight_sum = self._weight_sum.value
-        # Read the replica-local values in order before the inner optimizer runs.
-        mean_grads = [
-            ops.cast(acc.value / ops.cast(weight_sum, acc.dtype), v.dtype)
-            if i in used else None
-            for i, (acc, v) in enumerate(zip(self._accumulators, self._trainable_variables))
-        ]
-        self.inner_optimizer.apply(mean_grads, self._trainable_variables)
+        grads = [None] * len(self._trainable_variables)
+        for i, total in zip(used, sums):
+            variable = self._trainable_variables[i]
+            grads[i] = ops.cast(total / ops.cast(weight_sum, total.dtype), variable.dtype)
+        self.inner_optimizer.apply(grads, self._trainable_variables)
         for i in used:
             self._accumulators[i].assign(ops.zeros_like(self._accumulators[i].value))
         self._weight_sum.assign(0.0)
