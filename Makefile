@@ -28,7 +28,7 @@ $(VENV)/.installed: setup.py constraints/tfx-1.16.txt
 $(LATEST)/.installed: setup.py constraints/tf-latest.txt
 	$(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/pip install -q --upgrade pip
-	$(LATEST)/bin/pip install -q -r constraints/tf-latest.txt pytest pytest-timeout
+	$(LATEST)/bin/pip install -q -r constraints/tf-latest.txt pytest pytest-timeout portpicker
 	$(LATEST)/bin/pip install -q --no-deps -e .
 	touch $@
 

@@ -17,7 +17,7 @@ setup(
     extras_require={
         # The TFX 1.16 stack; install with constraints/tfx-1.16.txt (see README).
         "tfx": ["tfx==1.16.0", "kfp-pipeline-spec==0.7.0", "scikit-learn"],
-        "test": ["pytest>=7", "pytest-timeout"],
+        "test": ["pytest>=7", "pytest-timeout", "portpicker"],
         "bench": ["matplotlib"],
     },
     classifiers=[

@@ -69,6 +69,14 @@ def _identity(grads_and_vars):
     return list(grads_and_vars)
 
 
+def prepare_for_strategy():
+    """Under a multi-worker strategy, installs the Keras `fit` fixes it needs."""
+    from accumulator import compat
+
+    if tf.distribute.has_strategy() and compat.is_multi_worker(tf.distribute.get_strategy()):
+        compat.apply_keras_multiworker_fixes()
+
+
 def check_inner_supports_distribution(optimizer):
     if tf.distribute.has_strategy() and not any(
         hasattr(o, "_all_reduce_sum_gradients") for o in _optimizer_chain(optimizer)

@@ -146,6 +146,7 @@ class GradientAccumulator(keras.optimizers.Optimizer):
                 f"(KERAS_BACKEND=tensorflow); the active backend is "
                 f"{keras.backend.backend()!r}."
             )
+        _tf.prepare_for_strategy()
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = optimizer
         self.accum_steps = accum_steps

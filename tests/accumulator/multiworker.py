@@ -1,0 +1,54 @@
+"""Runs a 2-worker MultiWorkerMirroredStrategy cluster on 127.0.0.1 for a test."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import portpicker
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKERS = 2
+
+
+def start_cluster(out, *args):
+    ports = [portpicker.pick_unused_port() for _ in range(WORKERS)]
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    procs = []
+    for index in range(WORKERS):
+        env = dict(
+            os.environ,
+            PYTHONPATH=ROOT,
+            TF_CPP_MIN_LOG_LEVEL="3",
+            TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
+        )
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "tests.accumulator.multiworker_worker", "--out", str(out), *map(str, args)],
+            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))
+    return procs
+
+
+def run_cluster(out, *args, timeout=300):
+    """Returns (exit codes, combined output, chief's weights or None)."""
+    procs = start_cluster(out, *args)
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+    codes = [p.returncode for p in procs]
+    return codes, "\n".join(outputs), load_result(out, 0)
+
+
+def load_result(out, index):
+    path = f"{out}.{index}.npz"
+    if not os.path.exists(path):
+        return None
+    data = np.load(path)
+    weights = [data[f"w{i}"] for i in range(len([k for k in data.files if k.startswith("w")]))]
+    return weights, int(data["iterations"])

@@ -1,0 +1,82 @@
+"""One worker of a 2-worker MultiWorkerMirroredStrategy run on 127.0.0.1.
+
+Run by tests/accumulator/test_multiworker.py as a separate process with TF_CONFIG
+set; trains and writes the final weights (chief only) to `--out`.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ["KERAS_BACKEND"] = "tensorflow"
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--micro", type=int, default=16, help="global micro-batch")
+    parser.add_argument("--accum", type=int, default=4)
+    parser.add_argument("--steps-per-epoch", type=int, default=32, help="micro-batches per epoch")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--compat", default="none", help="Keras fixes to apply up front: comma-separated, or none")
+    parser.add_argument("--backup", default="")
+    parser.add_argument("--save-freq", type=int, default=0)
+    parser.add_argument("--die-at", type=int, default=-1, help="SIGKILL self after this global micro-step")
+    args = parser.parse_args()
+
+    import keras
+    from accumulator import GradientAccumulator
+    from accumulator import compat
+    fixes = [f for f in args.compat.split(",") if f and f != "none"]
+    compat.apply_keras_multiworker_fixes(fixes)
+    # GradientAccumulator applies every fix under a multi-worker strategy; the
+    # tests that show a fix is needed use a plain optimizer (accum 1, no wrapper).
+    from tests.accumulator import reference as ref
+
+    from accumulator.distribute import strategy_from_environment
+    strategy = strategy_from_environment()
+    assert isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy), strategy
+    x, y = ref.regression_data(args.micro * args.steps_per_epoch)
+    with strategy.scope():
+        model = ref.mlp()
+        optimizer = keras.optimizers.AdamW(
+            keras.optimizers.schedules.ExponentialDecay(1e-2, 4, 0.5), weight_decay=0.05, global_clipnorm=0.05
+        )
+        if args.accum > 1:
+            optimizer = GradientAccumulator(optimizer, args.accum)
+        model.compile(optimizer=optimizer, loss="mse")
+
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.micro).with_options(options)
+
+    callbacks = []
+    if args.backup:
+        # One folder per worker: Keras' callback does not separate them itself.
+        index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        callbacks.append(keras.callbacks.BackupAndRestore(
+            os.path.join(args.backup, f"worker{index}"), save_freq=args.save_freq or "epoch"))
+    if args.die_at >= 0:
+        class Die(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.seen = 0
+            def on_train_batch_end(self, batch, logs=None):
+                self.seen += 1
+                if self.seen == args.die_at:
+                    os.kill(os.getpid(), 9)
+        callbacks.append(Die())
+    model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=callbacks)
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
+    result["iterations"] = np.array(int(optimizer.iterations.numpy()))
+    np.savez(f"{args.out}.{task['index']}.npz", **result)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

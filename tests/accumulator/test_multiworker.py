@@ -1,0 +1,87 @@
+"""MultiWorkerMirroredStrategy: 2 worker processes on 127.0.0.1, Keras `fit`."""
+
+import signal
+import time
+
+import keras
+import pytest
+
+from accumulator import compat
+from tests.accumulator import reference as ref
+from tests.accumulator.multiworker import load_result, run_cluster, start_cluster
+
+MICRO = 16     # global micro-batch: 8 per worker
+ACCUM = 4
+
+
+def _single_device_large_batch(samples, epochs=1):
+    x, y = ref.regression_data(samples)
+    optimizer = keras.optimizers.AdamW(
+        keras.optimizers.schedules.ExponentialDecay(1e-2, 4, 0.5), weight_decay=0.05, global_clipnorm=0.05
+    )
+    model = ref.fit_large_batch(ref.mlp(), optimizer, x, y, MICRO * ACCUM, epochs=epochs)
+    return model.get_weights()
+
+
+def test_two_worker_fit_matches_single_device_large_batch(tmp_path):
+    """No fix applied up front: the accumulator installs them under the strategy."""
+    codes, output, result = run_cluster(tmp_path / "out", "--accum", ACCUM, "--steps-per-epoch", 32)
+    assert codes == [0, 0], output[-3000:]
+    weights, iterations = result
+    assert iterations == 8
+    assert ref.max_abs_diff(weights, _single_device_large_batch(MICRO * 32)) <= 1e-5
+
+
+@pytest.mark.parametrize("missing", compat.FIXES)
+def test_each_keras_fix_is_needed_for_multiworker_fit(missing, tmp_path):
+    """Plain Keras optimizer, one fix left out: `fit` fails (keras-team/keras#20585)."""
+    others = ",".join(f for f in compat.FIXES if f != missing) or "none"
+    codes, output, _ = run_cluster(tmp_path / "out", "--accum", 1, "--compat", others, "--steps-per-epoch", 4)
+    assert codes != [0, 0]
+    expected = {"symbolic_build": "PerReplica", "scalar_logs": "Invalid reduction dimension 0"}[missing]
+    assert expected in output
+
+
+def test_plain_keras_multiworker_fit_runs_with_the_fixes(tmp_path):
+    codes, output, result = run_cluster(
+        tmp_path / "out", "--accum", 1, "--compat", ",".join(compat.FIXES), "--steps-per-epoch", 4
+    )
+    assert codes == [0, 0], output[-3000:]
+    assert result[1] == 4
+
+
+def test_killed_worker_resumes_from_backup_without_losing_or_repeating_micro_batches(tmp_path):
+    # 10 micro-batches an epoch, windows of 4: backups at epoch ends hold open windows.
+    args = ["--accum", ACCUM, "--steps-per-epoch", 10, "--epochs", 3, "--backup", tmp_path / "backup"]
+    procs = start_cluster(tmp_path / "out", *args, "--die-at", 25)   # worker dies in epoch 3
+    deadline = time.time() + 300
+    while all(p.poll() is None for p in procs) and time.time() < deadline:
+        time.sleep(0.5)
+    died = [p.poll() for p in procs]
+    assert -signal.SIGKILL in died, died
+    for p in procs:       # the survivor waits on a collective forever: restart the cluster
+        p.kill()
+        p.communicate()
+    assert load_result(tmp_path / "out", 0) is None
+
+    codes, output, result = run_cluster(tmp_path / "out", *args)
+    assert codes == [0, 0], output[-3000:]
+    weights, iterations = result
+    assert iterations == 7          # 30 micro-batches: 7 full windows and 2 open
+    expected = _single_device_large_batch_resumable()
+    assert ref.max_abs_diff(weights, expected) <= 1e-5
+
+
+def _single_device_large_batch_resumable():
+    """3 epochs of 10 micro-batches, windows of 4 spanning epochs, on one device."""
+    from accumulator import GradientAccumulator
+    x, y = ref.regression_data(MICRO * 10)
+    optimizer = GradientAccumulator(
+        keras.optimizers.AdamW(keras.optimizers.schedules.ExponentialDecay(1e-2, 4, 0.5),
+                               weight_decay=0.05, global_clipnorm=0.05),
+        ACCUM,
+    )
+    model = ref.mlp()
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=MICRO, epochs=3, shuffle=False, verbose=0)
+    return model.get_weights()
