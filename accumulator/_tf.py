@@ -88,7 +88,18 @@ def check_inner_supports_distribution(optimizer):
         )
 
 
-def apply_in_context(optimizer, grads, indices, weight=1.0):
+def make_close_function(optimizer):
+    """A `tf.function` that applies the open window, under the optimizer's strategy."""
+    strategy = optimizer._distribution_strategy
+
+    @tf.function
+    def close():
+        strategy.run(lambda: apply_in_context(optimizer, [], [], close_only=True))
+
+    return close
+
+
+def apply_in_context(optimizer, grads, indices, weight=1.0, close_only=False):
     """One micro-step: accumulate locally, and close the window when it is full.
 
     With a strategy that needs `merge_call` (MirroredStrategy, multi-worker),
@@ -104,17 +115,26 @@ def apply_in_context(optimizer, grads, indices, weight=1.0):
             "`strategy.scope()`."
         )
     with_grads = {i for g, i in zip(grads, indices) if g is not None}
-    optimizer._accumulate(grads, indices, weight)
+    optimizer._indices_with_grads |= with_grads
+    if close_only:
+        # Forced close: no new micro-batch; apply what the window holds.
+        with_grads = set(optimizer._indices_with_grads)
+    else:
+        optimizer._accumulate(grads, indices, weight)
 
     def step(apply_window):
-        optimizer._micro_step.assign_add(1)
+        if close_only:
+            should_close = optimizer._micro_step > 0
+        else:
+            optimizer._micro_step.assign_add(1)
+            should_close = optimizer._window_is_full()
 
         def close():
             apply_window(sorted(with_grads | optimizer._seen_in_window))
             optimizer._micro_step.assign(0)
             optimizer._seen_in_window = set()
 
-        ops.cond(optimizer._window_is_full(), close, lambda: None)
+        ops.cond(should_close, close, lambda: None)
 
     def local_sums(used):
         return [optimizer._accumulators[i].value for i in used]

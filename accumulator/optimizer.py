@@ -31,6 +31,8 @@ from keras import ops
 
 from accumulator import _tf
 
+PARTIAL_WINDOW_MODES = ("apply", "carry", "drop")
+
 _BASE_ARG_DEFAULTS = {
     "weight_decay": None,
     "clipnorm": None,
@@ -117,16 +119,29 @@ class GradientAccumulator(keras.optimizers.Optimizer):
     scaled mean is checked once, and a window holding a non-finite gradient is
     skipped as a whole while the scale adapts.
 
+    Partial windows: when `fit` ends with a window still open (the data ran
+    out mid-window), `partial_window` says what happens to it: "apply" (the
+    default) makes one update from the micro-batches it holds, "carry" keeps
+    it open for the next `fit` (resuming training in several calls), "drop"
+    discards it. `close_partial_window()` does the same on demand.
+
     Args:
         optimizer: the inner optimizer: a `keras.optimizers.Optimizer` instance
             or a name accepted by `keras.optimizers.get` (for example "adam").
         accum_steps: positive int, the micro-batches in one window. 1 makes the
             wrapper a transparent pass-through.
+        partial_window: "apply", "carry" or "drop": what the end of `fit` does
+            with an open window.
         name: optional name of the wrapper.
     """
 
-    def __init__(self, optimizer, accum_steps=1, name=None, **kwargs):
+    def __init__(self, optimizer, accum_steps=1, partial_window="apply", name=None, **kwargs):
         accum_steps = validate_accum_steps(accum_steps)
+        if partial_window not in PARTIAL_WINDOW_MODES:
+            raise ValueError(
+                f"`partial_window` must be one of {PARTIAL_WINDOW_MODES}; "
+                f"received {partial_window!r}."
+            )
         optimizer = _resolve_optimizer(optimizer)
         for arg_name, default in _BASE_ARG_DEFAULTS.items():
             if arg_name in kwargs and kwargs.pop(arg_name) != default:
@@ -138,7 +153,7 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         if kwargs:
             raise ValueError(
                 f"GradientAccumulator got unknown arguments: {sorted(kwargs)}. "
-                "It takes `optimizer`, `accum_steps` and `name`."
+                "It takes `optimizer`, `accum_steps`, `partial_window` and `name`."
             )
         if keras.backend.backend() != "tensorflow":
             raise RuntimeError(
@@ -150,6 +165,11 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = optimizer
         self.accum_steps = accum_steps
+        self.partial_window = partial_window
+        # Indices of the variables that got gradients in any traced or eager
+        # call: what a forced close of the window applies.
+        self._indices_with_grads = set()
+        self._close_function = None
         # Fixed at construction: a traced train step cannot switch paths later.
         self._passthrough = accum_steps == 1
         self._seen_in_window = set()
@@ -218,7 +238,35 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         return self.inner_optimizer.scale_loss(loss)
 
     def finalize_variable_values(self, var_list):
+        # Keras calls this when `fit` ends, before EMA values are written back.
+        self.close_partial_window()
         self.inner_optimizer.finalize_variable_values(var_list)
+
+    def close_partial_window(self, mode=None):
+        """Applies ("apply"), keeps ("carry") or discards ("drop") an open window.
+
+        Call it between training runs; `fit` calls it with `partial_window`
+        when it ends. Returns the number of micro-batches the window held.
+        """
+        mode = mode or self.partial_window
+        if mode not in PARTIAL_WINDOW_MODES:
+            raise ValueError(f"`mode` must be one of {PARTIAL_WINDOW_MODES}; received {mode!r}.")
+        if not self.built or self._passthrough:
+            return 0
+        held = int(self._micro_step.numpy())
+        if held == 0 or mode == "carry":
+            return held
+        if mode == "drop":
+            for accumulator in self._accumulators:
+                accumulator.assign(ops.zeros_like(accumulator))
+            self._weight_sum.assign(0.0)
+            self._micro_step.assign(0)
+            self._seen_in_window = set()
+        else:
+            if self._close_function is None:
+                self._close_function = _tf.make_close_function(self)
+            self._close_function()
+        return held
 
     def set_accum_steps(self, accum_steps):
         """Changes the window length from the next window on (no retracing)."""
@@ -301,6 +349,7 @@ class GradientAccumulator(keras.optimizers.Optimizer):
             "name": self.name,
             "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
             "accum_steps": self.accum_steps,
+            "partial_window": self.partial_window,
         }
 
     @classmethod

@@ -17,16 +17,17 @@ MICRO = 8
 ACCUM = 4
 
 
-def _optimizer():
+def _optimizer(partial_window="apply"):
     return GradientAccumulator(
         keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(1e-2, 4, 0.7), clipnorm=0.2),
         accum_steps=ACCUM,
+        partial_window=partial_window,
     )
 
 
-def _compiled(seed=0):
+def _compiled(seed=0, partial_window="apply"):
     model = ref.mlp(seed)
-    model.compile(optimizer=_optimizer(), loss="mse")
+    model.compile(optimizer=_optimizer(partial_window), loss="mse")
     return model
 
 
@@ -37,7 +38,7 @@ def test_keras_file_loads_in_a_fresh_process_without_custom_objects(tmp_path):
     uninterrupted = _compiled()
     uninterrupted.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
 
-    model = _compiled()
+    model = _compiled(partial_window="carry")   # training goes on in another process
     model.fit(x[:first], y[:first], batch_size=MICRO, shuffle=False, verbose=0)
     assert int(model.optimizer.micro_step.numpy()) == 2
     model.save(tmp_path / "model.keras")
