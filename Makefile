@@ -9,7 +9,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 export KERAS_BACKEND := tensorflow
 export PYTHONUNBUFFERED := 1
 
-.PHONY: test test-tfx test-latest setup setup-latest clean
+.PHONY: demo test test-tfx test-latest setup setup-latest clean
 
 setup: $(VENV)/.installed
 setup-latest: $(LATEST)/.installed
@@ -31,6 +31,11 @@ $(LATEST)/.installed: setup.py constraints/tf-latest.txt
 	$(LATEST)/bin/pip install -q -r constraints/tf-latest.txt pytest pytest-timeout portpicker
 	$(LATEST)/bin/pip install -q --no-deps -e .
 	touch $@
+
+# The main job: the digits pipeline, locally on the Beam DirectRunner. Run it
+# again and the cached components are reused.
+demo: $(VENV)/.installed
+	$(VENV)/bin/python -m pipelines.run_local --output_dir=work/digits
 
 test: test-tfx test-latest
 

@@ -1,0 +1,10 @@
+"""TFX components: `AccumulatingTrainer`, a drop-in Trainer with gradient accumulation.
+
+`component.py` declares it, `executor.py` runs it, `fn_args_utils.py` builds
+what the user's run_fn sees, `settings.py` resolves accumulation settings and
+`tuning.py` makes them KerasTuner hyperparameters.
+"""
+
+from components.component import AccumulatingTrainer
+
+__all__ = ["AccumulatingTrainer"]

@@ -1,0 +1,118 @@
+"""`AccumulatingTrainer`: a drop-in `tfx.components.Trainer` that accumulates gradients.
+
+Same inputs, same outputs (`model`, `model_run`), same run_fn contract as the
+stock Trainer, plus three parameters: `accum_steps`, `effective_batch_size`
+and `strategy`. Change the class name in a pipeline and it trains with
+accumulation; feed `hyperparameters=tuner.outputs["best_hyperparameters"]` and
+the tuned values win over the parameters.
+"""
+
+from typing import Any, Dict, Optional, Union
+
+from tfx import types
+from tfx.components.trainer import component as tfx_trainer_component
+from tfx.dsl.components.base import base_component, executor_spec
+from tfx.orchestration import data_types
+from tfx.proto import trainer_pb2
+from tfx.types import standard_artifacts, standard_component_specs
+from tfx.types.component_spec import ExecutionParameter
+from tfx.utils import json_utils
+
+from accumulator import validate_accum_steps
+from accumulator.distribute import KINDS
+from components import executor
+
+STRATEGY_CHOICES = ("auto",) + KINDS
+
+
+class AccumulatingTrainerSpec(standard_component_specs.TrainerSpec):
+    """The stock TrainerSpec plus the accumulation parameters."""
+
+    PARAMETERS = {
+        **standard_component_specs.TrainerSpec.PARAMETERS,
+        executor.ACCUM_STEPS_KEY: ExecutionParameter(type=int, optional=True),
+        executor.EFFECTIVE_BATCH_SIZE_KEY: ExecutionParameter(type=int, optional=True),
+        executor.STRATEGY_KEY: ExecutionParameter(type=str, optional=True),
+    }
+
+
+class AccumulatingTrainer(tfx_trainer_component.Trainer):
+    """Trains the user's run_fn with `GradientAccumulator` under a strategy.
+
+    Args (besides those of `tfx.components.Trainer`, unchanged):
+        accum_steps: micro-batches per optimizer update (default 1), unless the
+            `hyperparameters` input holds `accum_steps`.
+        effective_batch_size: samples per optimizer update over all replicas;
+            when set, training datasets from `fn_args.data_accessor` come batched
+            at `effective_batch_size // accum_steps`. The `hyperparameters`
+            input's value wins. Must divide into accum_steps x replicas.
+        strategy: "auto" (from `TF_CONFIG` and the GPUs; the default),
+            "multi_worker", "mirrored", "one_device" or "default".
+
+    `TrainArgs.num_steps` counts optimizer updates: the run_fn sees
+    `fn_args.train_steps = num_steps * accum_steps` micro-steps.
+    """
+
+    SPEC_CLASS = AccumulatingTrainerSpec
+    EXECUTOR_SPEC = executor_spec.ExecutorClassSpec(executor.Executor)
+
+    def __init__(
+        self,
+        examples: Optional[types.BaseChannel] = None,
+        transformed_examples: Optional[types.BaseChannel] = None,
+        transform_graph: Optional[types.BaseChannel] = None,
+        schema: Optional[types.BaseChannel] = None,
+        base_model: Optional[types.BaseChannel] = None,
+        hyperparameters: Optional[types.BaseChannel] = None,
+        module_file: Optional[Union[str, data_types.RuntimeParameter]] = None,
+        run_fn: Optional[Union[str, data_types.RuntimeParameter]] = None,
+        train_args: Optional[Union[trainer_pb2.TrainArgs, data_types.RuntimeParameter]] = None,
+        eval_args: Optional[Union[trainer_pb2.EvalArgs, data_types.RuntimeParameter]] = None,
+        custom_config: Optional[Union[Dict[str, Any], data_types.RuntimeParameter]] = None,
+        accum_steps: Optional[Union[int, data_types.RuntimeParameter]] = None,
+        effective_batch_size: Optional[Union[int, data_types.RuntimeParameter]] = None,
+        strategy: Optional[str] = "auto",
+    ):
+        if [bool(module_file), bool(run_fn)].count(True) != 1:
+            raise ValueError("Exactly one of 'module_file', or 'run_fn' must be supplied.")
+        if bool(examples) == bool(transformed_examples):
+            raise ValueError("Exactly one of 'example' or 'transformed_example' must be supplied.")
+        if transformed_examples and not transform_graph:
+            raise ValueError(
+                "If 'transformed_examples' is supplied, 'transform_graph' must be supplied too."
+            )
+        if accum_steps is not None and not isinstance(accum_steps, data_types.RuntimeParameter):
+            validate_accum_steps(accum_steps)
+        if effective_batch_size is not None and not isinstance(effective_batch_size, data_types.RuntimeParameter):
+            if isinstance(effective_batch_size, bool) or not isinstance(effective_batch_size, int) \
+                    or effective_batch_size < 1:
+                raise ValueError(
+                    f"`effective_batch_size` must be a positive integer; received {effective_batch_size!r}."
+                )
+            if isinstance(accum_steps, int) and effective_batch_size % accum_steps:
+                raise ValueError(
+                    f"`effective_batch_size` ({effective_batch_size}) must divide evenly into "
+                    f"`accum_steps` ({accum_steps}) micro-batches."
+                )
+        if strategy not in STRATEGY_CHOICES:
+            raise ValueError(f"`strategy` must be one of {STRATEGY_CHOICES}; received {strategy!r}.")
+
+        spec = AccumulatingTrainerSpec(
+            examples=examples or transformed_examples,
+            transform_graph=transform_graph,
+            schema=schema,
+            base_model=base_model,
+            hyperparameters=hyperparameters,
+            train_args=train_args or trainer_pb2.TrainArgs(),
+            eval_args=eval_args or trainer_pb2.EvalArgs(),
+            module_file=module_file,
+            run_fn=run_fn,
+            custom_config=(custom_config if isinstance(custom_config, data_types.RuntimeParameter)
+                           else json_utils.dumps(custom_config)),
+            accum_steps=accum_steps,
+            effective_batch_size=effective_batch_size,
+            strategy=strategy,
+            model=types.Channel(type=standard_artifacts.Model),
+            model_run=types.Channel(type=standard_artifacts.ModelRun),
+        )
+        base_component.BaseComponent.__init__(self, spec=spec)

@@ -1,0 +1,101 @@
+"""Executor of `AccumulatingTrainer`: the stock generic Trainer plus accumulation.
+
+It resolves the accumulation settings (hyperparameters, then component
+parameters, then defaults) and the distribution strategy before anything
+trains, runs the user's unchanged run_fn with every compiled optimizer wrapped
+in `GradientAccumulator`, and records what happened on the output artifacts
+(ML Metadata) and in the run's TensorBoard logs.
+"""
+
+import json
+import os
+from typing import Any, Dict, List
+
+import tensorflow as tf
+from absl import logging
+from tfx import types
+from tfx.components.trainer import executor as tfx_trainer_executor
+from tfx.components.util import udf_utils
+from tfx.dsl.io import fileio
+from tfx.types import standard_component_specs
+
+from accumulator.autowrap import accumulating_compile
+from accumulator.distribute import strategy_from_environment
+from components import fn_args_utils, settings as settings_lib, wrapping
+
+ACCUM_STEPS_KEY = "accum_steps"
+EFFECTIVE_BATCH_SIZE_KEY = "effective_batch_size"
+STRATEGY_KEY = "strategy"
+TENSORBOARD_SUBDIR = "accumulation"
+
+
+def _load_run_fn(exec_properties):
+    try:
+        return udf_utils.get_fn(exec_properties, "run_fn")
+    except (AttributeError, ValueError) as err:
+        source = exec_properties.get("module_file") or exec_properties.get("module_path") \
+            or exec_properties.get("run_fn")
+        raise ValueError(
+            f"AccumulatingTrainer needs a `run_fn(fn_args)` to train with; none was "
+            f"found in {source!r} ({err})."
+        ) from None
+
+
+class Executor(tfx_trainer_executor.GenericExecutor):
+    """Runs the user's run_fn with accumulation, under a distribution strategy."""
+
+    def Do(
+        self,
+        input_dict: Dict[str, List[types.Artifact]],
+        output_dict: Dict[str, List[types.Artifact]],
+        exec_properties: Dict[str, Any],
+    ) -> None:
+        self._log_startup(input_dict, output_dict, exec_properties)
+        run_fn = _load_run_fn(exec_properties)
+        fn_args = self._GetFnArgs(input_dict, output_dict, exec_properties)
+        strategy = strategy_from_environment(exec_properties.get(STRATEGY_KEY) or "auto")
+        settings = settings_lib.resolve(
+            fn_args.hyperparameters,
+            exec_properties.get(ACCUM_STEPS_KEY),
+            exec_properties.get(EFFECTIVE_BATCH_SIZE_KEY),
+            strategy.num_replicas_in_sync,
+        )
+        logging.info(
+            "Accumulation: accum_steps=%d (%s), effective batch %s (%s), global micro-batch %s, "
+            "%d replica(s) under %s; %s optimizer updates = %s micro-steps.",
+            settings.accum_steps, settings.sources.get("accum_steps"),
+            settings.effective_batch_size, settings.sources.get("effective_batch_size"),
+            settings.micro_batch or "the run_fn's", settings.replicas, type(strategy).__name__,
+            fn_args.train_steps, fn_args.train_steps and fn_args.train_steps * settings.accum_steps,
+        )
+        user_fn_args = fn_args_utils.for_accumulation(fn_args, settings)
+
+        with accumulating_compile(settings.accum_steps) as optimizers, \
+                wrapping.strategy_scope(strategy):
+            run_fn(user_fn_args)
+
+        if not fileio.exists(fn_args.serving_model_dir):
+            raise RuntimeError("run_fn failed to generate model.")
+        updates = max((int(o.iterations.numpy()) for o in optimizers), default=0)
+        self._record(output_dict, fn_args.model_run_dir, settings, updates, strategy)
+        logging.info(
+            "Training complete: %d optimizer updates. Model written to %s. ModelRun written to %s",
+            updates, fn_args.serving_model_dir, fn_args.model_run_dir,
+        )
+
+    @staticmethod
+    def _record(output_dict, model_run_dir, settings, updates, strategy):
+        properties = {**settings.as_properties(), "optimizer_updates": updates}
+        for key in (standard_component_specs.MODEL_KEY, standard_component_specs.MODEL_RUN_KEY):
+            for artifact in output_dict.get(key, []):
+                for name, value in properties.items():
+                    artifact.set_int_custom_property(name, int(value))
+                artifact.set_string_custom_property("distribution_strategy", type(strategy).__name__)
+        writer = tf.summary.create_file_writer(os.path.join(model_run_dir, TENSORBOARD_SUBDIR))
+        with writer.as_default():
+            for name, value in properties.items():
+                tf.summary.scalar(f"accumulation/{name}", value, step=0)
+            tf.summary.text("accumulation/settings", json.dumps(
+                {**properties, "strategy": type(strategy).__name__, "sources": settings.sources},
+                indent=1, sort_keys=True), step=0)
+        writer.flush()

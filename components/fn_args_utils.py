@@ -1,0 +1,54 @@
+"""Builds what the user's run_fn sees when it trains with accumulation.
+
+Starting from the stock Trainer's `FnArgs`:
+* `train_steps` counts micro-steps: `TrainArgs.num_steps` (optimizer updates)
+  times `accum_steps`, so `fit(steps_per_epoch=fn_args.train_steps)` makes
+  exactly `num_steps` updates;
+* with an effective batch set, datasets made through `data_accessor` for the
+  training files come batched at the global micro-batch; evaluation datasets
+  keep the batch the run_fn asks for;
+* `custom_config["accumulation"]` describes the settings for the curious run_fn.
+"""
+
+import copy
+
+from tfx.components.trainer import fn_args_utils as tfx_fn_args_utils
+
+from components.settings import AccumulationSettings
+
+
+def _is_training_pattern(file_pattern, train_files):
+    patterns = [file_pattern] if isinstance(file_pattern, str) else list(file_pattern)
+    return bool(patterns) and set(patterns) <= set(train_files)
+
+
+def micro_batched_accessor(data_accessor, train_files, micro_batch):
+    """A DataAccessor whose training datasets come batched at `micro_batch`."""
+    if micro_batch is None or data_accessor is None:
+        return data_accessor
+    make_dataset = data_accessor.tf_dataset_factory
+
+    def tf_dataset_factory(file_pattern, dataset_options, schema=None):
+        if _is_training_pattern(file_pattern, train_files):
+            dataset_options = dataset_options._replace(batch_size=micro_batch)
+        return make_dataset(file_pattern, dataset_options, schema)
+
+    return data_accessor._replace(tf_dataset_factory=tf_dataset_factory)
+
+
+def for_accumulation(
+    fn_args: tfx_fn_args_utils.FnArgs, settings: AccumulationSettings
+) -> tfx_fn_args_utils.FnArgs:
+    result = copy.copy(fn_args)
+    if fn_args.train_steps is not None:
+        result.train_steps = fn_args.train_steps * settings.accum_steps
+    result.data_accessor = micro_batched_accessor(
+        fn_args.data_accessor, fn_args.train_files or [], settings.micro_batch
+    )
+    custom_config = dict(fn_args.custom_config or {})
+    custom_config["accumulation"] = {
+        **settings.as_properties(),
+        "optimizer_updates": fn_args.train_steps,
+    }
+    result.custom_config = custom_config
+    return result

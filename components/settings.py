@@ -1,0 +1,94 @@
+"""Accumulation settings of a training run: resolved, validated, then frozen.
+
+Precedence: the hyperparameters artifact (the Tuner's best) over the
+component's parameters over the defaults. Everything is checked here, before
+any training starts, so a bad value fails the component with a message that
+names it.
+"""
+
+import dataclasses
+from typing import Any, Dict, Optional
+
+from accumulator import validate_accum_steps
+
+ACCUM_STEPS = "accum_steps"
+EFFECTIVE_BATCH_SIZE = "effective_batch_size"
+
+
+@dataclasses.dataclass(frozen=True)
+class AccumulationSettings:
+    """accum_steps, effective batch and replicas of one run, and what follows."""
+
+    accum_steps: int
+    effective_batch_size: Optional[int]
+    replicas: int
+    sources: Dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
+
+    @property
+    def micro_batch(self) -> Optional[int]:
+        """Global micro-batch (over all replicas), or None: the run_fn's own."""
+        if self.effective_batch_size is None:
+            return None
+        return self.effective_batch_size // self.accum_steps
+
+    @property
+    def micro_batch_per_replica(self) -> Optional[int]:
+        return None if self.micro_batch is None else self.micro_batch // self.replicas
+
+    def as_properties(self) -> Dict[str, int]:
+        """The integers recorded on the output artifacts (0: not set)."""
+        return {
+            "accum_steps": self.accum_steps,
+            "micro_batch_size": self.micro_batch or 0,
+            "replicas": self.replicas,
+            "effective_batch_size": self.effective_batch_size or 0,
+        }
+
+
+def hyperparameter_values(hyperparameters: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """Values from a KerasTuner `HyperParameters.get_config()` dict (or a plain dict)."""
+    if not hyperparameters:
+        return {}
+    if "values" in hyperparameters and isinstance(hyperparameters["values"], dict):
+        return dict(hyperparameters["values"])
+    return dict(hyperparameters)
+
+
+def _positive_int(value, name):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer; received {value!r}.")
+    return value
+
+
+def resolve(
+    hyperparameters: Optional[Dict[str, Any]],
+    accum_steps: Optional[int],
+    effective_batch_size: Optional[int],
+    replicas: int,
+) -> AccumulationSettings:
+    """Resolves and validates the settings of one run."""
+    values = hyperparameter_values(hyperparameters)
+    sources = {}
+
+    def pick(name, parameter, default):
+        if values.get(name) is not None:
+            sources[name] = "hyperparameters"
+            return values[name]
+        if parameter is not None:
+            sources[name] = "component parameter"
+            return parameter
+        sources[name] = "default"
+        return default
+
+    accum = validate_accum_steps(pick(ACCUM_STEPS, accum_steps, 1), name=ACCUM_STEPS)
+    effective = pick(EFFECTIVE_BATCH_SIZE, effective_batch_size, None)
+    if effective is not None:
+        effective = _positive_int(effective, EFFECTIVE_BATCH_SIZE)
+        if effective % (accum * replicas):
+            raise ValueError(
+                f"`{EFFECTIVE_BATCH_SIZE}` ({effective}, from {sources[EFFECTIVE_BATCH_SIZE]}) "
+                f"must divide evenly into `{ACCUM_STEPS}` ({accum}) x replicas ({replicas}) "
+                f"= {accum * replicas} micro-batches per replica; try "
+                f"{(effective // (accum * replicas) or 1) * accum * replicas}."
+            )
+    return AccumulationSettings(accum, effective, replicas, sources)

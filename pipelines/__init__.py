@@ -1,0 +1,1 @@
+"""Pipelines that use `AccumulatingTrainer`: `digits/` runs locally on shipped data."""
