@@ -11,6 +11,7 @@ from typing import Any, Dict, Optional, Union
 
 from tfx import types
 from tfx.components.trainer import component as tfx_trainer_component
+from tfx.components.util import udf_utils
 from tfx.dsl.components.base import base_component, executor_spec
 from tfx.orchestration import data_types
 from tfx.proto import trainer_pb2
@@ -116,3 +117,9 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             model_run=types.Channel(type=standard_artifacts.ModelRun),
         )
         base_component.BaseComponent.__init__(self, spec=spec)
+        if udf_utils.should_package_user_modules():
+            # As the stock Trainer: the module file travels as a wheel, so
+            # remote workers (Kubeflow, Vertex) and the cache see its contents.
+            udf_utils.add_user_module_dependency(
+                self, standard_component_specs.MODULE_FILE_KEY, standard_component_specs.MODULE_PATH_KEY
+            )

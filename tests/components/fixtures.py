@@ -1,0 +1,72 @@
+"""Artifacts and executor calls for component tests, without a pipeline."""
+
+import json
+import os
+
+import numpy as np
+import tensorflow as tf
+from tfx.components.trainer import executor as tfx_executor
+from tfx.dsl.components.base import base_executor
+from tfx.proto import trainer_pb2
+from tfx.types import artifact_utils, standard_artifacts
+from tfx.utils import json_utils, proto_utils
+
+from components.executor import Executor
+
+TESTDATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata")
+MODULE = os.path.join(TESTDATA, "regression_module.py")
+
+
+def write_examples(root, train=384, evaluation=64):
+    rng = np.random.RandomState(0)
+    w = rng.randn(4)
+    for split, count in (("train", train), ("eval", evaluation)):
+        directory = os.path.join(root, f"Split-{split}")
+        os.makedirs(directory, exist_ok=True)
+        with tf.io.TFRecordWriter(os.path.join(directory, "data.tfrecord.gz"), options="GZIP") as writer:
+            for _ in range(count):
+                x = rng.randn(4)
+                feature = {f"x{i}": tf.train.Feature(float_list=tf.train.FloatList(value=[x[i]])) for i in range(4)}
+                feature["y"] = tf.train.Feature(float_list=tf.train.FloatList(value=[np.tanh(x @ w)]))
+                writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+    examples = standard_artifacts.Examples()
+    examples.uri = root
+    examples.split_names = artifact_utils.encode_split_names(["train", "eval"])
+    return examples
+
+
+def hyperparameters_artifact(root, values):
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, "best_hyperparameters.txt"), "w") as f:
+        json.dump({"space": [], "values": values}, f)
+    artifact = standard_artifacts.HyperParameters()
+    artifact.uri = root
+    return artifact
+
+
+def run_executor(tmp, examples, num_steps=5, hyperparameters=None, stock=False, module=MODULE,
+                 custom_config=None, **accumulation):
+    """Runs our executor (or the stock GenericExecutor); returns (outputs, seen, weights)."""
+    tmp = str(tmp)
+    model, model_run = standard_artifacts.Model(), standard_artifacts.ModelRun()
+    model.uri, model_run.uri = os.path.join(tmp, "model"), os.path.join(tmp, "model_run")
+    inputs = {"examples": [examples]}
+    if hyperparameters is not None:
+        inputs["hyperparameters"] = [hyperparameters]
+    outputs = {"model": [model], "model_run": [model_run]}
+    properties = {
+        "train_args": proto_utils.proto_to_json(trainer_pb2.TrainArgs(num_steps=num_steps)),
+        "eval_args": proto_utils.proto_to_json(trainer_pb2.EvalArgs(num_steps=2)),
+        "module_file": module,
+        "custom_config": json_utils.dumps(custom_config),
+    }
+    if not stock:
+        properties.update(accumulation)
+    context = base_executor.BaseExecutor.Context(tmp_dir=os.path.join(tmp, "tmp"), unique_id="1")
+    executor_class = tfx_executor.GenericExecutor if stock else Executor
+    executor_class(context).Do(inputs, outputs, properties)
+    with open(os.path.join(model_run.uri, "seen.json")) as f:
+        seen = json.load(f)
+    data = np.load(os.path.join(model_run.uri, "weights.npz"))
+    weights = [data[f"arr_{i}"] for i in range(len(data.files))]
+    return outputs, seen, weights

@@ -1,0 +1,86 @@
+"""AccumulatingTrainer's executor against the stock TFX Trainer executor."""
+
+import glob
+import os
+
+import keras
+import pytest
+
+from tests.accumulator.reference import max_abs_diff
+from tests.components import fixtures
+
+
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory):
+    return fixtures.write_examples(str(tmp_path_factory.mktemp("examples")))
+
+
+def test_unchanged_stock_module_trains_like_the_stock_trainer_with_the_big_batch(examples, tmp_path):
+    """Stock Trainer: batch 32, 6 steps. Ours: effective 32 in micro-batches of 8, 6 updates."""
+    _, stock_seen, stock_weights = fixtures.run_executor(tmp_path / "stock", examples, num_steps=6, stock=True)
+    outputs, seen, weights = fixtures.run_executor(
+        tmp_path / "ours", examples, num_steps=6, accum_steps=4, effective_batch_size=32
+    )
+    assert stock_seen["train_batch"] == 32 and stock_seen["iterations"] == 6
+    assert seen == {
+        "train_steps": 24, "train_batch": 8, "eval_batch": 16, "optimizer": "GradientAccumulator",
+        "accum_steps": 4, "iterations": 6, "strategy": stock_seen["strategy"],
+    }
+    assert max_abs_diff(weights, stock_weights) <= 1e-5
+    assert os.path.exists(os.path.join(outputs["model"][0].uri, "Format-Serving", "saved_model.pb"))
+
+
+def test_hyperparameters_win_over_parameters_and_are_recorded(examples, tmp_path):
+    hp = fixtures.hyperparameters_artifact(str(tmp_path / "hp"), {"accum_steps": 2, "effective_batch_size": 16})
+    outputs, seen, _ = fixtures.run_executor(
+        tmp_path / "run", examples, num_steps=3, hyperparameters=hp, accum_steps=4, effective_batch_size=32
+    )
+    assert (seen["accum_steps"], seen["train_batch"], seen["train_steps"], seen["iterations"]) == (2, 8, 6, 3)
+    for artifact in (outputs["model"][0], outputs["model_run"][0]):
+        assert artifact.get_int_custom_property("accum_steps") == 2
+        assert artifact.get_int_custom_property("effective_batch_size") == 16
+        assert artifact.get_int_custom_property("micro_batch_size") == 8
+        assert artifact.get_int_custom_property("replicas") == 1
+        assert artifact.get_int_custom_property("optimizer_updates") == 3
+    events = glob.glob(os.path.join(outputs["model_run"][0].uri, "accumulation", "events.out.tfevents.*"))
+    assert events
+
+
+def test_without_effective_batch_the_run_fns_batch_is_the_micro_batch(examples, tmp_path):
+    _, seen, _ = fixtures.run_executor(tmp_path, examples, num_steps=2, accum_steps=3)
+    assert (seen["train_batch"], seen["train_steps"], seen["iterations"]) == (32, 6, 2)
+
+
+def test_compile_is_restored_after_the_run(examples, tmp_path):
+    before = keras.Model.compile
+    fixtures.run_executor(tmp_path, examples, num_steps=1, accum_steps=2)
+    assert keras.Model.compile is before
+
+
+def test_run_fn_with_its_own_strategy_scope_keeps_working(examples, tmp_path):
+    _, seen, _ = fixtures.run_executor(
+        tmp_path, examples, num_steps=2, accum_steps=2, strategy="mirrored",
+        custom_config={"own_strategy": True},
+    )
+    assert seen["strategy"] == "MirroredStrategy"
+    assert seen["iterations"] == 2
+
+
+@pytest.mark.parametrize(
+    "properties, message",
+    [
+        ({"accum_steps": 0}, "accum_steps"),
+        ({"accum_steps": 3, "effective_batch_size": 32}, "divide evenly"),
+        ({"effective_batch_size": -4}, "effective_batch_size"),
+        ({"strategy": "tpu"}, "kind"),
+    ],
+)
+def test_bad_settings_fail_before_training(examples, tmp_path, properties, message):
+    with pytest.raises(ValueError, match=message):
+        fixtures.run_executor(tmp_path, examples, num_steps=1, **properties)
+    assert not os.path.exists(tmp_path / "model_run" / "seen.json")
+
+
+def test_module_without_run_fn_is_refused(examples, tmp_path):
+    with pytest.raises(ValueError, match="run_fn"):
+        fixtures.run_executor(tmp_path, examples, module=os.path.join(fixtures.TESTDATA, "no_run_fn_module.py"))
