@@ -53,6 +53,8 @@ def create_pipeline(
     strategy: str = "auto",
     beam_pipeline_args=None,
     module_file: str = MODULE_FILE,
+    trainer_class=AccumulatingTrainer,
+    trainer_custom_config=None,
 ) -> tfx.dsl.Pipeline:
     """Builds the pipeline. `accum_steps`/`effective_batch_size` are the Trainer's
 
@@ -71,8 +73,9 @@ def create_pipeline(
         eval_args=tfx.proto.EvalArgs(num_steps=eval_steps),
         custom_config={"max_trials": max_trials},
     )
-    trainer = AccumulatingTrainer(
+    trainer = trainer_class(
         module_file=module_file,
+        custom_config=trainer_custom_config,
         examples=example_gen.outputs["examples"],
         schema=schema_gen.outputs["schema"],
         hyperparameters=tuner.outputs["best_hyperparameters"],

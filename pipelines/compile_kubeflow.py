@@ -1,0 +1,85 @@
+"""Compiles the digits pipeline for Kubeflow Pipelines v2 / Vertex AI Pipelines.
+
+    python -m pipelines.compile_kubeflow --project=my-project --region=us-central1 \\
+        --image=us-docker.pkg.dev/my-project/tfx/accumulator:latest \\
+        --pipeline_root=gs://my-bucket/root --data_root=gs://my-bucket/digits \\
+        --workers=2 --gpus_per_worker=1 --output=digits_pipeline.json
+
+The trainer runs as a Vertex AI CustomJob on `--workers` GPU machines under
+`MultiWorkerMirroredStrategy`; the effective batch stays what you set, the
+micro-batch per replica is effective / (accum_steps x replicas). Compiling
+needs no cloud access; submit the JSON with the Vertex AI SDK or the KFP UI.
+"""
+
+import os
+
+from absl import app, flags
+
+PROJECT = flags.DEFINE_string("project", "my-gcp-project", "GCP project of the training job.")
+REGION = flags.DEFINE_string("region", "us-central1", "Vertex AI region.")
+IMAGE = flags.DEFINE_string("image", "gcr.io/my-gcp-project/tfx-accumulator:latest",
+                            "Container image with TFX 1.16 and this project installed.")
+PIPELINE_ROOT = flags.DEFINE_string("pipeline_root", "gs://my-bucket/tfx-accumulator", "Pipeline root.")
+DATA_ROOT = flags.DEFINE_string("data_root", "gs://my-bucket/digits/data", "Folder holding digits.csv.")
+SERVING_DIR = flags.DEFINE_string("serving_model_dir", "gs://my-bucket/digits/serving", "Push destination.")
+WORKERS = flags.DEFINE_integer("workers", 2, "Training machines (chief included).")
+GPUS = flags.DEFINE_integer("gpus_per_worker", 1, "GPUs per machine.")
+MACHINE = flags.DEFINE_string("machine_type", "n1-standard-8", "Machine type of each worker.")
+ACCELERATOR = flags.DEFINE_string("accelerator_type", "NVIDIA_TESLA_T4", "GPU type.")
+ACCUM = flags.DEFINE_integer("accum_steps", 4, "Default accum_steps (the Tuner's best wins).")
+EFFECTIVE = flags.DEFINE_integer("effective_batch_size", 64, "Default effective batch (the Tuner's best wins).")
+OUTPUT = flags.DEFINE_string("output", "digits_pipeline.json", "Where to write the pipeline JSON.")
+
+
+def compile_pipeline(output, project, region, image, pipeline_root, data_root, serving_model_dir,
+                     workers, gpus_per_worker, machine_type, accelerator_type, accum_steps,
+                     effective_batch_size):
+    """Writes the KFP v2 pipeline JSON to `output`; returns its path."""
+    from tfx.orchestration.kubeflow.v2 import kubeflow_v2_dag_runner
+
+    from components.cloud import VertexAccumulatingTrainer, vertex_training_config
+    from pipelines.digits.pipeline import create_pipeline
+
+    replicas = workers * max(gpus_per_worker, 1)
+    if effective_batch_size % (accum_steps * replicas):
+        raise ValueError(
+            f"`effective_batch_size` ({effective_batch_size}) must divide evenly into "
+            f"accum_steps ({accum_steps}) x replicas ({workers} workers x {max(gpus_per_worker, 1)}) "
+            f"= {accum_steps * replicas}."
+        )
+    pipeline = create_pipeline(
+        pipeline_name="digits-accumulation",
+        pipeline_root=pipeline_root,
+        data_root=data_root,
+        serving_model_dir=serving_model_dir,
+        accum_steps=accum_steps,
+        effective_batch_size=effective_batch_size,
+        trainer_class=VertexAccumulatingTrainer,
+        trainer_custom_config=vertex_training_config(
+            project, region, image, workers=workers, machine_type=machine_type,
+            accelerator_type=accelerator_type, gpus_per_worker=gpus_per_worker,
+        ),
+        beam_pipeline_args=[f"--project={project}", f"--temp_location={pipeline_root}/beam-tmp"],
+    )
+    output = os.path.abspath(output)
+    runner = kubeflow_v2_dag_runner.KubeflowV2DagRunner(
+        config=kubeflow_v2_dag_runner.KubeflowV2DagRunnerConfig(default_image=image),
+        output_dir=os.path.dirname(output),
+        output_filename=os.path.basename(output),
+    )
+    runner.run(pipeline)
+    return output
+
+
+def main(argv):
+    del argv
+    path = compile_pipeline(
+        OUTPUT.value, PROJECT.value, REGION.value, IMAGE.value, PIPELINE_ROOT.value, DATA_ROOT.value,
+        SERVING_DIR.value, WORKERS.value, GPUS.value, MACHINE.value, ACCELERATOR.value,
+        ACCUM.value, EFFECTIVE.value,
+    )
+    print(f"Pipeline compiled to {path}")
+
+
+if __name__ == "__main__":
+    app.run(main)
