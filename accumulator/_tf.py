@@ -139,15 +139,20 @@ def apply_in_context(optimizer, grads, indices, weight=1.0, close_only=False):
     def local_sums(used):
         return [optimizer._accumulators[i].value for i in used]
 
+    # The window's weight travels in the same reduction as the gradients.
+    # Keras scales each replica's loss by 1/replicas, so the summed gradients
+    # are divided by the mean of the replicas' weights.
     if not tf.distribute.has_strategy():
-        step(lambda used: optimizer._apply_window(used, local_sums(used)))
+        step(lambda used: optimizer._apply_window(used, local_sums(used), optimizer._weight_sum.value, 1))
     elif tf.__internal__.distribute.strategy_supports_no_merge_call():
         context = tf.distribute.get_replica_context()
 
         def apply_window(used):
-            sums = context.all_reduce(SUM, [tf.identity(s) for s in local_sums(used)])
+            *sums, weight = context.all_reduce(
+                SUM, [tf.identity(s) for s in local_sums(used)] + [tf.identity(optimizer._weight_sum.value)]
+            )
             with gradients_already_reduced(optimizer.inner_optimizer):
-                optimizer._apply_window(used, sums)
+                optimizer._apply_window(used, sums, weight, context.num_replicas_in_sync)
 
         step(apply_window)
     else:
@@ -155,13 +160,15 @@ def apply_in_context(optimizer, grads, indices, weight=1.0, close_only=False):
         def cross_replica(distribution):
             def apply_window(used):
                 variables = optimizer._trainable_variables
-                sums = distribution.extended.batch_reduce_to(
+                *sums, weight = distribution.extended.batch_reduce_to(
                     SUM,
-                    [(optimizer._accumulators[i].value, variables[i].value) for i in used],
+                    [(optimizer._accumulators[i].value, variables[i].value) for i in used]
+                    + [(optimizer._weight_sum.value, variables[0].value)],
                 )
                 with gradients_already_reduced(optimizer.inner_optimizer):
                     distribution.extended.call_for_each_replica(
-                        optimizer._apply_window, args=(used, sums)
+                        optimizer._apply_window,
+                        args=(used, sums, weight, distribution.num_replicas_in_sync),
                     )
 
             step(apply_window)

@@ -29,7 +29,7 @@ import numbers
 import keras
 from keras import ops
 
-from accumulator import _tf
+from accumulator import _tf, weighting
 
 PARTIAL_WINDOW_MODES = ("apply", "carry", "drop")
 
@@ -282,7 +282,19 @@ class GradientAccumulator(keras.optimizers.Optimizer):
             self._accum_steps_var.assign(accum_steps)
 
     # ----------------------------------------------------------------- update
-    def apply(self, grads, trainable_variables=None):
+    def apply_gradients(self, grads_and_vars, micro_batch_weight=None):
+        grads, trainable_variables = zip(*grads_and_vars)
+        self.apply(list(grads), list(trainable_variables), micro_batch_weight=micro_batch_weight)
+        return self.iterations
+
+    def apply(self, grads, trainable_variables=None, micro_batch_weight=None):
+        """One micro-batch. `micro_batch_weight` is the denominator of its loss.
+
+        Leave it `None` in `fit` (found from the compiled loss and the batch)
+        and in loops whose micro-batches weigh the same (weight 1); pass the
+        sample count, summed sample weight or unmasked-step count otherwise,
+        see `accumulator.weighting`.
+        """
         grads = list(grads)
         if trainable_variables is None:
             if not self.built:
@@ -309,8 +321,10 @@ class GradientAccumulator(keras.optimizers.Optimizer):
             # Transparent: the inner optimizer sees exactly what it would alone.
             self.inner_optimizer.apply(grads, trainable_variables)
             return
+        if micro_batch_weight is None:
+            micro_batch_weight = weighting.fit_micro_batch_weight()
         indices = [self._get_variable_index(v) for v in trainable_variables]
-        _tf.apply_in_context(self, grads, indices)
+        _tf.apply_in_context(self, grads, indices, 1.0 if micro_batch_weight is None else micro_batch_weight)
 
     def _accumulate(self, grads, indices, weight=1.0):
         """Replica-local: adds `weight * grad` into the window's buffers."""
@@ -326,14 +340,15 @@ class GradientAccumulator(keras.optimizers.Optimizer):
     def _window_is_full(self):
         return self._micro_step >= self._accum_steps_var
 
-    def _apply_window(self, used, sums):
+    def _apply_window(self, used, sums, weight_sum, replicas):
         """Replica-local: applies the window's mean gradient, then resets it.
 
         `used` lists the indices of the variables that had a gradient in the
         window, `sums` their accumulated (and, under a strategy, reduced)
-        gradients; the other variables get `None`, as in the large batch.
+        weighted gradients, `weight_sum` the window's weight summed over the
+        `replicas`; the other variables get `None`, as in the large batch.
         """
-        weight_sum = self._weight_sum.value
+        weight_sum = weight_sum / replicas
         grads = [None] * len(self._trainable_variables)
         for i, total in zip(used, sums):
             variable = self._trainable_variables[i]

@@ -128,3 +128,14 @@ def test_one_cross_replica_reduction_per_update(data):
 
     assert per_step == UPDATES * ACCUM
     assert accumulated == UPDATES
+
+
+def test_uneven_micro_batches_are_weighted_across_replicas():
+    """100 samples in global micro-batches of 32, 32, 32, 4 on 2 replicas: one exact step."""
+    x, y = ref.regression_data(100)
+    single_device = ref.fit_large_batch(ref.mlp(), _adamw_clipped(), x, y, 100)
+    strategy, counter = _strategy()
+    model = _fit_under(strategy, _adamw_clipped, x, y, 32, ACCUM)
+    assert int(model.optimizer.iterations.numpy()) == 1
+    assert int(counter.count.numpy()) == 1
+    assert ref.max_abs_diff(model.get_weights(), single_device.get_weights()) <= 1e-5
