@@ -122,11 +122,20 @@ def apply_in_context(optimizer, grads, indices, weight=1.0, close_only=False):
     else:
         optimizer._accumulate(grads, indices, weight)
 
+    # The counter must move only with a micro-batch: when the data runs out,
+    # `fit` calls the step once more and the input op fails, but ops that do
+    # not depend on the data could still run. So the increment waits on the
+    # gradients and the weight.
+    data_dependencies = [weight] + [
+        g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None
+    ][:1]
+
     def step(apply_window):
         if close_only:
             should_close = optimizer._micro_step > 0
         else:
-            optimizer._micro_step.assign_add(1)
+            with tf.control_dependencies([tf.convert_to_tensor(d) for d in data_dependencies]):
+                optimizer._micro_step.assign_add(1)
             should_close = optimizer._window_is_full()
 
         def close():

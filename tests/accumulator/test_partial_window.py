@@ -67,3 +67,20 @@ def test_close_partial_window_on_demand_reports_what_it_held():
 def test_bad_partial_window_is_refused():
     with pytest.raises(ValueError, match="partial_window"):
         GradientAccumulator(keras.optimizers.SGD(), 2, partial_window="flush")
+
+
+def test_dataset_of_unknown_length_counts_only_real_micro_batches():
+    """fit calls the step once more when the data runs out; that call counts nothing."""
+    import tensorflow as tf
+    x, y = ref.regression_data(MICRO * 10)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(50).unbatch().batch(MICRO)
+    assert dataset.cardinality() == tf.data.UNKNOWN_CARDINALITY
+    model = ref.mlp()
+    optimizer = GradientAccumulator(_adam(), ACCUM, partial_window="carry")
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(dataset, verbose=0)
+    assert int(optimizer.micro_step.numpy()) == 2
+    assert float(optimizer._weight_sum.numpy()) == 2 * MICRO
+    assert optimizer.close_partial_window("apply") == 2
+    expected = ref.fit_large_batch(ref.mlp(), _adam(), x, y, MICRO * ACCUM)
+    assert ref.max_abs_diff(model.get_weights(), expected.get_weights()) <= 1e-6

@@ -21,7 +21,7 @@ def test_digits_pipeline_runs_end_to_end_and_reuses_its_cache(tmp_path):
     def run():
         BeamDagRunner().run(create_pipeline(
             pipeline_name="digits_test", pipeline_root=str(tmp_path / "root"), data_root=data_root,
-            serving_model_dir=serving, metadata_path=metadata_path, train_updates=60,
+            serving_model_dir=serving, metadata_path=metadata_path, train_updates=120,
             tuner_updates=8, eval_steps=2, max_trials=2, accuracy_threshold=0.3,
         ))
 
@@ -33,7 +33,7 @@ def test_digits_pipeline_runs_end_to_end_and_reuses_its_cache(tmp_path):
     assert trainer["accum_steps"] == best["accum_steps"]
     assert trainer["effective_batch_size"] == best["effective_batch_size"]
     assert trainer["micro_batch_size"] == best["effective_batch_size"] // best["accum_steps"]
-    assert trainer["optimizer_updates"] == 60
+    assert trainer["optimizer_updates"] == 120
     assert summary["evaluation"]["sparse_categorical_accuracy"] > 0.3
     assert summary["blessed"] and summary["pushed"]
     assert os.path.exists(os.path.join(summary["pushed_to"], "saved_model.pb"))

@@ -1,0 +1,166 @@
+"""`make bench`: measures what accumulation costs, against the alternatives, in one run.
+
+Each measurement runs in its own process (so peak memory is its own), the
+contenders of a throughput measurement are interleaved in rounds, and every
+figure is reported as a ratio against a peer measured in the same run. Writes
+docs/benchmarks/<device>/results.md, results.json and PNG plots; safe to rerun
+(files are replaced whole).
+"""
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+
+from absl import app, flags, logging
+
+OUT = flags.DEFINE_string("out", "docs/benchmarks", "Folder for results (a subfolder per device).")
+ACCUMS = flags.DEFINE_list("accums", ["1", "2", "4", "8"], "N values.")
+MODELS = flags.DEFINE_list("models", ["cnn", "attention_mlp"], "Models.")
+QUICK = flags.DEFINE_bool("quick", False, "Fewer rounds and updates (for a smoke run).")
+
+CONTENDERS = ["plain_b", "plain_Nb", "accumulator", "keras_builtin", "seeds_tape_loop"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _measure(*args):
+    command = [sys.executable, "-m", "benchmarks.measure", *args]
+    if QUICK.value:
+        command += ["--rounds=1", "--updates=2"]
+    logging.info("measuring: %s", " ".join(args))
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1200,
+                         env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3"))
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(args)} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _device():
+    import tensorflow as tf
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        name = tf.config.experimental.get_device_details(gpus[0]).get("device_name", "gpu")
+        return "gpu-" + name.lower().replace(" ", "-"), name
+    return "cpu", f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
+
+
+def _plots(results, folder):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    accums = [int(a) for a in ACCUMS.value]
+    fig, axes = plt.subplots(1, len(MODELS.value), figsize=(6 * len(MODELS.value), 4), squeeze=False)
+    for ax, model in zip(axes[0], MODELS.value):
+        for name in CONTENDERS:
+            ax.plot(accums, [results["throughput"][model][str(n)][name] for n in accums], marker="o", label=name)
+        ax.set(title=f"{model}: throughput", xlabel="accumulation steps N", ylabel="samples / s", xscale="log", xticks=accums)
+        ax.set_xticklabels(accums)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(folder, "throughput.png"), dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(MODELS.value), figsize=(6 * len(MODELS.value), 4), squeeze=False)
+    for ax, model in zip(axes[0], MODELS.value):
+        for name in ("plain_b", "plain_Nb", "accumulator"):
+            ax.plot(accums, [results["memory"][model][str(n)][name]["growth_mb"] for n in accums], marker="o", label=name)
+        ax.set(title=f"{model}: peak memory growth while training", xlabel="accumulation steps N",
+               ylabel="MB above the pre-training resident set", xscale="log", xticks=accums)
+        ax.set_xticklabels(accums)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(folder, "memory.png"), dpi=110)
+    plt.close(fig)
+
+
+def _report(results, device_name, folder):
+    import keras
+    import tensorflow as tf
+    lines = [f"# Benchmarks: {device_name}", "",
+             f"{results['date']}; TensorFlow {tf.__version__}, Keras {keras.__version__}, Python {platform.python_version()}.",
+             "Micro-batch b = 32; throughput in samples/s (median of interleaved rounds);",
+             "ratios are against contenders measured in the same run.", "",
+             "## Throughput", "",
+             "| model | N | plain b | plain N·b | accumulator | Keras built-in | seeds' tape loop | acc / plain b | acc / built-in |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    misses = []
+    for model, per_n in results["throughput"].items():
+        for n, r in per_n.items():
+            vs_b, vs_builtin = r["accumulator"] / r["plain_b"], r["accumulator"] / r["keras_builtin"]
+            lines.append(f"| {model} | {n} | " + " | ".join(f"{r[c]:.0f}" for c in CONTENDERS)
+                         + f" | {vs_b:.2f} | {vs_builtin:.2f} |")
+            if vs_b < 0.97:
+                misses.append(f"throughput {model} N={n}: {vs_b:.2f}x plain batch b (target 0.97)")
+            if vs_builtin < 1.0:
+                misses.append(f"throughput {model} N={n}: {vs_builtin:.2f}x Keras' built-in (target 1.0)")
+    lines += ["", "![throughput](throughput.png)", "", "## Peak memory", "",
+              "Growth of the process's peak resident memory over its resident memory just before",
+              "training (CPU), MB; on a GPU the accelerator's peak is listed too.", "",
+              "| model | N | plain b | plain N·b | accumulator | params (MB) | acc − plain b | budget 1.2×params |",
+              "|---|---|---|---|---|---|---|---|"]
+    for model, per_n in results["memory"].items():
+        for n, r in per_n.items():
+            extra = r["accumulator"]["growth_mb"] - r["plain_b"]["growth_mb"]
+            budget = 1.2 * r["accumulator"]["param_mb"]
+            lines.append(f"| {model} | {n} | {r['plain_b']['growth_mb']:.1f} | {r['plain_Nb']['growth_mb']:.1f} | "
+                         f"{r['accumulator']['growth_mb']:.1f} | {r['accumulator']['param_mb']:.2f} | {extra:.1f} | {budget:.2f} |")
+            if extra > budget:
+                misses.append(f"memory {model} N={n}: +{extra:.1f} MB over plain b (budget {budget:.2f} MB)")
+    lines += ["", "![memory](memory.png)", "", "## Distributed: MirroredStrategy, 2 logical CPUs", "",
+              "| model | N | contender | s / update | cross-replica reductions / update |", "|---|---|---|---|---|"]
+    for model, per_n in results["mirrored"].items():
+        for n, r in per_n.items():
+            for name, m in r.items():
+                lines.append(f"| {model} | {n} | {name} | {m['seconds_per_update']:.3f} | {m['reductions_per_update']:.1f} |")
+            if r["accumulator"]["reductions_per_update"] != 1:
+                misses.append(f"mirrored {model} N={n}: {r['accumulator']['reductions_per_update']} reductions per update")
+    leak = results["leak"]
+    growth = leak["rss_after_10000_mb"] - leak["rss_after_1000_mb"]
+    lines += ["", "## Leak check", "",
+              f"Resident memory after 1,000 micro-steps: {leak['rss_after_1000_mb']:.1f} MB; after 10,000: "
+              f"{leak['rss_after_10000_mb']:.1f} MB (growth {growth:+.1f} MB, {leak['updates']} updates)."]
+    if growth > 5:
+        misses.append(f"leak: {growth:.1f} MB growth between 1,000 and 10,000 micro-steps")
+    lines += ["", "## Targets missed", ""] + ([f"- {m}" for m in misses] or ["None."])
+    with open(os.path.join(folder, "results.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return misses
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.INFO)
+    device, device_name = _device()
+    folder = os.path.join(ROOT, OUT.value, device)
+    os.makedirs(folder, exist_ok=True)
+    results = {"date": datetime.date.today().isoformat(), "device": device_name,
+               "throughput": {}, "memory": {}, "mirrored": {}}
+    for model in MODELS.value:
+        results["throughput"][model], results["memory"][model], results["mirrored"][model] = {}, {}, {}
+        for n in ACCUMS.value:
+            results["throughput"][model][n] = _measure("--mode=throughput", f"--model={model}", f"--accum={n}")
+            results["memory"][model][n] = {}
+            for name in ("plain_b", "plain_Nb", "accumulator"):
+                r = _measure("--mode=memory", f"--model={model}", f"--accum={n}", f"--contender={name}")
+                r["growth_mb"] = r["peak_mb"] - r["before_mb"]
+                results["memory"][model][n][name] = r
+            if int(n) > 1:
+                results["mirrored"][model][n] = _measure("--mode=mirrored", f"--model={model}", f"--accum={n}")
+    results["leak"] = _measure("--mode=leak")
+    with open(os.path.join(folder, "results.json.partial"), "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(os.path.join(folder, "results.json.partial"), os.path.join(folder, "results.json"))
+    _plots(results, folder)
+    misses = _report(results, device_name, folder)
+    print(open(os.path.join(folder, "results.md")).read())
+    if misses:
+        logging.warning("%d target(s) missed; see the report.", len(misses))
+
+
+if __name__ == "__main__":
+    app.run(main)
