@@ -9,7 +9,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 export KERAS_BACKEND := tensorflow
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test test-tfx test-latest setup setup-latest clean
+.PHONY: bench demo test test-tfx test-latest setup setup-latest clean
 
 setup: $(VENV)/.installed
 setup-latest: $(LATEST)/.installed
@@ -36,6 +36,10 @@ $(LATEST)/.installed: setup.py constraints/tf-latest.txt
 # again and the cached components are reused.
 demo: $(VENV)/.installed
 	$(VENV)/bin/python -m pipelines.run_local --output_dir=work/digits
+
+# Benchmarks (about 15 minutes on 2 cores): tables and plots under docs/benchmarks/.
+bench: $(VENV)/.installed
+	$(VENV)/bin/python -m benchmarks.run
 
 test: test-tfx test-latest
 
