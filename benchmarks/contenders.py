@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from accumulator import GradientAccumulator
 
-IMAGE = 16
+IMAGE = 24
 SEQUENCE, FEATURES = 32, 32
 
 
@@ -59,10 +59,10 @@ def _dataset(x, y, batch):
 
 def _fit_contender(model, optimizer, x, y, batch, micro_steps_per_update):
     model.compile(optimizer=optimizer, loss=_loss())
-    iterator = iter(_dataset(x, y, batch))
+    dataset = _dataset(x, y, batch)
 
     def train(updates):
-        model.fit(iterator, steps_per_epoch=updates * micro_steps_per_update, epochs=1, verbose=0)
+        model.fit(dataset, steps_per_epoch=updates * micro_steps_per_update, epochs=1, verbose=0)
 
     return model, train
 
@@ -96,10 +96,13 @@ def _tape_contender(model, x, y, micro, accum):
 
 
 def build(name, model_name, micro, accum, x, y):
-    """Returns (model, train(updates)) for a contender at effective batch accum*micro."""
+    """Returns (model, train(updates)) for a contender at effective batch accum*micro.
+
+    `train(updates)` always processes updates * accum * micro samples.
+    """
     model = MODELS[model_name]()
-    if name == "plain_b":           # no accumulation, batch b: the speed peer
-        return _fit_contender(model, keras.optimizers.Adam(1e-3), x, y, micro, 1)
+    if name == "plain_b":           # no accumulation, batch b: the speed peer (N updates per N*b)
+        return _fit_contender(model, keras.optimizers.Adam(1e-3), x, y, micro, accum)
     if name == "plain_Nb":          # the big batch itself (needs N times the memory)
         return _fit_contender(model, keras.optimizers.Adam(1e-3), x, y, micro * accum, 1)
     if name == "accumulator":

@@ -1,7 +1,8 @@
 """MirroredStrategy over 2 logical CPUs: the accumulator against the seeds' pattern.
 
 The seeds' distributed recipe reduces the gradients across replicas after every
-micro-step, then accumulates; the accumulator reduces once per update.
+micro-step, then accumulates; the accumulator reduces once per update. Both run
+as the same custom `strategy.run` loop, one `tf.function` call per micro-step.
 """
 
 import random
@@ -25,22 +26,29 @@ class CountingReduction(tf.distribute.ReductionToOneDevice):
         self.count.assign_add(1)
         return super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
 
-    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
-        self.count.assign_add(1)
-        return super().reduce_implementation(reduce_op, per_replica_value, destinations, options)
-
 
 def _accumulator(model_name, micro, accum, x, y):
+    """The same custom loop as the seeds', with the accumulator doing the work."""
     counter = CountingReduction()
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=counter)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
     with strategy.scope():
         model = c.MODELS[model_name]()
-        model.compile(GradientAccumulator(keras.optimizers.Adam(1e-3), accum),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        optimizer = GradientAccumulator(keras.optimizers.Adam(1e-3), accum)
+        optimizer.build(model.trainable_variables)
     iterator = iter(strategy.experimental_distribute_dataset(c._dataset(x, y, micro)))
 
+    @tf.function
+    def micro_step():
+        def replica(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(loss_fn(yb, model(xb, training=True)), global_batch_size=micro)
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        strategy.run(replica, args=next(iterator))
+
     def train(updates):
-        model.fit(iterator, steps_per_epoch=updates * accum, verbose=0)
+        for _ in range(updates * accum):
+            micro_step()
 
     return train, counter
 
@@ -65,7 +73,7 @@ def _seeds_pattern(model_name, micro, accum, x, y):
         grads = strategy.run(replica, args=next(iterator))
         # The seeds: reduce every micro-step, then add into the buffers.
         reduced = strategy.extended.batch_reduce_to(
-            tf.distribute.ReduceOp.SUM, [(g, v) for g, v in zip(grads, model.trainable_variables)])
+            tf.distribute.ReduceOp.SUM, [(g, v.value) for g, v in zip(grads, model.trainable_variables)])
         for buf, g in zip(buffers, reduced):
             buf.assign_add(g / accum)
 

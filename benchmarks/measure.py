@@ -22,7 +22,7 @@ MODE = flags.DEFINE_enum("mode", "throughput", ["throughput", "memory", "leak", 
 MODEL = flags.DEFINE_string("model", "cnn", "cnn or attention_mlp.")
 ACCUM = flags.DEFINE_integer("accum", 4, "N: micro-batches per update.")
 MICRO = flags.DEFINE_integer("micro", 32, "b: the micro-batch.")
-UPDATES = flags.DEFINE_integer("updates", 6, "Optimizer updates per timed segment.")
+UPDATES = flags.DEFINE_integer("updates", 10, "Optimizer updates per timed segment.")
 ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds (median taken).")
 CONTENDER = flags.DEFINE_string("contender", "accumulator", "For --mode=memory.")
 
@@ -92,10 +92,10 @@ def leak():
     model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(1)])
     model.compile(GradientAccumulator(keras.optimizers.Adam(1e-3), 4), "mse")
     x = np.random.RandomState(0).randn(1024, 16).astype("float32")
-    iterator = iter(tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(8).repeat())
-    model.fit(iterator, steps_per_epoch=1000, verbose=0)
+    dataset = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(8).repeat()
+    model.fit(dataset, steps_per_epoch=1000, verbose=0)
     after_1k = _rss_mb()
-    model.fit(iterator, steps_per_epoch=9000, verbose=0)
+    model.fit(dataset, steps_per_epoch=9000, verbose=0)
     after_10k = _rss_mb()
     return {"rss_after_1000_mb": after_1k, "rss_after_10000_mb": after_10k,
             "updates": int(model.optimizer.iterations.numpy())}
