@@ -4,7 +4,8 @@
 `keras.Model.compile` in `GradientAccumulator` while the context is open (for a
 mixed_float16 model, around a `LossScaleOptimizer`, with Keras' own loss-scale
 wrapping turned off), so an unchanged training function trains with
-accumulation. The TFX executor and the KerasTuner helpers use it.
+accumulation. Its AccumBatchNormalization layers get the same `accum_steps`.
+The TFX executor and the KerasTuner helpers use it.
 """
 
 import contextlib
@@ -13,15 +14,26 @@ import logging
 
 import keras
 
+from accumulator.batch_norm import configure_batch_norm
 from accumulator.optimizer import GradientAccumulator
 
 logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def accumulating_compile(accum_steps):
-    """Patches `keras.Model.compile`; yields the list of wrappers it made."""
+def accumulating_compile(accum_steps, schedule=None):
+    """Patches `keras.Model.compile` (and, with a `schedule`, `fit`); yields the wrappers made.
+
+    `schedule` ({epoch: accum_steps}) makes the wrappers schedulable and adds an
+    `AccumulationSchedule` callback to every `fit` of a model compiled here.
+    """
+    from accumulator.callbacks import AccumulationSchedule, accum_steps_at, validate_schedule
+
+    if schedule is not None:
+        schedule = validate_schedule(schedule)
+        accum_steps = accum_steps_at(schedule, 0)
     original = keras.Model.compile
+    original_fit = keras.Model.fit
     made = []
 
     @functools.wraps(original)
@@ -41,14 +53,23 @@ def accumulating_compile(accum_steps):
                         not isinstance(inner, keras.optimizers.LossScaleOptimizer):
                     inner = keras.optimizers.LossScaleOptimizer(inner)
                     kwargs["auto_scale_loss"] = False
-                optimizer = GradientAccumulator(inner, accum_steps)
+                optimizer = GradientAccumulator(inner, accum_steps, schedulable=schedule is not None)
+                configure_batch_norm(self, accum_steps, optimizer)
                 logger.info("Wrapped %s in GradientAccumulator(accum_steps=%d).",
                              type(inner).__name__, accum_steps)
             made.append(optimizer)
         return original(self, optimizer, *args, **kwargs)
 
+    @functools.wraps(original_fit)
+    def fit(self, *args, callbacks=None, **kwargs):
+        if schedule is not None and any(self.optimizer is o for o in made):
+            callbacks = list(callbacks or []) + [AccumulationSchedule(schedule)]
+        return original_fit(self, *args, callbacks=callbacks, **kwargs)
+
     keras.Model.compile = compile
+    keras.Model.fit = fit
     try:
         yield made
     finally:
         keras.Model.compile = original
+        keras.Model.fit = original_fit

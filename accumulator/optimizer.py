@@ -15,11 +15,12 @@ schedules, clipping, weight decay, Adam moments, EMA, loss scaling, iteration
 count) therefore happens once per window, on the window's mean gradient.
 
 Under `tf.distribute` the accumulators are replica-local (`ON_READ`): every
-micro-step stays on its replica, and the only cross-replica reduction is the one
-the inner optimizer performs when the window is applied. The boundary decision is
-taken in cross-replica context (a `cond` inside `merge_call`, the pattern Keras'
-own `LossScaleOptimizer` uses), because a `cond` in replica context cannot hold
-the `merge_call` that Keras' optimizers issue when they update variables.
+micro-step stays on its replica, and the only cross-replica reduction is one
+batched all-reduce of the window's sums when it closes (`_tf.py`). The boundary
+decision is taken in cross-replica context (a `cond` inside `merge_call`, the
+pattern Keras' own `LossScaleOptimizer` uses), because a `cond` in replica
+context cannot hold the `merge_call` that Keras' optimizers issue when they
+update variables.
 """
 
 from __future__ import annotations
@@ -132,10 +133,14 @@ class GradientAccumulator(keras.optimizers.Optimizer):
             wrapper a transparent pass-through.
         partial_window: "apply", "carry" or "drop": what the end of `fit` does
             with an open window.
+        schedulable: keep the accumulating path even at `accum_steps=1`, so
+            that `set_accum_steps` (or `accumulator.callbacks.AccumulationSchedule`)
+            can change it during training. Implied by any `accum_steps > 1`.
         name: optional name of the wrapper.
     """
 
-    def __init__(self, optimizer, accum_steps=1, partial_window="apply", name=None, **kwargs):
+    def __init__(self, optimizer, accum_steps=1, partial_window="apply", schedulable=False,
+                 name=None, **kwargs):
         accum_steps = validate_accum_steps(accum_steps)
         if partial_window not in PARTIAL_WINDOW_MODES:
             raise ValueError(
@@ -153,7 +158,7 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         if kwargs:
             raise ValueError(
                 f"GradientAccumulator got unknown arguments: {sorted(kwargs)}. "
-                "It takes `optimizer`, `accum_steps`, `partial_window` and `name`."
+                "It takes `optimizer`, `accum_steps`, `partial_window`, `schedulable` and `name`."
             )
         if keras.backend.backend() != "tensorflow":
             raise RuntimeError(
@@ -171,7 +176,8 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         self._indices_with_grads = set()
         self._close_function = None
         # Fixed at construction: a traced train step cannot switch paths later.
-        self._passthrough = accum_steps == 1
+        self.schedulable = bool(schedulable)
+        self._passthrough = accum_steps == 1 and not self.schedulable
         self._seen_in_window = set()
 
     # ------------------------------------------------------------------ state
@@ -188,7 +194,7 @@ class GradientAccumulator(keras.optimizers.Optimizer):
             aggregation="only_first_replica", name="accum_steps",
         )
         # Replica-local: each replica sums its own micro-batches; the sums meet
-        # only when the inner optimizer all-reduces the window's gradient.
+        # in one batched all-reduce when the window closes.
         self._weight_sum = self._add_local_variable((), "float32", "weight_sum")
         self._accumulators = [
             self._add_local_variable(
@@ -256,6 +262,9 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         held = int(self._micro_step.numpy())
         if held == 0 or mode == "carry":
             return held
+        # Layers pooling statistics per window (AccumBatchNormalization) close theirs too.
+        for layer in getattr(self, "_window_listeners", ()):
+            layer.close_window(apply=mode == "apply")
         if mode == "drop":
             for accumulator in self._accumulators:
                 accumulator.assign(ops.zeros_like(accumulator))
@@ -273,9 +282,14 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         accum_steps = validate_accum_steps(accum_steps)
         if self._passthrough and accum_steps != 1:
             raise ValueError(
-                "This GradientAccumulator was made with `accum_steps=1`, a "
-                "pass-through without buffers; construct it with the largest "
-                "`accum_steps` first, or with a schedule, to change it later."
+                "This GradientAccumulator was made with `accum_steps=1` and "
+                "`schedulable=False`, a pass-through without buffers; construct "
+                "it with `schedulable=True` to change `accum_steps` later."
+            )
+        if self.built and int(self._micro_step.numpy()):
+            raise ValueError(
+                "`accum_steps` can change only between windows; close the open "
+                "window first (`close_partial_window`)."
             )
         self.accum_steps = accum_steps
         if self.built:
@@ -365,6 +379,7 @@ class GradientAccumulator(keras.optimizers.Optimizer):
             "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
             "accum_steps": self.accum_steps,
             "partial_window": self.partial_window,
+            "schedulable": self.schedulable,
         }
 
     @classmethod

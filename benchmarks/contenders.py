@@ -12,6 +12,7 @@ from accumulator import GradientAccumulator
 
 IMAGE = 24
 SEQUENCE, FEATURES = 32, 32
+WIDE = 256
 
 
 def cnn():
@@ -38,12 +39,24 @@ def attention_mlp():
     return keras.Model(inputs, keras.layers.Dense(10)(x))
 
 
-MODELS = {"cnn": cnn, "attention_mlp": attention_mlp}
+def wide_mlp():
+    """Parameters (about 13 MB) that dwarf the noise of resident-memory readings."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((WIDE,)),
+        keras.layers.Dense(1024, activation="relu"),
+        keras.layers.Dense(1024, activation="relu"),
+        keras.layers.Dense(1024, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+
+
+MODELS = {"cnn": cnn, "attention_mlp": attention_mlp, "wide_mlp": wide_mlp}
 
 
 def data(model_name, samples, seed=0):
     rng = np.random.RandomState(seed)
-    shape = (IMAGE, IMAGE, 3) if model_name == "cnn" else (SEQUENCE, FEATURES)
+    shape = {"cnn": (IMAGE, IMAGE, 3), "attention_mlp": (SEQUENCE, FEATURES), "wide_mlp": (WIDE,)}[model_name]
     x = rng.randn(samples, *shape).astype("float32")
     y = rng.randint(0, 10, size=(samples,)).astype("int32")
     return x, y

@@ -22,8 +22,8 @@ MODE = flags.DEFINE_enum("mode", "throughput", ["throughput", "memory", "leak", 
 MODEL = flags.DEFINE_string("model", "cnn", "cnn or attention_mlp.")
 ACCUM = flags.DEFINE_integer("accum", 4, "N: micro-batches per update.")
 MICRO = flags.DEFINE_integer("micro", 32, "b: the micro-batch.")
-UPDATES = flags.DEFINE_integer("updates", 10, "Optimizer updates per timed segment.")
-ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds (median taken).")
+SAMPLES = flags.DEFINE_integer("samples", 4096, "Samples per timed segment (whole updates).")
+ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved rounds (median taken).")
 CONTENDER = flags.DEFINE_string("contender", "accumulator", "For --mode=memory.")
 
 
@@ -52,14 +52,15 @@ def throughput():
     built = {name: c.build(name, MODEL.value, micro, accum, x, y) for name in c.CONTENDERS}
     for _, train in built.values():
         train(2)                                   # trace and warm up
-    samples = UPDATES.value * micro * accum
+    updates = max(1, SAMPLES.value // (micro * accum))
+    samples = updates * micro * accum
     times = {name: [] for name in built}
     order = list(built)
     for _ in range(ROUNDS.value):
         random.shuffle(order)                      # interleave: no contender always first
         for name in order:
             start = time.perf_counter()
-            built[name][1](UPDATES.value)
+            built[name][1](updates)
             times[name].append(time.perf_counter() - start)
     return {name: samples / statistics.median(t) for name, t in times.items()}
 
@@ -106,7 +107,8 @@ def mirrored():
     tf.config.set_logical_device_configuration(
         tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2)
     from benchmarks import distributed
-    return distributed.mirrored(MODEL.value, MICRO.value, ACCUM.value, UPDATES.value, ROUNDS.value)
+    updates = max(1, SAMPLES.value // (4 * MICRO.value * ACCUM.value))
+    return distributed.mirrored(MODEL.value, MICRO.value, ACCUM.value, updates, ROUNDS.value)
 
 
 def main(argv):

@@ -18,7 +18,8 @@ from absl import app, flags, logging
 
 OUT = flags.DEFINE_string("out", "docs/benchmarks", "Folder for results (a subfolder per device).")
 ACCUMS = flags.DEFINE_list("accums", ["1", "2", "4", "8"], "N values.")
-MODELS = flags.DEFINE_list("models", ["cnn", "attention_mlp"], "Models.")
+MODELS = flags.DEFINE_list("models", ["cnn", "attention_mlp"], "Models for throughput and distribution.")
+MEMORY_MODELS = flags.DEFINE_list("memory_models", ["cnn", "attention_mlp", "wide_mlp"], "Models for peak memory.")
 QUICK = flags.DEFINE_bool("quick", False, "Fewer rounds and updates (for a smoke run).")
 
 CONTENDERS = ["plain_b", "plain_Nb", "accumulator", "keras_builtin", "seeds_tape_loop"]
@@ -28,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _measure(*args):
     command = [sys.executable, "-m", "benchmarks.measure", *args]
     if QUICK.value:
-        command += ["--rounds=1", "--updates=2"]
+        command += ["--rounds=1", "--samples=512"]
     logging.info("measuring: %s", " ".join(args))
     out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1200,
                          env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3"))
@@ -64,8 +65,9 @@ def _plots(results, folder):
     fig.savefig(os.path.join(folder, "throughput.png"), dpi=110)
     plt.close(fig)
 
-    fig, axes = plt.subplots(1, len(MODELS.value), figsize=(6 * len(MODELS.value), 4), squeeze=False)
-    for ax, model in zip(axes[0], MODELS.value):
+    models = MEMORY_MODELS.value
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
         for name in ("plain_b", "plain_Nb", "accumulator"):
             ax.plot(accums, [results["memory"][model][str(n)][name]["growth_mb"] for n in accums], marker="o", label=name)
         ax.set(title=f"{model}: peak memory growth while training", xlabel="accumulation steps N",
@@ -141,16 +143,19 @@ def main(argv):
     results = {"date": datetime.date.today().isoformat(), "device": device_name,
                "throughput": {}, "memory": {}, "mirrored": {}}
     for model in MODELS.value:
-        results["throughput"][model], results["memory"][model], results["mirrored"][model] = {}, {}, {}
+        results["throughput"][model], results["mirrored"][model] = {}, {}
         for n in ACCUMS.value:
             results["throughput"][model][n] = _measure("--mode=throughput", f"--model={model}", f"--accum={n}")
+            if int(n) > 1:
+                results["mirrored"][model][n] = _measure("--mode=mirrored", f"--model={model}", f"--accum={n}")
+    for model in MEMORY_MODELS.value:
+        results["memory"][model] = {}
+        for n in ACCUMS.value:
             results["memory"][model][n] = {}
             for name in ("plain_b", "plain_Nb", "accumulator"):
                 r = _measure("--mode=memory", f"--model={model}", f"--accum={n}", f"--contender={name}")
                 r["growth_mb"] = r["peak_mb"] - r["before_mb"]
                 results["memory"][model][n][name] = r
-            if int(n) > 1:
-                results["mirrored"][model][n] = _measure("--mode=mirrored", f"--model={model}", f"--accum={n}")
     results["leak"] = _measure("--mode=leak")
     with open(os.path.join(folder, "results.json.partial"), "w") as f:
         json.dump(results, f, indent=1)

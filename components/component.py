@@ -7,6 +7,7 @@ accumulation; feed `hyperparameters=tuner.outputs["best_hyperparameters"]` and
 the tuned values win over the parameters.
 """
 
+import json
 from typing import Any, Dict, Optional, Union
 
 from tfx import types
@@ -20,6 +21,7 @@ from tfx.types.component_spec import ExecutionParameter
 from tfx.utils import json_utils
 
 from accumulator import validate_accum_steps
+from accumulator.callbacks import validate_schedule
 from accumulator.distribute import KINDS
 from components import executor
 
@@ -34,6 +36,7 @@ class AccumulatingTrainerSpec(standard_component_specs.TrainerSpec):
         executor.ACCUM_STEPS_KEY: ExecutionParameter(type=int, optional=True),
         executor.EFFECTIVE_BATCH_SIZE_KEY: ExecutionParameter(type=int, optional=True),
         executor.STRATEGY_KEY: ExecutionParameter(type=str, optional=True),
+        executor.ACCUM_SCHEDULE_KEY: ExecutionParameter(type=str, optional=True),
     }
 
 
@@ -49,6 +52,9 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             input's value wins. Must divide into accum_steps x replicas.
         strategy: "auto" (from `TF_CONFIG` and the GPUs; the default),
             "multi_worker", "mirrored", "one_device" or "default".
+        accum_schedule: {epoch: accum_steps}: accumulation that changes at
+            epoch starts (each change exact); it replaces `accum_steps`, the
+            micro-batch stays fixed.
 
     `TrainArgs.num_steps` counts optimizer updates: the run_fn sees
     `fn_args.train_steps = num_steps * accum_steps` micro-steps.
@@ -73,6 +79,7 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
         accum_steps: Optional[Union[int, data_types.RuntimeParameter]] = None,
         effective_batch_size: Optional[Union[int, data_types.RuntimeParameter]] = None,
         strategy: Optional[str] = "auto",
+        accum_schedule: Optional[Dict[int, int]] = None,
     ):
         if [bool(module_file), bool(run_fn)].count(True) != 1:
             raise ValueError("Exactly one of 'module_file', or 'run_fn' must be supplied.")
@@ -95,6 +102,8 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
                     f"`effective_batch_size` ({effective_batch_size}) must divide evenly into "
                     f"`accum_steps` ({accum_steps}) micro-batches."
                 )
+        if accum_schedule is not None:
+            accum_schedule = json.dumps(validate_schedule(accum_schedule))
         if strategy not in STRATEGY_CHOICES:
             raise ValueError(f"`strategy` must be one of {STRATEGY_CHOICES}; received {strategy!r}.")
 
@@ -113,6 +122,7 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             accum_steps=accum_steps,
             effective_batch_size=effective_batch_size,
             strategy=strategy,
+            accum_schedule=accum_schedule,
             model=types.Channel(type=standard_artifacts.Model),
             model_run=types.Channel(type=standard_artifacts.ModelRun),
         )

@@ -26,6 +26,7 @@ from components import fn_args_utils, settings as settings_lib, wrapping
 ACCUM_STEPS_KEY = "accum_steps"
 EFFECTIVE_BATCH_SIZE_KEY = "effective_batch_size"
 STRATEGY_KEY = "strategy"
+ACCUM_SCHEDULE_KEY = "accum_schedule"
 TENSORBOARD_SUBDIR = "accumulation"
 
 
@@ -59,6 +60,7 @@ class Executor(tfx_trainer_executor.GenericExecutor):
             exec_properties.get(ACCUM_STEPS_KEY),
             exec_properties.get(EFFECTIVE_BATCH_SIZE_KEY),
             strategy.num_replicas_in_sync,
+            json.loads(exec_properties[ACCUM_SCHEDULE_KEY]) if exec_properties.get(ACCUM_SCHEDULE_KEY) else None,
         )
         logging.info(
             "Accumulation: accum_steps=%d (%s), effective batch %s (%s), global micro-batch %s, "
@@ -70,7 +72,7 @@ class Executor(tfx_trainer_executor.GenericExecutor):
         )
         user_fn_args = fn_args_utils.for_accumulation(fn_args, settings)
 
-        with accumulating_compile(settings.accum_steps) as optimizers, \
+        with accumulating_compile(settings.accum_steps, settings.schedule) as optimizers, \
                 wrapping.strategy_scope(strategy):
             run_fn(user_fn_args)
 

@@ -22,6 +22,7 @@ class AccumulationSettings:
     accum_steps: int
     effective_batch_size: Optional[int]
     replicas: int
+    schedule: Optional[Dict[int, int]] = None
     sources: Dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
     @property
@@ -65,10 +66,22 @@ def resolve(
     accum_steps: Optional[int],
     effective_batch_size: Optional[int],
     replicas: int,
+    schedule: Optional[Dict[Any, int]] = None,
 ) -> AccumulationSettings:
-    """Resolves and validates the settings of one run."""
+    """Resolves and validates the settings of one run.
+
+    With a `schedule` ({epoch: accum_steps}), `accum_steps` is the schedule's
+    value at epoch 0, the micro-batch stays fixed, and the effective batch is
+    that of epoch 0.
+    """
     values = hyperparameter_values(hyperparameters)
     sources = {}
+    if schedule is not None:
+        from accumulator.callbacks import accum_steps_at, validate_schedule
+
+        schedule = validate_schedule(schedule)
+        accum_steps = accum_steps_at(schedule, 0)
+        values = {k: v for k, v in values.items() if k != ACCUM_STEPS}
 
     def pick(name, parameter, default):
         if values.get(name) is not None:
@@ -91,4 +104,6 @@ def resolve(
                 f"= {accum * replicas} micro-batches per replica; try "
                 f"{(effective // (accum * replicas) or 1) * accum * replicas}."
             )
-    return AccumulationSettings(accum, effective, replicas, sources)
+    if schedule is not None:
+        sources[ACCUM_STEPS] = "schedule"
+    return AccumulationSettings(accum, effective, replicas, schedule, sources)

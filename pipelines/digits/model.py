@@ -1,8 +1,10 @@
 """Module file of the digits pipeline, written for the stock TFX Trainer and Tuner.
 
-Nothing here knows about accumulation except `tuner_fn`, which searches over it:
-`AccumulatingTrainer` wraps the optimizer that `run_fn` compiles and batches the
-training data at the micro-batch.
+Nothing here knows about accumulation except `tuner_fn`, which searches over it,
+and the batch normalization layers, which are `AccumBatchNormalization` (a
+drop-in for Keras' layer whose moving statistics are those of the effective
+batch): `AccumulatingTrainer` wraps the optimizer that `run_fn` compiles, tells
+those layers the accumulation, and batches the training data at the micro-batch.
 """
 
 from typing import List
@@ -13,6 +15,7 @@ import tensorflow as tf
 from tfx import v1 as tfx
 from tfx_bsl.public import tfxio
 
+from accumulator import AccumBatchNormalization
 from accumulator.tuning import AccumulatingHyperModel
 from pipelines.digits.data import FEATURE_KEYS, LABEL_KEY
 
@@ -46,9 +49,11 @@ def build_model(hp: keras_tuner.HyperParameters) -> keras.Model:
     x = keras.layers.Concatenate()(inputs)
     x = keras.layers.Rescaling(1.0 / 16.0)(x)
     x = keras.layers.Reshape((8, 8, 1))(x)
-    x = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(x)
+    x = keras.layers.Conv2D(16, 3, padding="same", use_bias=False)(x)
+    x = keras.layers.Activation("relu")(AccumBatchNormalization()(x))
     x = keras.layers.MaxPooling2D()(x)
-    x = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(x)
+    x = keras.layers.Conv2D(32, 3, padding="same", use_bias=False)(x)
+    x = keras.layers.Activation("relu")(AccumBatchNormalization()(x))
     x = keras.layers.GlobalAveragePooling2D()(x)
     x = keras.layers.Dense(32, activation="relu")(x)
     outputs = keras.layers.Dense(10, activation="softmax")(x)

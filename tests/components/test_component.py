@@ -58,3 +58,10 @@ def test_stock_argument_rules_hold():
         AccumulatingTrainer(examples=_examples())
     with pytest.raises(ValueError, match="example"):
         AccumulatingTrainer(module_file="/m.py")
+
+
+def test_accum_schedule_is_validated_and_stored_as_json():
+    trainer = AccumulatingTrainer(**_kwargs(accum_schedule={0: 2, 3: 8}))
+    assert trainer.exec_properties["accum_schedule"] == '{"0": 2, "3": 8}'
+    with pytest.raises(ValueError, match="schedule"):
+        AccumulatingTrainer(**_kwargs(accum_schedule={0: 0}))

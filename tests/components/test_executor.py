@@ -84,3 +84,11 @@ def test_bad_settings_fail_before_training(examples, tmp_path, properties, messa
 def test_module_without_run_fn_is_refused(examples, tmp_path):
     with pytest.raises(ValueError, match="run_fn"):
         fixtures.run_executor(tmp_path, examples, module=os.path.join(fixtures.TESTDATA, "no_run_fn_module.py"))
+
+
+def test_accumulation_schedule_parameter_reaches_the_optimizer(examples, tmp_path):
+    _, seen, _ = fixtures.run_executor(
+        tmp_path, examples, num_steps=2, accum_steps=8, accum_schedule='{"0": 3, "5": 6}'
+    )
+    # Epoch 0 of the schedule: accum 3 (the schedule replaces accum_steps).
+    assert (seen["accum_steps"], seen["train_steps"], seen["iterations"]) == (3, 6, 2)
