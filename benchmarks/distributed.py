@@ -5,7 +5,6 @@ micro-step, then accumulates; the accumulator reduces once per update. Both run
 as the same custom `strategy.run` loop, one `tf.function` call per micro-step.
 """
 
-import random
 import statistics
 import time
 
@@ -16,22 +15,36 @@ from accumulator import GradientAccumulator
 from benchmarks import contenders as c
 
 
-class CountingReduction(tf.distribute.ReductionToOneDevice):
-    def __init__(self):
-        super().__init__()
-        with tf.init_scope():
-            self.count = tf.Variable(0, dtype=tf.int64, trainable=False)
+def count_batch_reductions(strategy):
+    """Counts executed batched cross-replica reductions of `strategy` (graph or eager)."""
+    with tf.init_scope():
+        counter = tf.Variable(0, dtype=tf.int64, trainable=False)
+    original = strategy.extended._batch_reduce_to
 
-    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
-        self.count.assign_add(1)
-        return super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
+    def counted(reduce_op, value_destination_pairs, options):
+        counter.assign_add(1)
+        return original(reduce_op, value_destination_pairs, options)
+
+    strategy.extended._batch_reduce_to = counted
+    return counter
 
 
-def _accumulator(model_name, micro, accum, x, y):
+def mirrored_strategy():
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
+_PER_EXAMPLE_LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+
+def _replica_gradients(model, xb, yb, global_batch):
+    with tf.GradientTape() as tape:
+        per_example = _PER_EXAMPLE_LOSS(yb, model(xb, training=True))
+        loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+    return tape.gradient(loss, model.trainable_variables)
+
+
+def _accumulator(strategy, model_name, micro, accum, x, y):
     """The same custom loop as the seeds', with the accumulator doing the work."""
-    counter = CountingReduction()
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=counter)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
     with strategy.scope():
         model = c.MODELS[model_name]()
         optimizer = GradientAccumulator(keras.optimizers.Adam(1e-3), accum)
@@ -41,22 +54,18 @@ def _accumulator(model_name, micro, accum, x, y):
     @tf.function
     def micro_step():
         def replica(xb, yb):
-            with tf.GradientTape() as tape:
-                loss = tf.nn.compute_average_loss(loss_fn(yb, model(xb, training=True)), global_batch_size=micro)
-            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+            grads = _replica_gradients(model, xb, yb, micro)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
         strategy.run(replica, args=next(iterator))
 
     def train(updates):
         for _ in range(updates * accum):
             micro_step()
 
-    return train, counter
+    return train
 
 
-def _seeds_pattern(model_name, micro, accum, x, y):
-    counter = CountingReduction()
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=counter)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+def _seeds_pattern(strategy, model_name, micro, accum, x, y):
     with strategy.scope():
         model = c.MODELS[model_name]()
         optimizer = keras.optimizers.Adam(1e-3)
@@ -66,11 +75,7 @@ def _seeds_pattern(model_name, micro, accum, x, y):
 
     @tf.function
     def micro_step():
-        def replica(xb, yb):
-            with tf.GradientTape() as tape:
-                loss = tf.nn.compute_average_loss(loss_fn(yb, model(xb, training=True)), global_batch_size=micro)
-            return tape.gradient(loss, model.trainable_variables)
-        grads = strategy.run(replica, args=next(iterator))
+        grads = strategy.run(lambda xb, yb: _replica_gradients(model, xb, yb, micro), args=next(iterator))
         # The seeds: reduce every micro-step, then add into the buffers.
         reduced = strategy.extended.batch_reduce_to(
             tf.distribute.ReduceOp.SUM, [(g, v.value) for g, v in zip(grads, model.trainable_variables)])
@@ -91,26 +96,60 @@ def _seeds_pattern(model_name, micro, accum, x, y):
                 micro_step()
             apply()
 
-    return train, counter
+    return train
 
 
-def mirrored(model_name, micro, accum, updates, rounds):
+def compare(strategy, model_name, micro, accum, updates, rounds):
+    """Time per update and reductions per update of both patterns under `strategy`."""
+    counter = count_batch_reductions(strategy)
     x, y = c.data(model_name, micro * accum * 8)
-    built = {"accumulator": _accumulator(model_name, micro, accum, x, y),
-             "seeds_reduce_every_micro_step": _seeds_pattern(model_name, micro, accum, x, y)}
-    for train, _ in built.values():
+    built = {"accumulator": _accumulator(strategy, model_name, micro, accum, x, y),
+             "seeds_reduce_every_micro_step": _seeds_pattern(strategy, model_name, micro, accum, x, y)}
+    for train in built.values():
         train(2)
     times = {name: [] for name in built}
     reductions = {}
-    order = list(built)
-    for _ in range(rounds):
-        random.shuffle(order)
-        for name in order:
-            train, counter = built[name]
-            before = int(counter.count.numpy())
+    order = sorted(built)       # the same order on every worker: collectives must match
+    for round_index in range(rounds):
+        for name in (order if round_index % 2 == 0 else order[::-1]):
+            before = int(counter.numpy())
             start = time.perf_counter()
-            train(updates)
+            built[name](updates)
             times[name].append(time.perf_counter() - start)
-            reductions[name] = (int(counter.count.numpy()) - before) / updates
+            reductions[name] = (int(counter.numpy()) - before) / updates
     return {name: {"seconds_per_update": statistics.median(t) / updates,
                    "reductions_per_update": reductions[name]} for name, t in times.items()}
+
+
+def mirrored(model_name, micro, accum, updates, rounds):
+    return compare(mirrored_strategy(), model_name, micro, accum, updates, rounds)
+
+
+def multiworker(model_name, micro, accum, updates, rounds):
+    """One worker's part (TF_CONFIG set by the launcher); every worker returns the same figures."""
+    from accumulator import strategy_from_environment
+    strategy = strategy_from_environment()
+    return compare(strategy, model_name, micro, accum, updates, rounds)
+
+
+def launch_multiworker(args, workers=2, timeout=900):
+    """Starts `workers` processes of `benchmarks.measure --mode=multiworker` on 127.0.0.1."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import portpicker
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cluster = {"worker": [f"127.0.0.1:{portpicker.pick_unused_port()}" for _ in range(workers)]}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.measure", "--mode=multiworker", *args],
+        cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="3",
+                 TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})),
+    ) for i in range(workers)]
+    outputs = [p.communicate(timeout=timeout) for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError("multi-worker benchmark failed:\n" + "\n".join(e[-2000:] for _, e in outputs))
+    return json.loads(outputs[0][0].strip().splitlines()[-1])

@@ -18,7 +18,8 @@ os.environ["KERAS_BACKEND"] = "tensorflow"
 
 from absl import app, flags  # noqa: E402
 
-MODE = flags.DEFINE_enum("mode", "throughput", ["throughput", "memory", "leak", "mirrored"], "What to measure.")
+MODE = flags.DEFINE_enum("mode", "throughput", ["throughput", "memory", "leak", "mirrored", "multiworker"],
+                         "What to measure.")
 MODEL = flags.DEFINE_string("model", "cnn", "cnn or attention_mlp.")
 ACCUM = flags.DEFINE_integer("accum", 4, "N: micro-batches per update.")
 MICRO = flags.DEFINE_integer("micro", 32, "b: the micro-batch.")
@@ -111,9 +112,16 @@ def mirrored():
     return distributed.mirrored(MODEL.value, MICRO.value, ACCUM.value, updates, ROUNDS.value)
 
 
+def multiworker():
+    from benchmarks import distributed
+    updates = max(1, SAMPLES.value // (4 * MICRO.value * ACCUM.value))
+    return distributed.multiworker(MODEL.value, MICRO.value, ACCUM.value, updates, ROUNDS.value)
+
+
 def main(argv):
     del argv
-    result = {"throughput": throughput, "memory": memory, "leak": leak, "mirrored": mirrored}[MODE.value]()
+    result = {"throughput": throughput, "memory": memory, "leak": leak, "mirrored": mirrored,
+              "multiworker": multiworker}[MODE.value]()
     print(json.dumps(result))
     sys.stdout.flush()
 

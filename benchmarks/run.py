@@ -38,6 +38,14 @@ def _measure(*args):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _multiworker(*args):
+    from benchmarks.distributed import launch_multiworker
+    if QUICK.value:
+        args += ("--rounds=1", "--samples=512")
+    logging.info("measuring: --mode=multiworker %s (2 workers on 127.0.0.1)", " ".join(args))
+    return launch_multiworker(list(args))
+
+
 def _device():
     import tensorflow as tf
     gpus = tf.config.list_physical_devices("GPU")
@@ -47,37 +55,36 @@ def _device():
     return "cpu", f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
 
 
-def _plots(results, folder):
+def _plot(path, models, series, title, ylabel):
+    """One panel per model; `series(model)` yields (label, [value per N])."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     accums = [int(a) for a in ACCUMS.value]
-    fig, axes = plt.subplots(1, len(MODELS.value), figsize=(6 * len(MODELS.value), 4), squeeze=False)
-    for ax, model in zip(axes[0], MODELS.value):
-        for name in CONTENDERS:
-            ax.plot(accums, [results["throughput"][model][str(n)][name] for n in accums], marker="o", label=name)
-        ax.set(title=f"{model}: throughput", xlabel="accumulation steps N", ylabel="samples / s", xscale="log", xticks=accums)
-        ax.set_xticklabels(accums)
-        ax.grid(alpha=0.3)
-    axes[0][0].legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(folder, "throughput.png"), dpi=110)
-    plt.close(fig)
-
-    models = MEMORY_MODELS.value
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
-        for name in ("plain_b", "plain_Nb", "accumulator"):
-            ax.plot(accums, [results["memory"][model][str(n)][name]["growth_mb"] for n in accums], marker="o", label=name)
-        ax.set(title=f"{model}: peak memory growth while training", xlabel="accumulation steps N",
-               ylabel="MB above the pre-training resident set", xscale="log", xticks=accums)
+        for label, values in series(model):
+            ax.plot(accums, values, marker="o", label=label)
+        ax.set(title=f"{model}: {title}", xlabel="accumulation steps N", ylabel=ylabel,
+               xscale="log", xticks=accums)
         ax.set_xticklabels(accums)
         ax.grid(alpha=0.3)
     axes[0][0].legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(folder, "memory.png"), dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plots(results, folder):
+    accums = ACCUMS.value
+    _plot(os.path.join(folder, "throughput.png"), MODELS.value,
+          lambda m: [(c, [results["throughput"][m][n][c] for n in accums]) for c in CONTENDERS],
+          "throughput", "samples / s")
+    _plot(os.path.join(folder, "memory.png"), MEMORY_MODELS.value,
+          lambda m: [(c, [results["memory"][m][n][c]["growth_mb"] for n in accums])
+                     for c in ("plain_b", "plain_Nb", "accumulator")],
+          "peak memory growth while training", "MB above the pre-training resident set")
 
 
 def _report(results, device_name, folder):
@@ -113,14 +120,22 @@ def _report(results, device_name, folder):
                          f"{r['accumulator']['growth_mb']:.1f} | {r['accumulator']['param_mb']:.2f} | {extra:.1f} | {budget:.2f} |")
             if extra > budget:
                 misses.append(f"memory {model} N={n}: +{extra:.1f} MB over plain b (budget {budget:.2f} MB)")
-    lines += ["", "![memory](memory.png)", "", "## Distributed: MirroredStrategy, 2 logical CPUs", "",
-              "| model | N | contender | s / update | cross-replica reductions / update |", "|---|---|---|---|---|"]
-    for model, per_n in results["mirrored"].items():
-        for n, r in per_n.items():
-            for name, m in r.items():
-                lines.append(f"| {model} | {n} | {name} | {m['seconds_per_update']:.3f} | {m['reductions_per_update']:.1f} |")
-            if r["accumulator"]["reductions_per_update"] != 1:
-                misses.append(f"mirrored {model} N={n}: {r['accumulator']['reductions_per_update']} reductions per update")
+    lines += ["", "![memory](memory.png)"]
+    for key, title in (("mirrored", "MirroredStrategy, 2 logical CPUs"),
+                       ("multiworker", "MultiWorkerMirroredStrategy, 2 workers on 127.0.0.1")):
+        lines += ["", f"## Distributed: {title}", "",
+                  "Both run the same custom `strategy.run` loop; the seeds' pattern reduces the",
+                  "gradients after every micro-step, the accumulator once per update.", "",
+                  "| model | N | accumulator s/update | seeds' s/update | accumulator / seeds (time) "
+                  "| reductions/update: accumulator | seeds |", "|---|---|---|---|---|---|---|"]
+        for model, per_n in results[key].items():
+            for n, r in per_n.items():
+                a, b = r["accumulator"], r["seeds_reduce_every_micro_step"]
+                lines.append(f"| {model} | {n} | {a['seconds_per_update']:.3f} | {b['seconds_per_update']:.3f} | "
+                             f"{a['seconds_per_update'] / b['seconds_per_update']:.2f} | "
+                             f"{a['reductions_per_update']:.1f} | {b['reductions_per_update']:.1f} |")
+                if a["reductions_per_update"] != 1:
+                    misses.append(f"{key} {model} N={n}: {a['reductions_per_update']} reductions per update")
     leak = results["leak"]
     growth = leak["rss_after_10000_mb"] - leak["rss_after_1000_mb"]
     lines += ["", "## Leak check", "",
@@ -134,6 +149,29 @@ def _report(results, device_name, folder):
     return misses
 
 
+README_START, README_END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
+
+
+def _update_readme(folder, device):
+    """Copies the report between the README's benchmark markers (CPU runs only)."""
+    readme = os.path.join(ROOT, "README.md")
+    with open(readme) as f:
+        text = f.read()
+    if README_START not in text or README_END not in text or device != "cpu":
+        return
+    relative = os.path.relpath(folder, ROOT)
+    with open(os.path.join(folder, "results.md")) as f:
+        report = f.read()
+    report = report.replace("](throughput.png)", f"]({relative}/throughput.png)")
+    report = report.replace("](memory.png)", f"]({relative}/memory.png)")
+    report = "\n".join(("#" + line) if line.startswith("#") else line for line in report.splitlines()[1:])
+    head, rest = text.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    with open(readme + ".partial", "w") as f:
+        f.write(head + README_START + "\n" + report.strip() + "\n" + README_END + tail)
+    os.replace(readme + ".partial", readme)
+
+
 def main(argv):
     del argv
     logging.set_verbosity(logging.INFO)
@@ -141,13 +179,14 @@ def main(argv):
     folder = os.path.join(ROOT, OUT.value, device)
     os.makedirs(folder, exist_ok=True)
     results = {"date": datetime.date.today().isoformat(), "device": device_name,
-               "throughput": {}, "memory": {}, "mirrored": {}}
+               "throughput": {}, "memory": {}, "mirrored": {}, "multiworker": {}}
     for model in MODELS.value:
-        results["throughput"][model], results["mirrored"][model] = {}, {}
+        results["throughput"][model], results["mirrored"][model], results["multiworker"][model] = {}, {}, {}
         for n in ACCUMS.value:
             results["throughput"][model][n] = _measure("--mode=throughput", f"--model={model}", f"--accum={n}")
             if int(n) > 1:
                 results["mirrored"][model][n] = _measure("--mode=mirrored", f"--model={model}", f"--accum={n}")
+                results["multiworker"][model][n] = _multiworker(f"--model={model}", f"--accum={n}")
     for model in MEMORY_MODELS.value:
         results["memory"][model] = {}
         for n in ACCUMS.value:
@@ -162,6 +201,8 @@ def main(argv):
     os.replace(os.path.join(folder, "results.json.partial"), os.path.join(folder, "results.json"))
     _plots(results, folder)
     misses = _report(results, device_name, folder)
+    if OUT.value == OUT.default:
+        _update_readme(folder, device)
     print(open(os.path.join(folder, "results.md")).read())
     if misses:
         logging.warning("%d target(s) missed; see the report.", len(misses))
