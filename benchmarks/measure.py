@@ -81,8 +81,11 @@ def memory():
     import tensorflow as tf
     if tf.config.list_physical_devices("GPU"):
         gpu = tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
+    # Persistent optimizer state (Adam moments, accumulators) is allocated
+    # before the measured steps; count its bytes exactly instead.
+    state = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.optimizer.variables)
     return {"peak_mb": _rss_mb("VmHWM"), "before_mb": before, "peak_reset": reset,
-            "param_mb": params / 2**20, "gpu_peak_mb": gpu}
+            "param_mb": params / 2**20, "state_mb": state / 2**20, "gpu_peak_mb": gpu}
 
 
 def leak():
