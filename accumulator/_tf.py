@@ -37,7 +37,12 @@ def add_weighted(accumulator, grad, weight):
             )
         )
     else:
-        variable.assign_add(tf.cast(grad, variable.dtype) * weight)
+        # In place (acc -= (-weight) * grad): no gradient-sized temporary, so
+        # accumulating costs one buffer per variable and nothing more.
+        handle = variable.handle
+        tf.raw_ops.ResourceApplyGradientDescent(
+            var=handle, alpha=-weight, delta=tf.cast(grad, variable.dtype)
+        )
 
 
 def _optimizer_chain(optimizer):

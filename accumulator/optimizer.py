@@ -196,7 +196,8 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         # Replica-local: each replica sums its own micro-batches; the sums meet
         # in one batched all-reduce when the window closes.
         self._weight_sum = self._add_local_variable((), "float32", "weight_sum")
-        self._accumulators = [
+        # A pass-through never accumulates: it holds no buffers.
+        self._accumulators = [] if self._passthrough else [
             self._add_local_variable(
                 v.shape, _accumulator_dtype(v), f"accumulator_{i}"
             )

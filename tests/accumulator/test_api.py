@@ -70,6 +70,7 @@ def test_accum_steps_one_is_bit_for_bit_pass_through():
         for a, b in zip(plain.get_weights(), wrapped.get_weights()):
             np.testing.assert_array_equal(a, b)
         assert int(wrapped.optimizer.iterations.numpy()) == 16
+        assert wrapped.optimizer.accumulators == []      # no buffers held
 
 
 def test_inner_state_changes_only_at_window_boundaries():
