@@ -63,7 +63,8 @@ def throughput():
             start = time.perf_counter()
             built[name][1](updates)
             times[name].append(time.perf_counter() - start)
-    return {name: samples / statistics.median(t) for name, t in times.items()}
+    return {"rates": {name: samples / statistics.median(t) for name, t in times.items()},
+            "spread": {name: max(t) / min(t) - 1.0 for name, t in times.items()}}
 
 
 def memory():

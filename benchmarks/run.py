@@ -103,10 +103,13 @@ def _report(results, device_name, folder):
             vs_b, vs_builtin = r["accumulator"] / r["plain_b"], r["accumulator"] / r["keras_builtin"]
             lines.append(f"| {model} | {n} | " + " | ".join(f"{r[c]:.0f}" for c in CONTENDERS)
                          + f" | {vs_b:.2f} | {vs_builtin:.2f} |")
+            spread = results["throughput_spread"][model][n]
+            noise = (f"rounds of the same contender spread by up to "
+                     f"{100 * max(spread['accumulator'], spread['plain_b'], spread['keras_builtin']):.0f}% here")
             if vs_b < 0.97:
-                misses.append(f"throughput {model} N={n}: {vs_b:.2f}x plain batch b (target 0.97)")
+                misses.append(f"throughput {model} N={n}: {vs_b:.2f}x plain batch b (target 0.97); {noise}")
             if vs_builtin < 1.0:
-                misses.append(f"throughput {model} N={n}: {vs_builtin:.2f}x Keras' built-in (target 1.0)")
+                misses.append(f"throughput {model} N={n}: {vs_builtin:.2f}x Keras' built-in (target 1.0); {noise}")
     lines += ["", "![throughput](throughput.png)", "", "## Peak memory", "",
               "Training memory, MB: the growth of the process's peak resident memory over its",
               "resident memory just before the measured steps (activations, gradients, temporaries),",
@@ -121,7 +124,11 @@ def _report(results, device_name, folder):
             lines.append(f"| {model} | {n} | {r['plain_b']['total_mb']:.1f} | {r['plain_Nb']['total_mb']:.1f} | "
                          f"{r['accumulator']['total_mb']:.1f} | {r['accumulator']['param_mb']:.2f} | {extra:.1f} | {budget:.2f} |")
             if extra > budget:
-                misses.append(f"memory {model} N={n}: +{extra:.1f} MB over plain b (budget {budget:.2f} MB)")
+                why = ("resident-memory readings move by about 1 MB from run to run, more than this "
+                       "model's parameters" if budget < 2 else
+                       "the accumulators (1x params) are held, and when the window closes its mean "
+                       "gradient is formed before the inner optimizer runs")
+                misses.append(f"memory {model} N={n}: +{extra:.1f} MB over plain b (budget {budget:.2f} MB): {why}")
     lines += ["", "![memory](memory.png)"]
     for key, title in (("mirrored", "MirroredStrategy, 2 logical CPUs"),
                        ("multiworker", "MultiWorkerMirroredStrategy, 2 workers on 127.0.0.1")):
@@ -145,7 +152,12 @@ def _report(results, device_name, folder):
               f"{leak['rss_after_10000_mb']:.1f} MB (growth {growth:+.1f} MB, {leak['updates']} updates)."]
     if growth > 5:
         misses.append(f"leak: {growth:.1f} MB growth between 1,000 and 10,000 micro-steps")
-    lines += ["", "## Targets missed", ""] + ([f"- {m}" for m in misses] or ["None."])
+    lines += ["", "## Targets missed", "",
+              "Targets: accumulator throughput ≥ 0.97× plain batch b and ≥ 1.0× Keras' built-in; one",
+              "cross-replica reduction per update; training memory ≤ plain b + 1.2× the parameters'",
+              "bytes; no growth between 1,000 and 10,000 micro-steps. The machine has 2 CPU cores",
+              "shared with everything else it runs, so throughput cells are only as good as the spread",
+              "between rounds quoted with each miss.", ""] + ([f"- {m}" for m in misses] or ["None."])
     with open(os.path.join(folder, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     return misses
@@ -181,11 +193,13 @@ def main(argv):
     folder = os.path.join(ROOT, OUT.value, device)
     os.makedirs(folder, exist_ok=True)
     results = {"date": datetime.date.today().isoformat(), "device": device_name,
-               "throughput": {}, "memory": {}, "mirrored": {}, "multiworker": {}}
+               "throughput": {}, "throughput_spread": {}, "memory": {}, "mirrored": {}, "multiworker": {}}
     for model in MODELS.value:
         results["throughput"][model], results["mirrored"][model], results["multiworker"][model] = {}, {}, {}
         for n in ACCUMS.value:
-            results["throughput"][model][n] = _measure("--mode=throughput", f"--model={model}", f"--accum={n}")
+            measured = _measure("--mode=throughput", f"--model={model}", f"--accum={n}")
+            results["throughput"][model][n] = measured["rates"]
+            results["throughput_spread"].setdefault(model, {})[n] = measured["spread"]
             if int(n) > 1:
                 results["mirrored"][model][n] = _measure("--mode=mirrored", f"--model={model}", f"--accum={n}")
                 results["multiworker"][model][n] = _multiworker(f"--model={model}", f"--accum={n}")
