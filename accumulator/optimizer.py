@@ -267,9 +267,7 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         for layer in getattr(self, "_window_listeners", ()):
             layer.close_window(apply=mode == "apply")
         if mode == "drop":
-            for accumulator in self._accumulators:
-                accumulator.assign(ops.zeros_like(accumulator))
-            self._weight_sum.assign(0.0)
+            self._reset_window(range(len(self._accumulators)))
             self._micro_step.assign(0)
             self._seen_in_window = set()
         else:
@@ -369,7 +367,11 @@ class GradientAccumulator(keras.optimizers.Optimizer):
             variable = self._trainable_variables[i]
             grads[i] = ops.cast(total / ops.cast(weight_sum, total.dtype), variable.dtype)
         self.inner_optimizer.apply(grads, self._trainable_variables)
-        for i in used:
+        self._reset_window(used)
+
+    def _reset_window(self, indices):
+        """Empties the buffers at `indices` (the others are empty) and the weight."""
+        for i in indices:
             self._accumulators[i].assign(ops.zeros_like(self._accumulators[i].value))
         self._weight_sum.assign(0.0)
 
