@@ -20,10 +20,9 @@ from tfx.types import standard_artifacts, standard_component_specs
 from tfx.types.component_spec import ExecutionParameter
 from tfx.utils import json_utils
 
-from accumulator import validate_accum_steps
 from accumulator.callbacks import validate_schedule
 from accumulator.distribute import KINDS
-from components import executor
+from components import executor, settings as settings_lib
 
 STRATEGY_CHOICES = ("auto",) + KINDS
 
@@ -89,19 +88,12 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             raise ValueError(
                 "If 'transformed_examples' is supplied, 'transform_graph' must be supplied too."
             )
-        if accum_steps is not None and not isinstance(accum_steps, data_types.RuntimeParameter):
-            validate_accum_steps(accum_steps)
-        if effective_batch_size is not None and not isinstance(effective_batch_size, data_types.RuntimeParameter):
-            if isinstance(effective_batch_size, bool) or not isinstance(effective_batch_size, int) \
-                    or effective_batch_size < 1:
-                raise ValueError(
-                    f"`effective_batch_size` must be a positive integer; received {effective_batch_size!r}."
-                )
-            if isinstance(accum_steps, int) and effective_batch_size % accum_steps:
-                raise ValueError(
-                    f"`effective_batch_size` ({effective_batch_size}) must divide evenly into "
-                    f"`accum_steps` ({accum_steps}) micro-batches."
-                )
+        # What is known now is checked now, by the executor's own rules
+        # (replicas are only known when it runs).
+        def static(value):
+            return None if isinstance(value, data_types.RuntimeParameter) else value
+
+        settings_lib.resolve(None, static(accum_steps), static(effective_batch_size), replicas=1)
         if accum_schedule is not None:
             accum_schedule = json.dumps(validate_schedule(accum_schedule))
         if strategy not in STRATEGY_CHOICES:

@@ -38,15 +38,11 @@ def compile_pipeline(output, project, region, image, pipeline_root, data_root, s
     from tfx.orchestration.kubeflow.v2 import kubeflow_v2_dag_runner
 
     from components.cloud import VertexAccumulatingTrainer, vertex_training_config
+    from components.settings import resolve
     from pipelines.digits.pipeline import create_pipeline
 
-    replicas = workers * max(gpus_per_worker, 1)
-    if effective_batch_size % (accum_steps * replicas):
-        raise ValueError(
-            f"`effective_batch_size` ({effective_batch_size}) must divide evenly into "
-            f"accum_steps ({accum_steps}) x replicas ({workers} workers x {max(gpus_per_worker, 1)}) "
-            f"= {accum_steps * replicas}."
-        )
+    # The executor's own check, with the replicas the worker pools will have.
+    resolve(None, accum_steps, effective_batch_size, replicas=workers * max(gpus_per_worker, 1))
     pipeline = create_pipeline(
         pipeline_name="digits-accumulation",
         pipeline_root=pipeline_root,
