@@ -14,6 +14,7 @@ import logging
 
 import keras
 
+from accumulator import fit_hook
 from accumulator.batch_norm import configure_batch_norm
 from accumulator.optimizer import GradientAccumulator
 
@@ -21,17 +22,19 @@ logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def accumulating_compile(accum_steps, schedule=None):
+def accumulating_compile(accum_steps, schedule=None, partial_window="apply"):
     """Patches `keras.Model.compile` (and, with a `schedule`, `fit`); yields the wrappers made.
 
     `schedule` ({epoch: accum_steps}) makes the wrappers schedulable and adds an
     `AccumulationSchedule` callback to every `fit` of a model compiled here.
+    `partial_window` is the wrappers' (see `GradientAccumulator`).
     """
     from accumulator.callbacks import AccumulationSchedule, accum_steps_at, validate_schedule
 
     if schedule is not None:
         schedule = validate_schedule(schedule)
         accum_steps = accum_steps_at(schedule, 0)
+    fit_hook.install()   # before `fit` is saved here: restoring it keeps the hook
     original = keras.Model.compile
     original_fit = keras.Model.fit
     made = []
@@ -53,7 +56,9 @@ def accumulating_compile(accum_steps, schedule=None):
                         not isinstance(inner, keras.optimizers.LossScaleOptimizer):
                     inner = keras.optimizers.LossScaleOptimizer(inner)
                     kwargs["auto_scale_loss"] = False
-                optimizer = GradientAccumulator(inner, accum_steps, schedulable=schedule is not None)
+                optimizer = GradientAccumulator(
+                    inner, accum_steps, partial_window=partial_window, schedulable=schedule is not None
+                )
                 configure_batch_norm(self, accum_steps, optimizer)
                 logger.info("Wrapped %s in GradientAccumulator(accum_steps=%d).",
                              type(inner).__name__, accum_steps)

@@ -1,19 +1,27 @@
 """Keras callbacks that act on a `GradientAccumulator` between epochs.
 
+`EpochWindows` closes the window left open when an epoch's training ends, as
+the optimizer's `partial_window` says ("apply" by default: one update over the
+micro-batches it holds, like the large-batch run's short last batch). `fit`
+adds it by itself to a model compiled with a `GradientAccumulator`
+(`accumulator.fit_hook`); pass one explicitly only to override the mode for
+epoch ends (`EpochWindows("carry")`: windows run on across epochs).
+
 `AccumulationSchedule({epoch: accum_steps})` changes the accumulation during
 training (as PyTorch Lightning's GradientAccumulationScheduler and optax's
-`every_k_schedule` do). Each change is exact: the window open at the change is
-applied first (as the last, short batch of that epoch would be), then the new
-`accum_steps` holds from the first micro-batch of the epoch. The accumulator's
-step reads `accum_steps` from a variable, so nothing is retraced.
-
-`epoch_end` says what happens to a window still open at the end of every epoch:
-"carry" (the default: windows run on across epochs), "apply" or "drop".
+`every_k_schedule` do) and closes epoch windows as `EpochWindows` does. Each
+change is exact: a window still open at the change is applied first, then the
+new `accum_steps` holds from the first micro-batch of the epoch. The
+accumulator's step reads `accum_steps` from a variable, so nothing is retraced.
 """
+
+import logging
 
 import keras
 
 from accumulator.optimizer import PARTIAL_WINDOW_MODES, GradientAccumulator, validate_accum_steps
+
+logger = logging.getLogger(__name__)
 
 
 def validate_schedule(schedule):
@@ -43,40 +51,88 @@ def accum_steps_at(schedule, epoch):
     return steps
 
 
-class AccumulationSchedule(keras.callbacks.Callback):
-    """Changes `accum_steps` at epoch starts; optionally closes windows at epoch ends.
+class EpochWindows(keras.callbacks.Callback):
+    """Closes the window open when an epoch's training ends.
+
+    It acts when the epoch's last micro-batch has been trained: before `fit`
+    validates (so validation sees the weights the large-batch run would have)
+    and at the epoch's end. `fit` puts it first among the callbacks, so
+    checkpoints and early stopping see the window applied.
 
     Args:
-        schedule: {epoch: accum_steps}; epochs not listed keep the last value.
-            `None`: only `epoch_end` acts.
-        epoch_end: "carry", "apply" or "drop": a window open when an epoch ends.
+        epoch_end: "apply", "carry" or "drop"; `None` (the default) follows the
+            optimizer's `partial_window`.
     """
 
-    def __init__(self, schedule=None, epoch_end="carry"):
+    def __init__(self, epoch_end=None):
         super().__init__()
-        self.schedule = None if schedule is None else validate_schedule(schedule)
-        if epoch_end not in PARTIAL_WINDOW_MODES:
-            raise ValueError(f"`epoch_end` must be one of {PARTIAL_WINDOW_MODES}; received {epoch_end!r}.")
+        if epoch_end is not None and epoch_end not in PARTIAL_WINDOW_MODES:
+            raise ValueError(
+                f"`epoch_end` must be one of {PARTIAL_WINDOW_MODES} or None; received {epoch_end!r}."
+            )
         self.epoch_end = epoch_end
+        self._training_epoch = False
+        self._reported = False
 
     def _optimizer(self):
         optimizer = self.model.optimizer
         if not isinstance(optimizer, GradientAccumulator):
             raise TypeError(
-                "AccumulationSchedule needs a model compiled with a GradientAccumulator; "
+                f"{type(self).__name__} needs a model compiled with a GradientAccumulator; "
                 f"its optimizer is {type(optimizer).__name__}."
             )
         return optimizer
 
+    def on_train_begin(self, logs=None):
+        self._reported = False
+
     def on_epoch_begin(self, epoch, logs=None):
-        if self.schedule is None:
-            return
+        self._training_epoch = True
+
+    def on_test_begin(self, logs=None):
+        # Inside `fit`, validation follows the epoch's last micro-batch.
+        if self._training_epoch:
+            self._close_epoch_window()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._training_epoch:
+            self._close_epoch_window()
+        self._training_epoch = False
+
+    def _close_epoch_window(self):
+        self._training_epoch = False
+        optimizer = self._optimizer()
+        mode = self.epoch_end or optimizer.partial_window
+        held = optimizer.close_partial_window(mode)
+        if held and not self._reported:
+            self._reported = True
+            logger.info(
+                "An epoch ended %d micro-batch(es) into a window of %d; epoch_end=%r %s it. "
+                "Make steps_per_epoch a multiple of accum_steps to avoid short windows, or "
+                "use partial_window='carry' to let windows run across epochs.",
+                held, optimizer.accum_steps, mode,
+                {"apply": "applied", "carry": "carried", "drop": "dropped"}[mode],
+            )
+
+
+class AccumulationSchedule(EpochWindows):
+    """Changes `accum_steps` at epoch starts, and closes windows at epoch ends.
+
+    Args:
+        schedule: {epoch: accum_steps}; epochs not listed keep the last value.
+            The optimizer must be `schedulable` (or have `accum_steps > 1`).
+        epoch_end: "apply", "carry" or "drop": a window open when an epoch
+            ends; `None` follows the optimizer's `partial_window`.
+    """
+
+    def __init__(self, schedule, epoch_end=None):
+        super().__init__(epoch_end)
+        self.schedule = validate_schedule(schedule)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        super().on_epoch_begin(epoch, logs)
         optimizer = self._optimizer()
         steps = accum_steps_at(self.schedule, epoch)
         if steps != optimizer.accum_steps:
             optimizer.close_partial_window("apply")
             optimizer.set_accum_steps(steps)
-
-    def on_epoch_end(self, epoch, logs=None):
-        if self.epoch_end != "carry":
-            self._optimizer().close_partial_window(self.epoch_end)

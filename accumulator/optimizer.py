@@ -30,7 +30,7 @@ import numbers
 import keras
 from keras import ops
 
-from accumulator import _tf, weighting
+from accumulator import _tf, fit_hook, weighting
 
 PARTIAL_WINDOW_MODES = ("apply", "carry", "drop")
 
@@ -120,19 +120,23 @@ class GradientAccumulator(keras.optimizers.Optimizer):
     scaled mean is checked once, and a window holding a non-finite gradient is
     skipped as a whole while the scale adapts.
 
-    Partial windows: when `fit` ends with a window still open (the data ran
-    out mid-window), `partial_window` says what happens to it: "apply" (the
-    default) makes one update from the micro-batches it holds, "carry" keeps
-    it open for the next `fit` (resuming training in several calls), "drop"
-    discards it. `close_partial_window()` does the same on demand.
+    Partial windows: when an epoch or `fit` ends with a window still open
+    (the data ran out mid-window), `partial_window` says what happens to it:
+    "apply" (the default) makes one update from the micro-batches it holds,
+    weighted by the samples they hold, exactly like the large-batch run's
+    short last batch; "carry" keeps it open, so windows run on across epochs
+    and into the next `fit` (resuming training in several calls); "drop"
+    discards it. `fit` learns of epoch ends through a callback it adds by
+    itself (`accumulator.callbacks.EpochWindows`, see `accumulator.fit_hook`);
+    custom loops call `close_partial_window()` where their epochs end.
 
     Args:
         optimizer: the inner optimizer: a `keras.optimizers.Optimizer` instance
             or a name accepted by `keras.optimizers.get` (for example "adam").
         accum_steps: positive int, the micro-batches in one window. 1 makes the
             wrapper a transparent pass-through.
-        partial_window: "apply", "carry" or "drop": what the end of `fit` does
-            with an open window.
+        partial_window: "apply", "carry" or "drop": what the end of an epoch
+            and of `fit` does with an open window.
         schedulable: keep the accumulating path even at `accum_steps=1`, so
             that `set_accum_steps` (or `accumulator.callbacks.AccumulationSchedule`)
             can change it during training. Implied by any `accum_steps > 1`.
@@ -167,6 +171,7 @@ class GradientAccumulator(keras.optimizers.Optimizer):
                 f"{keras.backend.backend()!r}."
             )
         _tf.prepare_for_strategy()
+        fit_hook.install()
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = optimizer
         self.accum_steps = accum_steps
@@ -252,8 +257,9 @@ class GradientAccumulator(keras.optimizers.Optimizer):
     def close_partial_window(self, mode=None):
         """Applies ("apply"), keeps ("carry") or discards ("drop") an open window.
 
-        Call it between training runs; `fit` calls it with `partial_window`
-        when it ends. Returns the number of micro-batches the window held.
+        Call it between training runs or where a custom loop's epoch ends;
+        `fit` calls it with `partial_window` when an epoch and when training
+        ends. Returns the number of micro-batches the window held.
         """
         mode = mode or self.partial_window
         if mode not in PARTIAL_WINDOW_MODES:

@@ -1,8 +1,8 @@
 """`AccumulatingTrainer`: a drop-in `tfx.components.Trainer` that accumulates gradients.
 
 Same inputs, same outputs (`model`, `model_run`), same run_fn contract as the
-stock Trainer, plus three parameters: `accum_steps`, `effective_batch_size`
-and `strategy`. Change the class name in a pipeline and it trains with
+stock Trainer, plus the accumulation's parameters (`accum_steps`, `effective_batch_size`,
+`strategy`, `accum_schedule`, `partial_window`). Change the class name in a pipeline and it trains with
 accumulation; feed `hyperparameters=tuner.outputs["best_hyperparameters"]` and
 the tuned values win over the parameters.
 """
@@ -36,6 +36,7 @@ class AccumulatingTrainerSpec(standard_component_specs.TrainerSpec):
         executor.EFFECTIVE_BATCH_SIZE_KEY: ExecutionParameter(type=int, optional=True),
         executor.STRATEGY_KEY: ExecutionParameter(type=str, optional=True),
         executor.ACCUM_SCHEDULE_KEY: ExecutionParameter(type=str, optional=True),
+        executor.PARTIAL_WINDOW_KEY: ExecutionParameter(type=str, optional=True),
     }
 
 
@@ -54,6 +55,8 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
         accum_schedule: {epoch: accum_steps}: accumulation that changes at
             epoch starts (each change exact); it replaces `accum_steps`, the
             micro-batch stays fixed.
+        partial_window: "apply" (the default), "carry" or "drop": what the end
+            of an epoch and of training does with a window still open.
 
     `TrainArgs.num_steps` counts optimizer updates: the run_fn sees
     `fn_args.train_steps = num_steps * accum_steps` micro-steps.
@@ -79,6 +82,7 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
         effective_batch_size: Optional[Union[int, data_types.RuntimeParameter]] = None,
         strategy: Optional[str] = "auto",
         accum_schedule: Optional[Dict[int, int]] = None,
+        partial_window: str = "apply",
     ):
         if [bool(module_file), bool(run_fn)].count(True) != 1:
             raise ValueError("Exactly one of 'module_file', or 'run_fn' must be supplied.")
@@ -93,7 +97,8 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
         def static(value):
             return None if isinstance(value, data_types.RuntimeParameter) else value
 
-        settings_lib.resolve(None, static(accum_steps), static(effective_batch_size), replicas=1)
+        settings_lib.resolve(None, static(accum_steps), static(effective_batch_size), replicas=1,
+                             partial_window=partial_window)
         if accum_schedule is not None:
             accum_schedule = json.dumps(validate_schedule(accum_schedule))
         if strategy not in STRATEGY_CHOICES:
@@ -115,6 +120,7 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             effective_batch_size=effective_batch_size,
             strategy=strategy,
             accum_schedule=accum_schedule,
+            partial_window=partial_window,
             model=types.Channel(type=standard_artifacts.Model),
             model_run=types.Channel(type=standard_artifacts.ModelRun),
         )

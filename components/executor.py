@@ -27,6 +27,7 @@ ACCUM_STEPS_KEY = "accum_steps"
 EFFECTIVE_BATCH_SIZE_KEY = "effective_batch_size"
 STRATEGY_KEY = "strategy"
 ACCUM_SCHEDULE_KEY = "accum_schedule"
+PARTIAL_WINDOW_KEY = "partial_window"
 TENSORBOARD_SUBDIR = "accumulation"
 
 
@@ -61,18 +62,21 @@ class Executor(tfx_trainer_executor.GenericExecutor):
             exec_properties.get(EFFECTIVE_BATCH_SIZE_KEY),
             strategy.num_replicas_in_sync,
             json.loads(exec_properties[ACCUM_SCHEDULE_KEY]) if exec_properties.get(ACCUM_SCHEDULE_KEY) else None,
+            exec_properties.get(PARTIAL_WINDOW_KEY),
         )
         logging.info(
             "Accumulation: accum_steps=%d (%s), effective batch %s (%s), global micro-batch %s, "
-            "%d replica(s) under %s; %s optimizer updates = %s micro-steps.",
+            "%d replica(s) under %s; %s optimizer updates = %s micro-steps; partial windows: %s.",
             settings.accum_steps, settings.sources.get("accum_steps"),
             settings.effective_batch_size, settings.sources.get("effective_batch_size"),
             settings.micro_batch or "the run_fn's", settings.replicas, type(strategy).__name__,
             fn_args.train_steps, fn_args.train_steps and fn_args.train_steps * settings.accum_steps,
+            settings.partial_window,
         )
         user_fn_args = fn_args_utils.for_accumulation(fn_args, settings)
 
-        with accumulating_compile(settings.accum_steps, settings.schedule) as optimizers, \
+        with accumulating_compile(settings.accum_steps, settings.schedule,
+                                  settings.partial_window) as optimizers, \
                 wrapping.strategy_scope(strategy):
             run_fn(user_fn_args)
 
@@ -93,11 +97,13 @@ class Executor(tfx_trainer_executor.GenericExecutor):
                 for name, value in properties.items():
                     artifact.set_int_custom_property(name, int(value))
                 artifact.set_string_custom_property("distribution_strategy", type(strategy).__name__)
+                artifact.set_string_custom_property("partial_window", settings.partial_window)
         writer = tf.summary.create_file_writer(os.path.join(model_run_dir, TENSORBOARD_SUBDIR))
         with writer.as_default():
             for name, value in properties.items():
                 tf.summary.scalar(f"accumulation/{name}", value, step=0)
             tf.summary.text("accumulation/settings", json.dumps(
-                {**properties, "strategy": type(strategy).__name__, "sources": settings.sources},
+                {**properties, "strategy": type(strategy).__name__, "partial_window": settings.partial_window,
+                 "sources": settings.sources},
                 indent=1, sort_keys=True), step=0)
         writer.flush()

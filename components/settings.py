@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any, Dict, Optional
 
 from accumulator import validate_accum_steps
+from accumulator.optimizer import PARTIAL_WINDOW_MODES
 
 ACCUM_STEPS = "accum_steps"
 EFFECTIVE_BATCH_SIZE = "effective_batch_size"
@@ -23,6 +24,7 @@ class AccumulationSettings:
     effective_batch_size: Optional[int]
     replicas: int
     schedule: Optional[Dict[int, int]] = None
+    partial_window: str = "apply"
     sources: Dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
     @property
@@ -67,13 +69,20 @@ def resolve(
     effective_batch_size: Optional[int],
     replicas: int,
     schedule: Optional[Dict[Any, int]] = None,
+    partial_window: Optional[str] = None,
 ) -> AccumulationSettings:
     """Resolves and validates the settings of one run.
 
     With a `schedule` ({epoch: accum_steps}), `accum_steps` is the schedule's
     value at epoch 0, the micro-batch stays fixed, and the effective batch is
-    that of epoch 0.
+    that of epoch 0. `partial_window` (default "apply") is what epoch and
+    training ends do with an open window (see `GradientAccumulator`).
     """
+    partial_window = partial_window or "apply"
+    if partial_window not in PARTIAL_WINDOW_MODES:
+        raise ValueError(
+            f"`partial_window` must be one of {PARTIAL_WINDOW_MODES}; received {partial_window!r}."
+        )
     values = hyperparameter_values(hyperparameters)
     sources = {}
     if schedule is not None:
@@ -106,4 +115,4 @@ def resolve(
             )
     if schedule is not None:
         sources[ACCUM_STEPS] = "schedule"
-    return AccumulationSettings(accum, effective, replicas, schedule, sources)
+    return AccumulationSettings(accum, effective, replicas, schedule, partial_window, sources)

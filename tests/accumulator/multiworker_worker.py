@@ -24,6 +24,7 @@ def main():
     parser.add_argument("--steps-per-epoch", type=int, default=32, help="micro-batches per epoch")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--compat", default="none", help="Keras fixes to apply up front: comma-separated, or none")
+    parser.add_argument("--partial-window", default="apply")
     parser.add_argument("--backup", default="")
     parser.add_argument("--save-freq", type=int, default=0)
     parser.add_argument("--die-at", type=int, default=-1, help="SIGKILL self after this global micro-step")
@@ -48,7 +49,7 @@ def main():
             keras.optimizers.schedules.ExponentialDecay(1e-2, 4, 0.5), weight_decay=0.05, global_clipnorm=0.05
         )
         if args.accum > 1:
-            optimizer = GradientAccumulator(optimizer, args.accum)
+            optimizer = GradientAccumulator(optimizer, args.accum, partial_window=args.partial_window)
         model.compile(optimizer=optimizer, loss="mse")
 
     options = tf.data.Options()
@@ -72,6 +73,9 @@ def main():
                     os.kill(os.getpid(), 9)
         callbacks.append(Die())
     model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=callbacks)
+    if args.accum > 1:
+        # A carried window is applied on demand: a collective, on every worker.
+        optimizer.close_partial_window("apply")
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
     result["iterations"] = np.array(int(optimizer.iterations.numpy()))

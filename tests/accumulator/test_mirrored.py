@@ -51,14 +51,14 @@ def data():
     return ref.regression_data(MICRO * ACCUM * UPDATES)
 
 
-def _fit_under(strategy, make_optimizer, x, y, batch_size, accum_steps=None):
+def _fit_under(strategy, make_optimizer, x, y, batch_size, accum_steps=None, epochs=1):
     with strategy.scope():
         model = ref.mlp()
         optimizer = make_optimizer()
         if accum_steps:
             optimizer = GradientAccumulator(optimizer, accum_steps)
         model.compile(optimizer=optimizer, loss="mse")
-    model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
     return model
 
 
@@ -68,6 +68,18 @@ def test_fit_matches_large_batch_under_the_same_strategy(data):
     expected = _fit_under(strategy, _adam, x, y, MICRO * ACCUM)
     model = _fit_under(strategy, _adam, x, y, MICRO, ACCUM)
     assert int(model.optimizer.iterations.numpy()) == UPDATES
+    assert ref.max_abs_diff(model.get_weights(), expected.get_weights()) <= 1e-5
+
+
+def test_each_epochs_last_window_is_applied_across_replicas():
+    # 10 micro-batches an epoch in windows of 4: 4, 4 and 2 per epoch, as the
+    # large batch's 64, 64 and 32 samples.
+    x, y = ref.regression_data(MICRO * 10)
+    strategy, _ = _strategy()
+    expected = _fit_under(strategy, _adam, x, y, MICRO * ACCUM, epochs=2)
+    model = _fit_under(strategy, _adam, x, y, MICRO, ACCUM, epochs=2)
+    assert int(model.optimizer.iterations.numpy()) == 6
+    assert int(model.optimizer.micro_step.numpy()) == 0
     assert ref.max_abs_diff(model.get_weights(), expected.get_weights()) <= 1e-5
 
 

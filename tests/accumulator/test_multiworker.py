@@ -50,10 +50,15 @@ def test_plain_keras_multiworker_fit_runs_with_the_fixes(tmp_path):
     assert result[1] == 4
 
 
-def test_killed_worker_resumes_from_backup_without_losing_or_repeating_micro_batches(tmp_path):
-    # 10 micro-batches an epoch, windows of 4: backups at epoch ends hold open windows.
-    args = ["--accum", ACCUM, "--steps-per-epoch", 10, "--epochs", 3, "--backup", tmp_path / "backup"]
-    procs = start_cluster(tmp_path / "out", *args, "--die-at", 25)   # worker dies in epoch 3
+@pytest.mark.parametrize("partial_window, updates", [("carry", 7), ("apply", 9)])
+def test_killed_worker_resumes_from_backup_without_losing_or_repeating_micro_batches(
+        partial_window, updates, tmp_path):
+    # 9 micro-batches an epoch, windows of 4. "carry": the backup at the end of
+    # epoch 2 holds a window 2 micro-batches in, and 27 micro-batches make 6
+    # full windows and 3 carried past fit, then applied. "apply": 4, 4, 1 every epoch.
+    args = ["--accum", ACCUM, "--steps-per-epoch", 9, "--epochs", 3, "--backup", tmp_path / "backup",
+            "--partial-window", partial_window]
+    procs = start_cluster(tmp_path / "out", *args, "--die-at", 22)   # worker dies in epoch 3
     deadline = time.time() + 300
     while all(p.poll() is None for p in procs) and time.time() < deadline:
         time.sleep(0.5)
@@ -67,21 +72,22 @@ def test_killed_worker_resumes_from_backup_without_losing_or_repeating_micro_bat
     codes, output, result = run_cluster(tmp_path / "out", *args)
     assert codes == [0, 0], output[-3000:]
     weights, iterations = result
-    assert iterations == 8          # 30 micro-batches: 7 full windows, 2 applied at the end
-    expected = _single_device_large_batch_resumable()
+    assert iterations == updates
+    expected = _single_device_resumable(partial_window)
     assert ref.max_abs_diff(weights, expected) <= 1e-5
 
 
-def _single_device_large_batch_resumable():
-    """3 epochs of 10 micro-batches, windows of 4 spanning epochs, on one device."""
+def _single_device_resumable(partial_window):
+    """3 epochs of 9 micro-batches, windows of 4, on one device, uninterrupted."""
     from accumulator import GradientAccumulator
-    x, y = ref.regression_data(MICRO * 10)
+    x, y = ref.regression_data(MICRO * 9)
     optimizer = GradientAccumulator(
         keras.optimizers.AdamW(keras.optimizers.schedules.ExponentialDecay(1e-2, 4, 0.5),
                                weight_decay=0.05, global_clipnorm=0.05),
-        ACCUM,
+        ACCUM, partial_window=partial_window,
     )
     model = ref.mlp()
     model.compile(optimizer=optimizer, loss="mse")
     model.fit(x, y, batch_size=MICRO, epochs=3, shuffle=False, verbose=0)
+    optimizer.close_partial_window("apply")
     return model.get_weights()

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import keras
 import tensorflow as tf
 
@@ -111,14 +112,16 @@ class _Interrupt(keras.callbacks.Callback):
             raise RuntimeError("simulated preemption")
 
 
-def test_backup_and_restore_keeps_the_open_window(tmp_path):
-    # 10 micro-batches an epoch, windows of 4: epoch 0 ends 2 micro-batches into a window.
+@pytest.mark.parametrize("partial_window, updates", [("carry", 10), ("apply", 12)])
+def test_backup_and_restore_keeps_the_open_window(partial_window, updates, tmp_path):
+    # 10 micro-batches an epoch, windows of 4: epoch 0 ends 2 micro-batches into
+    # a window, which the backup holds ("carry") or which is applied ("apply").
     x, y = ref.regression_data(MICRO * 10)
-    uninterrupted = _compiled()
+    uninterrupted = _compiled(partial_window=partial_window)
     uninterrupted.fit(x, y, batch_size=MICRO, epochs=4, shuffle=False, verbose=0)
 
     backup = str(tmp_path / "backup")
-    model = _compiled()
+    model = _compiled(partial_window=partial_window)
     try:
         model.fit(x, y, batch_size=MICRO, epochs=4, shuffle=False, verbose=0,
                   callbacks=[keras.callbacks.BackupAndRestore(backup), _Interrupt(1, 6)])
@@ -126,11 +129,11 @@ def test_backup_and_restore_keeps_the_open_window(tmp_path):
         pass
     assert os.path.exists(backup)
 
-    resumed = _compiled(seed=1)
+    resumed = _compiled(seed=1, partial_window=partial_window)
     seen = []
     resumed.fit(x, y, batch_size=MICRO, epochs=4, shuffle=False, verbose=0,
                 callbacks=[keras.callbacks.BackupAndRestore(backup),
                            keras.callbacks.LambdaCallback(on_epoch_begin=lambda e, l: seen.append(e))])
     assert seen == [1, 2, 3]
-    assert int(resumed.optimizer.iterations.numpy()) == 10
+    assert int(resumed.optimizer.iterations.numpy()) == updates
     assert ref.max_abs_diff(resumed.get_weights(), uninterrupted.get_weights()) <= 1e-6

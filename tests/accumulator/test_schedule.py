@@ -4,7 +4,7 @@ import keras
 import pytest
 
 from accumulator import GradientAccumulator
-from accumulator.callbacks import AccumulationSchedule, accum_steps_at, validate_schedule
+from accumulator.callbacks import AccumulationSchedule, EpochWindows, accum_steps_at, validate_schedule
 from tests.accumulator import reference as ref
 
 MICRO = 8
@@ -41,7 +41,7 @@ def test_epoch_end_apply_closes_every_epochs_window():
     model = ref.mlp()
     model.compile(GradientAccumulator(_adam(), 4), "mse")
     model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0,
-              callbacks=[AccumulationSchedule(epoch_end="apply")])
+              callbacks=[EpochWindows("apply")])
     assert int(model.optimizer.iterations.numpy()) == 6
     assert ref.max_abs_diff(model.get_weights(), expected.get_weights()) <= 1e-6
 

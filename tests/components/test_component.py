@@ -46,6 +46,7 @@ def test_hyperparameters_channel_is_accepted():
         ({"effective_batch_size": 0}, ValueError, "effective_batch_size"),
         ({"accum_steps": 3, "effective_batch_size": 64}, ValueError, "divide evenly"),
         ({"strategy": "gpu"}, ValueError, "strategy"),
+        ({"partial_window": "keep"}, ValueError, "partial_window"),
     ],
 )
 def test_bad_parameters_fail_when_the_pipeline_is_defined(extra, error, message):

@@ -24,7 +24,7 @@ def test_unchanged_stock_module_trains_like_the_stock_trainer_with_the_big_batch
     assert stock_seen["train_batch"] == 32 and stock_seen["iterations"] == 6
     assert seen == {
         "train_steps": 24, "train_batch": 8, "eval_batch": 16, "optimizer": "GradientAccumulator",
-        "accum_steps": 4, "iterations": 6, "strategy": stock_seen["strategy"],
+        "accum_steps": 4, "iterations": 6, "strategy": stock_seen["strategy"], "partial_window": "apply",
     }
     assert max_abs_diff(weights, stock_weights) <= 1e-5
     assert os.path.exists(os.path.join(outputs["model"][0].uri, "Format-Serving", "saved_model.pb"))
@@ -42,6 +42,7 @@ def test_hyperparameters_win_over_parameters_and_are_recorded(examples, tmp_path
         assert artifact.get_int_custom_property("micro_batch_size") == 8
         assert artifact.get_int_custom_property("replicas") == 1
         assert artifact.get_int_custom_property("optimizer_updates") == 3
+        assert artifact.get_string_custom_property("partial_window") == "apply"
     events = glob.glob(os.path.join(outputs["model_run"][0].uri, "accumulation", "events.out.tfevents.*"))
     assert events
 
@@ -73,6 +74,7 @@ def test_run_fn_with_its_own_strategy_scope_keeps_working(examples, tmp_path):
         ({"accum_steps": 3, "effective_batch_size": 32}, "divide evenly"),
         ({"effective_batch_size": -4}, "effective_batch_size"),
         ({"strategy": "tpu"}, "kind"),
+        ({"partial_window": "flush"}, "partial_window"),
     ],
 )
 def test_bad_settings_fail_before_training(examples, tmp_path, properties, message):
@@ -84,6 +86,13 @@ def test_bad_settings_fail_before_training(examples, tmp_path, properties, messa
 def test_module_without_run_fn_is_refused(examples, tmp_path):
     with pytest.raises(ValueError, match="run_fn"):
         fixtures.run_executor(tmp_path, examples, module=os.path.join(fixtures.TESTDATA, "no_run_fn_module.py"))
+
+
+def test_partial_window_parameter_reaches_the_optimizer_and_is_recorded(examples, tmp_path):
+    outputs, seen, _ = fixtures.run_executor(tmp_path, examples, num_steps=2, accum_steps=2,
+                                             partial_window="carry")
+    assert (seen["partial_window"], seen["iterations"]) == ("carry", 2)
+    assert outputs["model"][0].get_string_custom_property("partial_window") == "carry"
 
 
 def test_accumulation_schedule_parameter_reaches_the_optimizer(examples, tmp_path):

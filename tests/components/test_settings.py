@@ -7,7 +7,7 @@ from components.settings import resolve
 
 def test_defaults():
     s = resolve(None, None, None, replicas=1)
-    assert (s.accum_steps, s.effective_batch_size, s.micro_batch) == (1, None, None)
+    assert (s.accum_steps, s.effective_batch_size, s.micro_batch, s.partial_window) == (1, None, None, "apply")
     assert s.sources == {"accum_steps": "default", "effective_batch_size": "default"}
 
 
@@ -32,3 +32,9 @@ def test_precedence():
 def test_errors_name_the_value_and_its_source(hp, accum, effective, replicas, message):
     with pytest.raises((ValueError, TypeError), match=message):
         resolve(hp, accum, effective, replicas)
+
+
+def test_partial_window_is_one_of_the_modes():
+    assert resolve(None, 2, None, replicas=1, partial_window="drop").partial_window == "drop"
+    with pytest.raises(ValueError, match=r"`partial_window` must be one of \('apply', 'carry', 'drop'\)"):
+        resolve(None, 2, None, replicas=1, partial_window="flush")

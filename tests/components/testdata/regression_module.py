@@ -66,6 +66,7 @@ def run_fn(fn_args: tfx.components.FnArgs):
         "eval_batch": int(next(iter(evaluation))[1].shape[0]),
         "optimizer": type(model.optimizer).__name__,
         "accum_steps": getattr(model.optimizer, "accum_steps", None),
+        "partial_window": getattr(model.optimizer, "partial_window", None),
         "iterations": int(model.optimizer.iterations.numpy()),
         "strategy": type(model.distribute_strategy).__name__,
     }
