@@ -174,7 +174,7 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         fit_hook.install()
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = optimizer
-        self.accum_steps = accum_steps
+        self._accum_steps = accum_steps
         self.partial_window = partial_window
         # Indices of the variables that got gradients in any traced or eager
         # call: what a forced close of the window applies.
@@ -195,7 +195,7 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         )
         self._accum_steps_var = self.add_variable(
             shape=(), dtype="int64",
-            initializer=keras.initializers.Constant(self.accum_steps),
+            initializer=keras.initializers.Constant(self._accum_steps),
             aggregation="only_first_replica", name="accum_steps",
         )
         # Replica-local: each replica sums its own micro-batches; the sums meet
@@ -224,6 +224,14 @@ class GradientAccumulator(keras.optimizers.Optimizer):
     @property
     def variables(self):
         return self._variables + self.inner_optimizer.variables
+
+    @property
+    def accum_steps(self):
+        """Micro-batches per window. Once built, the variable's value: what a
+        schedule set, and what a restored checkpoint or loaded model holds."""
+        if self.built and _tf.executing_eagerly():
+            self._accum_steps = int(self._accum_steps_var.numpy())
+        return self._accum_steps
 
     @property
     def micro_step(self):
@@ -296,7 +304,7 @@ class GradientAccumulator(keras.optimizers.Optimizer):
                 "`accum_steps` can change only between windows; close the open "
                 "window first (`close_partial_window`)."
             )
-        self.accum_steps = accum_steps
+        self._accum_steps = accum_steps
         if self.built:
             self._accum_steps_var.assign(accum_steps)
 

@@ -137,3 +137,27 @@ def test_backup_and_restore_keeps_the_open_window(partial_window, updates, tmp_p
     assert seen == [1, 2, 3]
     assert int(resumed.optimizer.iterations.numpy()) == updates
     assert ref.max_abs_diff(resumed.get_weights(), uninterrupted.get_weights()) <= 1e-6
+
+
+def test_a_scheduled_accum_steps_survives_saving_and_restoring(tmp_path):
+    from accumulator.callbacks import AccumulationSchedule
+    x, y = ref.regression_data(MICRO * 8)
+    model = ref.mlp()
+    model.compile(GradientAccumulator(keras.optimizers.SGD(0.05), 2, schedulable=True), "mse")
+    model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0,
+              callbacks=[AccumulationSchedule({0: 2, 1: 4})])
+    assert model.optimizer.accum_steps == 4
+    model.save(tmp_path / "model.keras")
+    path = tf.train.Checkpoint(optimizer=model.optimizer).save(str(tmp_path / "ckpt"))
+
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert loaded.optimizer.accum_steps == 4
+    assert loaded.optimizer.get_config()["accum_steps"] == 4
+
+    fresh = GradientAccumulator(keras.optimizers.SGD(0.05), 2, schedulable=True)
+    fresh.build(ref.mlp().trainable_variables)
+    tf.train.Checkpoint(optimizer=fresh).restore(path).assert_existing_objects_matched()
+    assert fresh.accum_steps == 4
+    # It acts: 8 micro-batches in windows of 4 make 2 more updates.
+    loaded.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+    assert int(loaded.optimizer.iterations.numpy()) == int(model.optimizer.iterations.numpy()) + 2
