@@ -93,6 +93,21 @@ def check_inner_supports_distribution(optimizer):
         )
 
 
+def stack_over_replicas(vector):
+    """`[replicas, n]`: every replica's 1-D `vector`, or None without several replicas.
+
+    One all-reduce of one-hot rows, so it works wherever a replica context
+    does (MirroredStrategy, multi-worker, with or without merge_call).
+    """
+    if not tf.distribute.has_strategy():
+        return None
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return None
+    rows = tf.one_hot(context.replica_id_in_sync_group, context.num_replicas_in_sync, dtype=vector.dtype)
+    return context.all_reduce(SUM, rows[:, None] * vector[None, :])
+
+
 def make_close_function(optimizer):
     """A `tf.function` that applies the open window, under the optimizer's strategy."""
     strategy = optimizer._distribution_strategy

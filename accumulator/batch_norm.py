@@ -13,11 +13,21 @@ large batch would have used.
 In training, each micro-batch is still *normalized* with its own statistics (a
 forward pass only sees its micro-batch); only the moving statistics, the ones
 inference uses, are those of the effective batch.
+
+Under a strategy with several replicas the effective batch spans them all: each
+micro-step gathers the replicas' (count, mean, M2) in one small all-reduce
+(2 x channels + 1 floats per replica) and pools them exactly, whether or not
+the layer is `synchronized`. (Stock Keras' unsynchronized layer keeps the
+statistics of one replica's share of the batch.) `synchronized` still decides
+what a micro-batch is normalized with, as in Keras.
 """
+
+import logging
 
 import keras
 from keras import ops
 
+from accumulator import _tf
 from accumulator.optimizer import validate_accum_steps
 
 
@@ -89,7 +99,9 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
                 count = count * ops.cast(shape[axis], "float32")
         else:
             count = ops.sum(ops.cast(mask, "float32"))
-        mean, variance = ops.cast(mean, "float32"), ops.cast(variance, "float32")
+        mean = ops.reshape(ops.cast(mean, "float32"), (-1,))
+        variance = ops.reshape(ops.cast(variance, "float32"), (-1,))
+        count, mean, variance = _pool_over_replicas(count, mean, variance)
         # Chan et al.: combine (n_a, mean_a, M2_a) with this micro-batch's.
         n_a, mean_a, m2_a = self._window_count, self._window_mean, self._window_m2
         n = n_a + count
@@ -134,6 +146,22 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         return {**super().get_config(), "accum_steps": self.accum_steps}
 
 
+logger = logging.getLogger(__name__)
+
+
+def _pool_over_replicas(count, mean, variance):
+    """The (count, mean, variance) of all replicas' micro-batches together."""
+    channels = mean.shape[0]
+    rows = _tf.stack_over_replicas(ops.concatenate([ops.reshape(count, (1,)), mean, variance * count]))
+    if rows is None:
+        return count, mean, variance
+    counts, means, m2s = rows[:, :1], rows[:, 1:1 + channels], rows[:, 1 + channels:]
+    total = ops.sum(counts)
+    pooled_mean = ops.divide_no_nan(ops.sum(counts * means, axis=0), total)
+    pooled_m2 = ops.sum(m2s + counts * ops.square(means - pooled_mean), axis=0)
+    return total, pooled_mean, ops.divide_no_nan(pooled_m2, total)
+
+
 def _batch_norm_layers(model):
     return [layer for layer in model._flatten_layers(include_self=False)
             if isinstance(layer, AccumBatchNormalization)]
@@ -142,14 +170,23 @@ def _batch_norm_layers(model):
 def configure_batch_norm(model, accum_steps, optimizer=None):
     """Sets `accum_steps` on the model's AccumBatchNormalization layers.
 
-    With `optimizer` (a GradientAccumulator), its partial windows close the
-    layers' windows too. Returns the layers.
+    With `optimizer` (a GradientAccumulator), the layers follow it: its
+    partial windows close theirs, and `set_accum_steps` (a schedule) changes
+    theirs. `fit` does this for a model compiled with a GradientAccumulator.
+    Returns the layers.
     """
     layers = _batch_norm_layers(model)
     for layer in layers:
+        if layer._initial_accum_steps not in (None, accum_steps):
+            logger.warning(
+                "%s was given accum_steps=%d but trains with an optimizer that "
+                "accumulates %d micro-batches; it follows the optimizer.",
+                layer.name, layer._initial_accum_steps, accum_steps,
+            )
         layer.set_accum_steps(accum_steps)
-    if optimizer is not None and layers:
-        optimizer._window_listeners = list(getattr(optimizer, "_window_listeners", [])) + layers
+    if optimizer is not None:
+        listeners = optimizer._window_listeners
+        listeners.extend(layer for layer in layers if not any(layer is known for known in listeners))
     return layers
 
 

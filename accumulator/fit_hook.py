@@ -8,8 +8,9 @@ when the model's optimizer is a `GradientAccumulator`, `fit` gets an
 is closed (as the optimizer's `partial_window` says) before validation,
 checkpoints, early stopping or any other callback looks at the weights. A
 callback of that kind the user passes (for example an `AccumulationSchedule`)
-is moved to the front instead of being doubled. Models compiled with any other
-optimizer train exactly as before.
+is moved to the front instead of being doubled. The model's
+`AccumBatchNormalization` layers are tied to the optimizer's windows too.
+Models compiled with any other optimizer train exactly as before.
 """
 
 import functools
@@ -39,12 +40,15 @@ def install():
 
 def with_epoch_windows(model, callbacks):
     """`callbacks` with an `EpochWindows` first, if `model` trains with an accumulator."""
+    from accumulator.batch_norm import configure_batch_norm
     from accumulator.callbacks import EpochWindows
     from accumulator.optimizer import GradientAccumulator
 
     optimizer = getattr(model, "optimizer", None)
     if not isinstance(optimizer, GradientAccumulator) or optimizer._passthrough:
         return callbacks
+    # Window-pooling layers follow the optimizer's windows.
+    configure_batch_norm(model, optimizer.accum_steps, optimizer)
     if isinstance(callbacks, keras.callbacks.CallbackList):
         items = callbacks.callbacks
         ours = [c for c in items if isinstance(c, EpochWindows)]

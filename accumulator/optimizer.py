@@ -184,8 +184,16 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         self.schedulable = bool(schedulable)
         self._passthrough = accum_steps == 1 and not self.schedulable
         self._seen_in_window = set()
+        self._init_window_listeners()
 
     # ------------------------------------------------------------------ state
+    def _init_window_listeners(self):
+        # Layers that pool statistics per window (AccumBatchNormalization):
+        # they follow `accum_steps` and close their windows with this one.
+        # Not a checkpoint dependency (they are saved with their model), so
+        # set past TensorFlow's attribute tracking.
+        object.__setattr__(self, "_window_listeners", [])
+
     @keras.src.utils.tracking.no_automatic_dependency_tracking
     def build(self, var_list):
         var_list = list(var_list)
@@ -278,7 +286,7 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         if held == 0 or mode == "carry":
             return held
         # Layers pooling statistics per window (AccumBatchNormalization) close theirs too.
-        for layer in getattr(self, "_window_listeners", ()):
+        for layer in self._window_listeners:
             layer.close_window(apply=mode == "apply")
         if mode == "drop":
             self._reset_window(range(len(self._accumulators)))
@@ -307,6 +315,8 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         self._accum_steps = accum_steps
         if self.built:
             self._accum_steps_var.assign(accum_steps)
+        for layer in self._window_listeners:
+            layer.set_accum_steps(accum_steps)
 
     # ----------------------------------------------------------------- update
     def apply_gradients(self, grads_and_vars, micro_batch_weight=None):

@@ -100,3 +100,80 @@ def test_bad_arguments():
         AccumBatchNormalization(accum_steps=0)
     with pytest.raises(ValueError, match="renorm"):
         AccumBatchNormalization(renorm=True)
+
+
+def _large_batch_moving(x, y, batch_sizes, momentum=0.8):
+    """Stock BN on one device, one epoch per entry of `batch_sizes`."""
+    big = _model(keras.layers.BatchNormalization(momentum=momentum))
+    big.compile(keras.optimizers.SGD(0.01), "mse")
+    for batch_size in batch_sizes:
+        big.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
+    return _moving(big)
+
+
+def test_fit_ties_unconfigured_layers_to_the_optimizer_and_closes_them_at_epoch_ends():
+    x, y = _data(MICRO * 10)   # windows of 4, 4 and 2 every epoch
+    expected = _large_batch_moving(x, y, [MICRO * ACCUM] * 2)
+    model = _model(AccumBatchNormalization(momentum=0.8))     # no accum_steps given
+    model.compile(GradientAccumulator(keras.optimizers.SGD(0.01), ACCUM), "mse")
+    model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
+    assert model.layers[0].accum_steps == ACCUM
+    assert int(model.layers[0]._window_calls.numpy()) == 0
+    for ours, reference in zip(_moving(model), expected):
+        np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_layers_follow_an_accumulation_schedule():
+    from accumulator.callbacks import AccumulationSchedule
+    x, y = _data(MICRO * 8)
+    expected = _large_batch_moving(x, y, [MICRO * 2, MICRO * 4])
+    model = _model(AccumBatchNormalization(momentum=0.8))
+    model.compile(GradientAccumulator(keras.optimizers.SGD(0.01), 2, schedulable=True), "mse")
+    model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0,
+              callbacks=[AccumulationSchedule({0: 2, 1: 4})])
+    assert model.layers[0].accum_steps == 4
+    for ours, reference in zip(_moving(model), expected):
+        np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("synchronized", [False, True])
+def test_statistics_are_pooled_over_replicas_like_one_device(synchronized):
+    import tensorflow as tf
+    # 195 samples in global micro-batches of 16 (8 per replica): 12 full ones
+    # and a last one of 3, split 2 and 1 over the replicas; windows of 4.
+    x, y = _data(195)
+    expected = _large_batch_moving(x, y, [16 * ACCUM])
+    # Not the CPU default (collective ops): TensorFlow gives every
+    # MirroredStrategy the same collective keys, so a second strategy in one
+    # process clashes with the first's ops (stock Keras included).
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
+                                              cross_device_ops=tf.distribute.ReductionToOneDevice())
+    results = {}
+    for name, layer, optimizer in [
+        ("ours", AccumBatchNormalization(momentum=0.8, synchronized=synchronized),
+         lambda: GradientAccumulator(keras.optimizers.SGD(0.01), ACCUM)),
+        ("stock", keras.layers.BatchNormalization(momentum=0.8, synchronized=synchronized),
+         lambda: keras.optimizers.SGD(0.01)),
+    ]:
+        with strategy.scope():
+            model = _model(layer)
+            model.compile(optimizer(), "mse")
+        model.fit(x, y, batch_size=16 if name == "ours" else 16 * ACCUM, shuffle=False, verbose=0)
+        results[name] = _moving(model)
+    for ours, reference in zip(results["ours"], expected):
+        np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-5)
+    if not synchronized:
+        # Stock Keras keeps one replica's statistics.
+        assert max(np.max(np.abs(s - r)) for s, r in zip(results["stock"], expected)) > 1e-2
+
+
+def test_the_optimizer_does_not_checkpoint_the_layers_it_closes(tmp_path):
+    import tensorflow as tf
+    x, y = _data(MICRO * 4)
+    model = _model(AccumBatchNormalization())
+    model.compile(GradientAccumulator(keras.optimizers.SGD(0.01), ACCUM), "mse")
+    model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+    path = tf.train.Checkpoint(optimizer=model.optimizer).save(str(tmp_path / "ckpt"))
+    fresh = GradientAccumulator(keras.optimizers.SGD(0.01), ACCUM)
+    fresh.build(model.trainable_variables)
+    tf.train.Checkpoint(optimizer=fresh).restore(path).assert_consumed()
