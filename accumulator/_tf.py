@@ -45,10 +45,14 @@ def add_weighted(accumulator, grad, weight):
         )
 
 
-def _optimizer_chain(optimizer):
+def _reducing_optimizers(optimizer):
+    """`optimizer` and the ones it wraps that all-reduce their gradients themselves."""
+    chain = []
     while optimizer is not None:
-        yield optimizer
+        if hasattr(optimizer, "_all_reduce_sum_gradients"):
+            chain.append(optimizer)
         optimizer = getattr(optimizer, "inner_optimizer", None)
+    return chain
 
 
 @contextlib.contextmanager
@@ -60,7 +64,7 @@ def gradients_already_reduced(optimizer):
     The switch is an instance attribute, set while the update is traced or
     run, and removed afterwards.
     """
-    chain = [o for o in _optimizer_chain(optimizer) if hasattr(o, "_all_reduce_sum_gradients")]
+    chain = _reducing_optimizers(optimizer)
     for o in chain:
         o._all_reduce_sum_gradients = _identity
     try:
@@ -83,9 +87,7 @@ def prepare_for_strategy():
 
 
 def check_inner_supports_distribution(optimizer):
-    if tf.distribute.has_strategy() and not any(
-        hasattr(o, "_all_reduce_sum_gradients") for o in _optimizer_chain(optimizer)
-    ):
+    if tf.distribute.has_strategy() and not _reducing_optimizers(optimizer):
         raise NotImplementedError(
             "GradientAccumulator under tf.distribute needs a Keras TensorFlow "
             "optimizer with `_all_reduce_sum_gradients` (Keras >= 3.5); got "

@@ -25,12 +25,11 @@ update variables.
 
 from __future__ import annotations
 
-import numbers
-
 import keras
 from keras import ops
 
 from accumulator import _tf, fit_hook, weighting
+from accumulator.validation import integer_at_least
 
 PARTIAL_WINDOW_MODES = ("apply", "carry", "drop")
 
@@ -49,16 +48,7 @@ _BASE_ARG_DEFAULTS = {
 
 def validate_accum_steps(accum_steps, name="accum_steps"):
     """Returns `accum_steps` as an int, or raises naming the parameter."""
-    if isinstance(accum_steps, bool) or not isinstance(accum_steps, numbers.Integral):
-        raise TypeError(
-            f"`{name}` must be a positive integer (1, 2, 3, ...); "
-            f"received {accum_steps!r} of type {type(accum_steps).__name__}."
-        )
-    if accum_steps < 1:
-        raise ValueError(
-            f"`{name}` must be a positive integer (1, 2, 3, ...); received {accum_steps}."
-        )
-    return int(accum_steps)
+    return integer_at_least(accum_steps, name)
 
 
 def _resolve_optimizer(optimizer):

@@ -16,6 +16,7 @@ import keras_tuner
 import tensorflow as tf
 
 from accumulator.autowrap import accumulating_compile
+from accumulator.validation import integer_at_least
 
 ACCUM_STEPS = "accum_steps"
 EFFECTIVE_BATCH_SIZE = "effective_batch_size"
@@ -23,14 +24,10 @@ EFFECTIVE_BATCH_SIZE = "effective_batch_size"
 
 def declare_accumulation(hp, accum_steps=(1, 2, 4, 8), effective_batch_sizes=(32, 64, 128)):
     """Declares the two hyperparameters on `hp`; returns (accum_steps, effective batch)."""
-    for value in accum_steps:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"`accum_steps` choices must be positive ints; got {list(accum_steps)}.")
-    for value in effective_batch_sizes:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(
-                f"`effective_batch_sizes` choices must be positive ints; got {list(effective_batch_sizes)}."
-            )
+    accum_steps = [integer_at_least(v, f"accum_steps[{i}]") for i, v in enumerate(accum_steps)]
+    effective_batch_sizes = [
+        integer_at_least(v, f"effective_batch_sizes[{i}]") for i, v in enumerate(effective_batch_sizes)
+    ]
     bad = [(b, a) for b in effective_batch_sizes for a in accum_steps if b % a]
     if bad:
         raise ValueError(

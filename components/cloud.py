@@ -14,6 +14,7 @@ from tfx.dsl.components.base import executor_spec
 from tfx.extensions.google_cloud_ai_platform import constants as vertex_constants
 from tfx.extensions.google_cloud_ai_platform.trainer import executor as cloud_executor
 
+from accumulator.validation import integer_at_least
 from components import executor
 from components.component import AccumulatingTrainer
 
@@ -37,10 +38,8 @@ def vertex_training_config(project, region, image, workers=2, machine_type="n1-s
 
     Pool 0 is the chief (1 replica), pool 1 the other `workers - 1` workers.
     """
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"`workers` must be a positive integer; received {workers!r}.")
-    if isinstance(gpus_per_worker, bool) or not isinstance(gpus_per_worker, int) or gpus_per_worker < 0:
-        raise ValueError(f"`gpus_per_worker` must be a non-negative integer; received {gpus_per_worker!r}.")
+    workers = integer_at_least(workers, "workers")
+    gpus_per_worker = integer_at_least(gpus_per_worker, "gpus_per_worker", minimum=0)
     machine_spec = {"machine_type": machine_type}
     if gpus_per_worker:
         machine_spec.update(accelerator_type=accelerator_type, accelerator_count=gpus_per_worker)

@@ -11,6 +11,7 @@ from typing import Any, Dict, Optional
 
 from accumulator import validate_accum_steps
 from accumulator.optimizer import PARTIAL_WINDOW_MODES
+from accumulator.validation import integer_at_least
 
 ACCUM_STEPS = "accum_steps"
 EFFECTIVE_BATCH_SIZE = "effective_batch_size"
@@ -57,12 +58,6 @@ def hyperparameter_values(hyperparameters: Optional[Dict[str, Any]]) -> Dict[str
     return dict(hyperparameters)
 
 
-def _positive_int(value, name):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer; received {value!r}.")
-    return value
-
-
 def resolve(
     hyperparameters: Optional[Dict[str, Any]],
     accum_steps: Optional[int],
@@ -105,7 +100,7 @@ def resolve(
     accum = validate_accum_steps(pick(ACCUM_STEPS, accum_steps, 1), name=ACCUM_STEPS)
     effective = pick(EFFECTIVE_BATCH_SIZE, effective_batch_size, None)
     if effective is not None:
-        effective = _positive_int(effective, EFFECTIVE_BATCH_SIZE)
+        effective = integer_at_least(effective, EFFECTIVE_BATCH_SIZE)
         if effective % (accum * replicas):
             raise ValueError(
                 f"`{EFFECTIVE_BATCH_SIZE}` ({effective}, from {sources[EFFECTIVE_BATCH_SIZE]}) "

@@ -14,8 +14,10 @@ from tests.accumulator import reference as ref
 def test_declare_refuses_choices_that_do_not_divide():
     with pytest.raises(ValueError, match="divide evenly"):
         declare_accumulation(keras_tuner.HyperParameters(), accum_steps=(1, 3), effective_batch_sizes=(32,))
-    with pytest.raises(ValueError, match="accum_steps"):
+    with pytest.raises(ValueError, match=r"`accum_steps\[0\]` must be a positive integer"):
         declare_accumulation(keras_tuner.HyperParameters(), accum_steps=(0, 2))
+    with pytest.raises(TypeError, match=r"`effective_batch_sizes\[1\]` .* received '64'"):
+        declare_accumulation(keras_tuner.HyperParameters(), accum_steps=(1,), effective_batch_sizes=(32, "64"))
 
 
 class SampleCount(keras.metrics.Metric):
