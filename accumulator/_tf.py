@@ -18,6 +18,18 @@ from keras import ops
 
 SUM = tf.distribute.ReduceOp.SUM
 
+# With XLA-compiled steps on GPUs, tf.distribute drops `merge_call`; Keras'
+# optimizers still issue one when they count an update (an ONLY_FIRST_REPLICA
+# variable), and fail there (keras-team/keras#17187). A window update, which
+# must sit in a `cond`, cannot avoid it either.
+NO_MERGE_CALL_MESSAGE = (
+    "GradientAccumulator under a multi-replica strategy needs `jit_compile=False` "
+    "(XLA-compiled steps on GPUs run without `merge_call`, which Keras' optimizers "
+    "need to count updates: keras-team/keras#17187, stock Keras fails there too). "
+    "Compile with jit_compile=False, or leave Keras' default jit_compile='auto', "
+    "which turns XLA off under a strategy."
+)
+
 
 def executing_eagerly():
     return tf.executing_eagerly()
@@ -176,16 +188,7 @@ def apply_in_context(optimizer, grads, indices, weight=1.0, close_only=False):
     if not tf.distribute.has_strategy():
         step(lambda used: optimizer._apply_window(used, local_sums(used), optimizer._weight_sum.value, 1))
     elif tf.__internal__.distribute.strategy_supports_no_merge_call():
-        context = tf.distribute.get_replica_context()
-
-        def apply_window(used):
-            *sums, weight = context.all_reduce(
-                SUM, [tf.identity(s) for s in local_sums(used)] + [tf.identity(optimizer._weight_sum.value)]
-            )
-            with gradients_already_reduced(optimizer.inner_optimizer):
-                optimizer._apply_window(used, sums, weight, context.num_replicas_in_sync)
-
-        step(apply_window)
+        raise NotImplementedError(NO_MERGE_CALL_MESSAGE)
     else:
 
         def cross_replica(distribution):

@@ -151,3 +151,18 @@ def test_uneven_micro_batches_are_weighted_across_replicas():
     assert int(model.optimizer.iterations.numpy()) == 1
     assert int(counter.count.numpy()) == 1
     assert ref.max_abs_diff(model.get_weights(), single_device.get_weights()) <= 1e-5
+
+
+def _without_merge_call():
+    """A CPU strategy in the state XLA-compiled GPU steps put it in: no merge_call."""
+    strategy = tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=tf.distribute.ReductionToOneDevice())
+    strategy.extended._use_merge_call = lambda: False
+    return strategy
+
+
+def test_without_merge_call_the_accumulator_says_what_to_do(data):
+    # On GPUs Keras' own optimizers fail here (keras#17187); on CPU threads the
+    # emulation cannot show that, only that the refusal comes with its remedy.
+    x, y = data
+    with pytest.raises(NotImplementedError, match="jit_compile=False"):
+        _fit_under(_without_merge_call(), lambda: keras.optimizers.SGD(0.1), x, y, MICRO, ACCUM)
