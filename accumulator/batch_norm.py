@@ -30,6 +30,8 @@ from keras import ops
 from accumulator import _tf
 from accumulator.optimizer import validate_accum_steps
 
+logger = logging.getLogger(__name__)
+
 
 @keras.saving.register_keras_serializable(package="accumulator")
 class AccumBatchNormalization(keras.layers.BatchNormalization):
@@ -144,9 +146,6 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
 
     def get_config(self):
         return {**super().get_config(), "accum_steps": self.accum_steps}
-
-
-logger = logging.getLogger(__name__)
 
 
 def _pool_over_replicas(count, mean, variance):
