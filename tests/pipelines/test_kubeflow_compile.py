@@ -30,6 +30,7 @@ def test_trainer_runs_on_gpu_worker_pools_with_accumulation(tmp_path):
     assert params["accum_steps"] == {"intValue": "4"}
     assert params["effective_batch_size"] == {"intValue": "96"}
     assert params["strategy"] == {"stringValue": "auto"}
+    assert params["partial_window"] == {"stringValue": "apply"}   # epoch ends applied on the cluster too
     assert trainer["inputs"]["artifacts"]["hyperparameters"]["taskOutputArtifact"]["producerTask"] == "Tuner"
 
     config = json.loads(params["custom_config"]["stringValue"])
