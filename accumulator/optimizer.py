@@ -228,7 +228,7 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         """Micro-batches per window. Once built, the variable's value: what a
         schedule set, and what a restored checkpoint or loaded model holds."""
         if self.built and _tf.executing_eagerly():
-            self._accum_steps = int(self._accum_steps_var.numpy())
+            return int(self._accum_steps_var.numpy())
         return self._accum_steps
 
     @property
