@@ -38,7 +38,10 @@ def summarize(metadata_path, pipeline_name):
             summary["best_hyperparameters"] = json.load(f)["values"]
     model = latest("Model")
     if model:
-        summary["trainer"] = {k: v.int_value for k, v in model.custom_properties.items() if v.HasField("int_value")}
+        summary["trainer"] = {
+            k: v.int_value if v.HasField("int_value") else v.string_value
+            for k, v in model.custom_properties.items() if v.HasField("int_value") or v.HasField("string_value")
+        }
     evaluation = latest("ModelEvaluation")
     if evaluation:
         import tensorflow_model_analysis as tfma

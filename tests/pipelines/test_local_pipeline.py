@@ -34,6 +34,7 @@ def test_digits_pipeline_runs_end_to_end_and_reuses_its_cache(tmp_path):
     assert trainer["effective_batch_size"] == best["effective_batch_size"]
     assert trainer["micro_batch_size"] == best["effective_batch_size"] // best["accum_steps"]
     assert trainer["optimizer_updates"] == 120
+    assert (trainer["partial_window"], trainer["distribution_strategy"]) == ("apply", "_DefaultDistributionStrategy")
     assert summary["evaluation"]["sparse_categorical_accuracy"] > 0.3
     assert summary["blessed"] and summary["pushed"]
     assert os.path.exists(os.path.join(summary["pushed_to"], "saved_model.pb"))
