@@ -19,7 +19,7 @@ import logging
 
 import keras
 
-from accumulator.optimizer import PARTIAL_WINDOW_MODES, GradientAccumulator, validate_accum_steps
+from accumulator.optimizer import GradientAccumulator, validate_accum_steps, validate_partial_window
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +66,7 @@ class EpochWindows(keras.callbacks.Callback):
 
     def __init__(self, epoch_end=None):
         super().__init__()
-        if epoch_end is not None and epoch_end not in PARTIAL_WINDOW_MODES:
-            raise ValueError(
-                f"`epoch_end` must be one of {PARTIAL_WINDOW_MODES} or None; received {epoch_end!r}."
-            )
-        self.epoch_end = epoch_end
+        self.epoch_end = None if epoch_end is None else validate_partial_window(epoch_end, "epoch_end")
         self._training_epoch = False
         self._reported = False
 

@@ -49,15 +49,16 @@ def with_epoch_windows(model, callbacks):
         return callbacks
     # Window-pooling layers follow the optimizer's windows.
     configure_batch_norm(model, optimizer.accum_steps, optimizer)
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        items = callbacks.callbacks
-        ours = [c for c in items if isinstance(c, EpochWindows)]
-        if not ours:
-            ours = [EpochWindows()]
+    as_list = isinstance(callbacks, keras.callbacks.CallbackList)
+    items = callbacks.callbacks if as_list else list(callbacks or [])
+    ours = [c for c in items if isinstance(c, EpochWindows)]
+    if not ours:
+        ours = [EpochWindows()]
+        if as_list:     # Keras configured the others already
             ours[0].set_model(model)
             ours[0].set_params(getattr(callbacks, "params", None) or {})
-        items[:] = ours + [c for c in items if not isinstance(c, EpochWindows)]
+    ordered = ours + [c for c in items if not isinstance(c, EpochWindows)]
+    if as_list:
+        items[:] = ordered
         return callbacks
-    items = list(callbacks or [])
-    ours = [c for c in items if isinstance(c, EpochWindows)] or [EpochWindows()]
-    return ours + [c for c in items if not isinstance(c, EpochWindows)]
+    return ordered

@@ -51,6 +51,13 @@ def validate_accum_steps(accum_steps, name="accum_steps"):
     return integer_at_least(accum_steps, name)
 
 
+def validate_partial_window(mode, name="partial_window"):
+    """Returns `mode` if it is one of PARTIAL_WINDOW_MODES, or raises naming the parameter."""
+    if mode not in PARTIAL_WINDOW_MODES:
+        raise ValueError(f"`{name}` must be one of {PARTIAL_WINDOW_MODES}; received {mode!r}.")
+    return mode
+
+
 def _resolve_optimizer(optimizer):
     if isinstance(optimizer, str):
         try:
@@ -136,11 +143,7 @@ class GradientAccumulator(keras.optimizers.Optimizer):
     def __init__(self, optimizer, accum_steps=1, partial_window="apply", schedulable=False,
                  name=None, **kwargs):
         accum_steps = validate_accum_steps(accum_steps)
-        if partial_window not in PARTIAL_WINDOW_MODES:
-            raise ValueError(
-                f"`partial_window` must be one of {PARTIAL_WINDOW_MODES}; "
-                f"received {partial_window!r}."
-            )
+        validate_partial_window(partial_window)
         optimizer = _resolve_optimizer(optimizer)
         for arg_name, default in _BASE_ARG_DEFAULTS.items():
             if arg_name in kwargs and kwargs.pop(arg_name) != default:
@@ -267,9 +270,7 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         `fit` calls it with `partial_window` when an epoch and when training
         ends. Returns the number of micro-batches the window held.
         """
-        mode = mode or self.partial_window
-        if mode not in PARTIAL_WINDOW_MODES:
-            raise ValueError(f"`mode` must be one of {PARTIAL_WINDOW_MODES}; received {mode!r}.")
+        mode = validate_partial_window(mode or self.partial_window, name="mode")
         if not self.built or self._passthrough:
             return 0
         held = int(self._micro_step.numpy())

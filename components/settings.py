@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any, Dict, Optional
 
 from accumulator import validate_accum_steps
-from accumulator.optimizer import PARTIAL_WINDOW_MODES
+from accumulator.optimizer import validate_partial_window
 from accumulator.validation import integer_at_least
 
 ACCUM_STEPS = "accum_steps"
@@ -73,11 +73,7 @@ def resolve(
     that of epoch 0. `partial_window` (default "apply") is what epoch and
     training ends do with an open window (see `GradientAccumulator`).
     """
-    partial_window = partial_window or "apply"
-    if partial_window not in PARTIAL_WINDOW_MODES:
-        raise ValueError(
-            f"`partial_window` must be one of {PARTIAL_WINDOW_MODES}; received {partial_window!r}."
-        )
+    partial_window = validate_partial_window(partial_window or "apply")
     values = hyperparameter_values(hyperparameters)
     sources = {}
     if schedule is not None:
