@@ -11,10 +11,11 @@ on one device (stock Keras clips each replica's share before reducing, so its
 result depends on how the batch is split).
 """
 
-import contextlib
-
+import keras
 import tensorflow as tf
 from keras import ops
+
+from accumulator import seam
 
 SUM = tf.distribute.ReduceOp.SUM
 
@@ -57,53 +58,32 @@ def add_weighted(accumulator, grad, weight):
         )
 
 
-def _reducing_optimizers(optimizer):
-    """`optimizer` and the ones it wraps that all-reduce their gradients themselves."""
-    chain = []
-    while optimizer is not None:
-        if hasattr(optimizer, "_all_reduce_sum_gradients"):
-            chain.append(optimizer)
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    return chain
+def keep_maximum(accumulator, grad):
+    """`accumulator = max(accumulator, grad)` (for `overwrite_with_gradient` variables)."""
+    variable = accumulator.value
+    variable.assign(tf.maximum(variable, tf.cast(tf.convert_to_tensor(grad), variable.dtype)))
 
 
-@contextlib.contextmanager
-def gradients_already_reduced(optimizer):
-    """Switches off the all-reduce of `optimizer` (and of the ones it wraps).
-
-    Keras' TF optimizers all-reduce the gradients they are given
-    (`_all_reduce_sum_gradients`); the window gradient is reduced already.
-    The switch is an instance attribute, set while the update is traced or
-    run, and removed afterwards.
-    """
-    chain = _reducing_optimizers(optimizer)
-    for o in chain:
-        o._all_reduce_sum_gradients = _identity
-    try:
-        yield
-    finally:
-        for o in chain:
-            del o._all_reduce_sum_gradients
+def maximum_over_replicas(value):
+    """The element-wise maximum of `value` over the replicas (itself on one replica)."""
+    rows = stack_over_replicas(tf.reshape(value, [-1]))
+    if rows is None:
+        return value
+    return tf.reshape(tf.reduce_max(rows, axis=0), tf.shape(value))
 
 
-def _identity(grads_and_vars):
-    return list(grads_and_vars)
+def check_supports_distribution(optimizer):
+    """Raises, before training, where the wrapper cannot run under the active strategy."""
+    if not tf.distribute.has_strategy():
+        return
+    from accumulator.optimizer import optimizer_chain
 
-
-def prepare_for_strategy():
-    """Under a multi-worker strategy, installs the Keras `fit` fixes it needs."""
-    from accumulator import compat
-
-    if tf.distribute.has_strategy() and compat.is_multi_worker(tf.distribute.get_strategy()):
-        compat.apply_keras_multiworker_fixes()
-
-
-def check_inner_supports_distribution(optimizer):
-    if tf.distribute.has_strategy() and not _reducing_optimizers(optimizer):
+    if not any(seam.reduces_gradients_itself(o) for o in optimizer_chain(optimizer._updater)):
         raise NotImplementedError(
-            "GradientAccumulator under tf.distribute needs a Keras TensorFlow "
-            "optimizer with `_all_reduce_sum_gradients` (Keras >= 3.5); got "
-            f"{type(optimizer).__name__}."
+            "GradientAccumulator under tf.distribute needs Keras >= 3.2, whose TensorFlow "
+            "optimizers reduce gradients across replicas themselves (and can be told not "
+            f"to); this Keras is {keras.__version__} and {type(optimizer._updater).__name__} "
+            "does not. Upgrade Keras, or train without a strategy."
         )
 
 
@@ -124,7 +104,7 @@ def stack_over_replicas(vector):
 
 def make_close_function(optimizer):
     """A `tf.function` that applies the open window, under the optimizer's strategy."""
-    strategy = optimizer._distribution_strategy
+    strategy = optimizer._window_strategy
 
     @tf.function
     def close():
@@ -187,19 +167,26 @@ def apply_in_context(optimizer, grads, indices, weight=1.0, close_only=False):
     # are divided by the mean of the replicas' weights.
     if not tf.distribute.has_strategy():
         step(lambda used: optimizer._apply_window(used, local_sums(used), optimizer._weight_sum.value, 1))
-    elif tf.__internal__.distribute.strategy_supports_no_merge_call():
+    elif seam.replica_context_lacks_merge_call() or seam.in_xla_context():
         raise NotImplementedError(NO_MERGE_CALL_MESSAGE)
     else:
 
         def cross_replica(distribution):
             def apply_window(used):
-                variables = optimizer._trainable_variables
-                *sums, weight = distribution.extended.batch_reduce_to(
+                variables = optimizer._vars
+                # Sums are all-reduced here, in one batch; maxima (overwrite-
+                # with-gradient variables) in the replicas (`_apply_window`).
+                summed = [i for i in used if i not in optimizer._overwrite_indices]
+                *reduced, weight = distribution.extended.batch_reduce_to(
                     SUM,
-                    [(optimizer._accumulators[i].value, variables[i].value) for i in used]
+                    [(optimizer._accumulators[i].value, variables[i].value) for i in summed]
                     + [(optimizer._weight_sum.value, variables[0].value)],
                 )
-                with gradients_already_reduced(optimizer.inner_optimizer):
+                by_index = dict(zip(summed, reduced))
+                sums = [by_index[i] if i in by_index else optimizer._accumulators[i].value for i in used]
+                from accumulator.optimizer import optimizer_chain
+
+                with seam.gradients_already_reduced(optimizer_chain(optimizer._updater)):
                     distribution.extended.call_for_each_replica(
                         optimizer._apply_window,
                         args=(used, sums, weight, distribution.num_replicas_in_sync),

@@ -1,20 +1,28 @@
 """Accumulation for training code that was written without it.
 
-`accumulating_compile(accum_steps)` wraps every optimizer handed to
-`keras.Model.compile` in `GradientAccumulator` while the context is open (for a
-mixed_float16 model, around a `LossScaleOptimizer`, with Keras' own loss-scale
-wrapping turned off), so an unchanged training function trains with
-accumulation. Its AccumBatchNormalization layers get the same `accum_steps`.
-The TFX executor and the KerasTuner helpers use it.
+`accumulating_compile(accum_steps)` is the one context manager under which
+this library changes Keras for a while (the TFX executor and the KerasTuner
+helpers use it; `accumulator.seam` holds the mechanics):
+
+* `keras.Model.compile` wraps every optimizer it is given in
+  `GradientAccumulator` (for a mixed_float16 model, around a
+  `LossScaleOptimizer`, with Keras' own loss-scale wrapping turned off), so an
+  unchanged training function trains with accumulation; the model's
+  AccumBatchNormalization layers get the same `accum_steps`;
+* with a `schedule`, the wrappers carry it, and `fit` follows it;
+* with a `strategy`, every `tf.distribute.Strategy.scope()` the training
+  function opens maps onto that strategy (and the body runs in its scope).
+
+Everything is restored when the context closes.
 """
 
 import contextlib
-import functools
 import logging
 
 import keras
+import tensorflow as tf
 
-from accumulator import fit_hook
+from accumulator import seam
 from accumulator.batch_norm import configure_batch_norm
 from accumulator.optimizer import GradientAccumulator
 
@@ -22,59 +30,57 @@ logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def accumulating_compile(accum_steps, schedule=None, partial_window="apply"):
-    """Patches `keras.Model.compile` (and, with a `schedule`, `fit`); yields the wrappers made.
+def accumulating_compile(accum_steps, schedule=None, partial_window="apply", strategy=None):
+    """Wraps the optimizers `keras.Model.compile` is given; yields the wrappers made.
 
-    `schedule` ({epoch: accum_steps}) makes the wrappers schedulable and adds an
-    `AccumulationSchedule` callback to every `fit` of a model compiled here.
-    `partial_window` is the wrappers' (see `GradientAccumulator`).
+    `schedule` ({epoch: accum_steps}) makes the wrappers schedulable and makes
+    every `fit` of a model compiled here follow it (`AccumulationSchedule`).
+    `partial_window` is the wrappers' (see `GradientAccumulator`). `strategy`:
+    the body runs under it, and strategy scopes opened inside map onto it.
     """
-    from accumulator.callbacks import AccumulationSchedule, accum_steps_at, validate_schedule
+    from accumulator.callbacks import accum_steps_at, validate_schedule
 
     if schedule is not None:
         schedule = validate_schedule(schedule)
         accum_steps = accum_steps_at(schedule, 0)
-    fit_hook.install()   # before `fit` is saved here: restoring it keeps the hook
-    original = keras.Model.compile
-    original_fit = keras.Model.fit
     made = []
 
-    @functools.wraps(original)
-    def compile(self, optimizer="rmsprop", *args, **kwargs):
-        if optimizer is not None:
-            if isinstance(optimizer, GradientAccumulator):
-                logger.warning(
-                    "run_fn compiled with its own GradientAccumulator (accum_steps=%d); "
-                    "it is kept, and the component's accum_steps=%d is not applied.",
-                    optimizer.accum_steps, accum_steps,
-                )
-            else:
-                inner = keras.optimizers.get(optimizer)
-                if getattr(self, "dtype_policy", None) is not None and \
-                        self.dtype_policy.name == "mixed_float16" and \
-                        kwargs.get("auto_scale_loss", True) and \
-                        not isinstance(inner, keras.optimizers.LossScaleOptimizer):
-                    inner = keras.optimizers.LossScaleOptimizer(inner)
-                    kwargs["auto_scale_loss"] = False
-                optimizer = GradientAccumulator(
-                    inner, accum_steps, partial_window=partial_window, schedulable=schedule is not None
-                )
-                configure_batch_norm(self, accum_steps, optimizer)
-                logger.info("Wrapped %s in GradientAccumulator(accum_steps=%d).",
-                             type(inner).__name__, accum_steps)
-            made.append(optimizer)
-        return original(self, optimizer, *args, **kwargs)
+    def wrapping_compile(original):
+        def compile(self, optimizer="rmsprop", *args, **kwargs):
+            if optimizer is not None:
+                optimizer = _wrap(self, optimizer, kwargs)
+                made.append(optimizer)
+            return original(self, optimizer, *args, **kwargs)
 
-    @functools.wraps(original_fit)
-    def fit(self, *args, callbacks=None, **kwargs):
-        if schedule is not None and any(self.optimizer is o for o in made):
-            callbacks = list(callbacks or []) + [AccumulationSchedule(schedule)]
-        return original_fit(self, *args, callbacks=callbacks, **kwargs)
+        compile.__doc__ = original.__doc__
+        return compile
 
-    keras.Model.compile = compile
-    keras.Model.fit = fit
-    try:
+    def _wrap(model, optimizer, kwargs):
+        if isinstance(optimizer, GradientAccumulator):
+            logger.warning(
+                "run_fn compiled with its own GradientAccumulator (accum_steps=%d); "
+                "it is kept, and the component's accum_steps=%d is not applied.",
+                optimizer.accum_steps, accum_steps,
+            )
+            return optimizer
+        inner = keras.optimizers.get(optimizer)
+        policy = getattr(model, "dtype_policy", None)
+        if policy is not None and policy.name == "mixed_float16" and \
+                kwargs.get("auto_scale_loss", True) and \
+                not isinstance(inner, keras.optimizers.LossScaleOptimizer):
+            inner = keras.optimizers.LossScaleOptimizer(inner)
+            kwargs["auto_scale_loss"] = False
+        wrapper = GradientAccumulator(
+            inner, accum_steps, partial_window=partial_window, schedulable=schedule is not None
+        )
+        wrapper.epoch_schedule = schedule
+        configure_batch_norm(model, accum_steps, wrapper)
+        logger.info("Wrapped %s in GradientAccumulator(accum_steps=%d).", type(inner).__name__, accum_steps)
+        return wrapper
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(seam.swapped(keras.Model, "compile", wrapping_compile))
+        if strategy is not None and (strategy is not tf.distribute.get_strategy() or tf.distribute.has_strategy()):
+            stack.enter_context(strategy.scope())
+            stack.enter_context(seam.strategy_scopes_map_onto(strategy))
         yield made
-    finally:
-        keras.Model.compile = original
-        keras.Model.fit = original_fit

@@ -27,7 +27,7 @@ import logging
 import keras
 from keras import ops
 
-from accumulator import _tf
+from accumulator import _tf, seam
 from accumulator.optimizer import validate_accum_steps
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             return super().call(inputs, training=training, mask=mask)
         compute_dtype = keras.backend.result_type(inputs.dtype, "float32")
         inputs = ops.cast(inputs, compute_dtype)
-        mean, variance = self._moments(inputs, mask)
+        mean, variance = seam.batch_norm_moments(self, inputs, mask)
         self._accumulate(inputs, mask, mean, variance)
         outputs = ops.batch_normalization(
             x=inputs, mean=mean, variance=variance, axis=self.axis,
@@ -97,8 +97,11 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         if mask is None:
             shape = ops.shape(inputs)
             count = ops.cast(1, "float32")
-            for axis in self._reduction_axes:      # Keras' BN sets these in build
-                count = count * ops.cast(shape[axis], "float32")
+            rank = len(inputs.shape)
+            channels = {a % rank for a in (self.axis if isinstance(self.axis, (list, tuple)) else [self.axis])}
+            for axis in range(rank):
+                if axis not in channels:    # the axes the moments reduce over
+                    count = count * ops.cast(shape[axis], "float32")
         else:
             count = ops.sum(ops.cast(mask, "float32"))
         mean = ops.reshape(ops.cast(mean, "float32"), (-1,))
@@ -162,8 +165,7 @@ def _pool_over_replicas(count, mean, variance):
 
 
 def _batch_norm_layers(model):
-    return [layer for layer in model._flatten_layers(include_self=False)
-            if isinstance(layer, AccumBatchNormalization)]
+    return [layer for layer in seam.flatten_layers(model) if isinstance(layer, AccumBatchNormalization)]
 
 
 def configure_batch_norm(model, accum_steps, optimizer=None):
@@ -205,13 +207,13 @@ def use_accumulated_batch_norm(model, accum_steps):
         return layer.__class__.from_config(config)
 
     copy = keras.models.clone_model(model, clone_function=clone)
-    old_layers = [layer for layer in model._flatten_layers(include_self=False)]
-    new_layers = [layer for layer in copy._flatten_layers(include_self=False)]
+    old_layers = seam.flatten_layers(model)
+    new_layers = seam.flatten_layers(copy)
     for old, new in zip(old_layers, new_layers):
         if isinstance(new, AccumBatchNormalization):
             for name in ("gamma", "beta", "moving_mean", "moving_variance"):
                 if getattr(old, name, None) is not None:
                     getattr(new, name).assign(getattr(old, name))
-        elif old.weights and not any(isinstance(x, AccumBatchNormalization) for x in new._flatten_layers()):
+        elif old.weights and not any(isinstance(x, AccumBatchNormalization) for x in [new, *seam.flatten_layers(new)]):
             new.set_weights(old.get_weights())
     return copy

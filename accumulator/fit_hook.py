@@ -1,51 +1,62 @@
-"""Gives the accumulator the epoch ends that Keras `fit` does not tell an optimizer.
+"""What `keras.Model.fit` does first for a model compiled with a `GradientAccumulator`.
 
 An optimizer sees gradients, never epochs, so on its own a `GradientAccumulator`
 could not close the window left open when an epoch ends mid-window (the
-large-batch run's short last batch). `install()` wraps `keras.Model.fit` once:
-when the model's optimizer is a `GradientAccumulator`, `fit` gets an
-`accumulator.callbacks.EpochWindows` callback, first in its list, so the window
-is closed (as the optimizer's `partial_window` says) before validation,
-checkpoints, early stopping or any other callback looks at the weights. A
-callback of that kind the user passes (for example an `AccumulationSchedule`)
-is moved to the front instead of being doubled. The model's
-`AccumBatchNormalization` layers are tied to the optimizer's windows too.
+large-batch run's short last batch). The `fit` hook that `import accumulator`
+installs (`accumulator.seam`) calls `before_fit`, which
+
+* refuses, before any training, the set-ups that would train wrong: a
+  `LossScaleOptimizer` that Keras put *around* the accumulator (a
+  `mixed_float16` model compiled without `auto_scale_loss=False`), and
+  `jit_compile=True` under a multi-replica strategy;
+* ties the model's `AccumBatchNormalization` layers to the optimizer's windows;
+* puts an `accumulator.callbacks.EpochWindows` callback first in the list (or
+  the `AccumulationSchedule` that `accumulating_compile` asked for), so the
+  window is closed, as the optimizer's `partial_window` says, before
+  validation, checkpoints, early stopping or any other callback looks at the
+  weights. A callback of that kind the user passes is moved to the front
+  instead of being doubled.
+
 Models compiled with any other optimizer train exactly as before.
 """
 
-import functools
-import inspect
-
 import keras
 
-_MARK = "_accumulator_epoch_windows"
 
+def before_fit(model, callbacks):
+    """The checks above, then `callbacks` with the window callback first."""
+    from accumulator.optimizer import GradientAccumulator
 
-def install():
-    """Wraps `keras.Model.fit` (idempotent)."""
-    fit = keras.Model.fit
-    if getattr(fit, _MARK, False):
-        return
-    signature = inspect.signature(fit)
+    optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and \
+            isinstance(optimizer.inner_optimizer, GradientAccumulator):
+        raise ValueError(
+            "Keras wrapped the GradientAccumulator in its own LossScaleOptimizer "
+            "(the model's dtype policy is mixed_float16 and compile() had "
+            "auto_scale_loss=True), which would unscale every micro-batch and skip "
+            "single micro-batches instead of windows. Put the loss scaling inside "
+            "and tell compile not to add one: "
+            "model.compile(optimizer=GradientAccumulator(keras.optimizers.LossScaleOptimizer(inner), "
+            "accum_steps), ..., auto_scale_loss=False)."
+        )
+    if not isinstance(optimizer, GradientAccumulator) or optimizer.is_passthrough:
+        return callbacks
+    if getattr(model, "jit_compile", False) is True and \
+            model.distribute_strategy.num_replicas_in_sync > 1:
+        from accumulator._tf import NO_MERGE_CALL_MESSAGE
 
-    @functools.wraps(fit)
-    def fit_with_epoch_windows(self, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs)
-        bound.arguments["callbacks"] = with_epoch_windows(self, bound.arguments.get("callbacks"))
-        return fit(*bound.args, **bound.kwargs)
-
-    setattr(fit_with_epoch_windows, _MARK, True)
-    keras.Model.fit = fit_with_epoch_windows
+        raise NotImplementedError(NO_MERGE_CALL_MESSAGE)
+    return with_epoch_windows(model, callbacks)
 
 
 def with_epoch_windows(model, callbacks):
     """`callbacks` with an `EpochWindows` first, if `model` trains with an accumulator."""
     from accumulator.batch_norm import configure_batch_norm
-    from accumulator.callbacks import EpochWindows
+    from accumulator.callbacks import AccumulationSchedule, EpochWindows
     from accumulator.optimizer import GradientAccumulator
 
     optimizer = getattr(model, "optimizer", None)
-    if not isinstance(optimizer, GradientAccumulator) or optimizer._passthrough:
+    if not isinstance(optimizer, GradientAccumulator) or optimizer.is_passthrough:
         return callbacks
     # Window-pooling layers follow the optimizer's windows.
     configure_batch_norm(model, optimizer.accum_steps, optimizer)
@@ -53,7 +64,8 @@ def with_epoch_windows(model, callbacks):
     items = callbacks.callbacks if as_list else list(callbacks or [])
     ours = [c for c in items if isinstance(c, EpochWindows)]
     if not ours:
-        ours = [EpochWindows()]
+        schedule = optimizer.epoch_schedule
+        ours = [EpochWindows() if schedule is None else AccumulationSchedule(schedule)]
         if as_list:     # Keras configured the others already
             ours[0].set_model(model)
             ours[0].set_params(getattr(callbacks, "params", None) or {})

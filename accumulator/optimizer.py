@@ -25,11 +25,16 @@ update variables.
 
 from __future__ import annotations
 
+import logging
+
 import keras
+import tensorflow as tf
 from keras import ops
 
-from accumulator import _tf, fit_hook, weighting
+from accumulator import _tf, seam, weighting
 from accumulator.validation import integer_at_least
+
+logger = logging.getLogger(__name__)
 
 PARTIAL_WINDOW_MODES = ("apply", "carry", "drop")
 
@@ -58,6 +63,22 @@ def validate_partial_window(mode, name="partial_window"):
     return mode
 
 
+def optimizer_chain(optimizer):
+    """`optimizer` and every optimizer it wraps (`inner_optimizer`, `optimizers`)."""
+    chain, todo = [], [optimizer]
+    while todo:
+        current = todo.pop(0)
+        if current is None or any(current is known for known in chain):
+            continue
+        chain.append(current)
+        todo.append(getattr(current, "inner_optimizer", None))
+        try:
+            todo.extend(getattr(current, "optimizers", None) or [])
+        except AttributeError:
+            pass
+    return chain
+
+
 def _resolve_optimizer(optimizer):
     if isinstance(optimizer, str):
         try:
@@ -72,11 +93,20 @@ def _resolve_optimizer(optimizer):
             "`keras.optimizers.Adam()`) or the name of one (for example 'adam'); "
             f"received {optimizer!r} of type {type(optimizer).__name__}."
         )
-    if isinstance(optimizer, GradientAccumulator):
-        raise TypeError(
-            "`optimizer` is already a GradientAccumulator; nest the accumulation "
-            "by multiplying `accum_steps` instead."
-        )
+    for inner in optimizer_chain(optimizer):
+        if isinstance(inner, GradientAccumulator):
+            raise TypeError(
+                "`optimizer` is already a GradientAccumulator; nest the accumulation "
+                "by multiplying `accum_steps` instead."
+            )
+        if getattr(inner, "gradient_accumulation_steps", None):
+            raise ValueError(
+                f"`optimizer` ({type(inner).__name__}) was built with Keras' own "
+                f"`gradient_accumulation_steps={inner.gradient_accumulation_steps}`, which "
+                "would accumulate again inside every window; build it without that "
+                "argument and set `accum_steps` on the GradientAccumulator "
+                f"(accum_steps={inner.gradient_accumulation_steps} for the same window)."
+            )
     return optimizer
 
 
@@ -84,6 +114,11 @@ def _accumulator_dtype(variable):
     # Half-precision sums lose the small gradients accumulation exists for.
     dtype = keras.backend.standardize_dtype(variable.dtype)
     return "float32" if dtype in ("float16", "bfloat16") else dtype
+
+
+def _overwrites_with_gradient(variable):
+    # Float8 training's scale and amax history: the "gradient" is the new value.
+    return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
 @keras.saving.register_keras_serializable(package="accumulator")
@@ -104,6 +139,9 @@ class GradientAccumulator(keras.optimizers.Optimizer):
     `clipvalue`, `global_clipnorm`, `weight_decay`, EMA and moments advance
     once per update. `iterations` of the wrapper is the inner optimizer's
     (updates, not micro-steps); `micro_step` says where the open window stands.
+    Variables marked `overwrite_with_gradient` (float8 training's scales and
+    amax histories) get the window's element-wise maximum, as one large
+    batch's amax would be.
 
     Custom loops call `apply_gradients(zip(grads, vars))` or `apply(grads, vars)`
     once per micro-batch, eagerly or inside `tf.function`. `None` gradients are
@@ -112,26 +150,31 @@ class GradientAccumulator(keras.optimizers.Optimizer):
 
     Mixed precision: wrap a `keras.optimizers.LossScaleOptimizer`
     (`GradientAccumulator(LossScaleOptimizer(Adam()))`, and compile with
-    `auto_scale_loss=False` so Keras does not wrap the accumulator in a second
-    one). The loss scale then stays constant within a window, the window's
-    scaled mean is checked once, and a window holding a non-finite gradient is
-    skipped as a whole while the scale adapts.
+    `auto_scale_loss=False`; `fit` refuses a LossScaleOptimizer that Keras put
+    around the accumulator). The loss scale then stays constant within a
+    window, the window's scaled mean is checked once, and a window holding a
+    non-finite gradient is skipped as a whole while the scale adapts.
+    `inner_optimizer` is then the optimizer inside the LossScaleOptimizer (the
+    one that updates the weights, as Keras' callbacks expect) and
+    `loss_scale_optimizer` the LossScaleOptimizer.
 
     Partial windows: when an epoch or `fit` ends with a window still open
     (the data ran out mid-window), `partial_window` says what happens to it:
     "apply" (the default) makes one update from the micro-batches it holds,
     weighted by the samples they hold, exactly like the large-batch run's
     short last batch; "carry" keeps it open, so windows run on across epochs
-    and into the next `fit` (resuming training in several calls); "drop"
-    discards it. `fit` learns of epoch ends through a callback it adds by
-    itself (`accumulator.callbacks.EpochWindows`, see `accumulator.fit_hook`);
+    and into the next `fit` (resuming training in several calls; `fit` ends
+    with `micro_step` micro-batches held, and logs it); "drop" discards it.
+    `fit` learns of epoch ends through a callback it adds by itself
+    (`accumulator.callbacks.EpochWindows`, see `accumulator.fit_hook`);
     custom loops call `close_partial_window()` where their epochs end.
 
     Args:
         optimizer: the inner optimizer: a `keras.optimizers.Optimizer` instance
-            or a name accepted by `keras.optimizers.get` (for example "adam").
-        accum_steps: positive int, the micro-batches in one window. 1 makes the
-            wrapper a transparent pass-through.
+            (not one built with Keras' own `gradient_accumulation_steps`) or a
+            name accepted by `keras.optimizers.get` (for example "adam").
+        accum_steps: positive int, the micro-batches in one window. The default,
+            1, makes the wrapper a transparent pass-through.
         partial_window: "apply", "carry" or "drop": what the end of an epoch
             and of `fit` does with an open window.
         schedulable: keep the accumulating path even at `accum_steps=1`, so
@@ -163,10 +206,16 @@ class GradientAccumulator(keras.optimizers.Optimizer):
                 f"(KERAS_BACKEND=tensorflow); the active backend is "
                 f"{keras.backend.backend()!r}."
             )
-        _tf.prepare_for_strategy()
-        fit_hook.install()
         super().__init__(learning_rate=0.0, name=name)
-        self.inner_optimizer = optimizer
+        # What receives the window gradient: the given optimizer. Its update-
+        # making core (inside a LossScaleOptimizer) is `inner_optimizer`.
+        self._updater = optimizer
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            self.loss_scale_optimizer = optimizer
+            self.inner_optimizer = optimizer.inner_optimizer
+        else:
+            self.loss_scale_optimizer = None
+            self.inner_optimizer = optimizer
         self._accum_steps = accum_steps
         self.partial_window = partial_window
         # Indices of the variables that got gradients in any traced or eager
@@ -177,54 +226,104 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         self.schedulable = bool(schedulable)
         self._passthrough = accum_steps == 1 and not self.schedulable
         self._seen_in_window = set()
-        self._init_window_listeners()
+        # {epoch: accum_steps} that `fit` follows (set by `accumulating_compile`).
+        self.epoch_schedule = None
+        self._untracked(_window_listeners=[], _vars=[], _index_by_id={}, _accumulators=[],
+                        _overwrite_indices=frozenset(), _window_strategy=None)
 
     # ------------------------------------------------------------------ state
-    def _init_window_listeners(self):
-        # Layers that pool statistics per window (AccumBatchNormalization):
-        # they follow `accum_steps` and close their windows with this one.
-        # Not a checkpoint dependency (they are saved with their model), so
-        # set past TensorFlow's attribute tracking.
-        object.__setattr__(self, "_window_listeners", [])
+    def _untracked(self, **attributes):
+        # Plain Python state, set past TensorFlow's attribute tracking: the
+        # variables are tracked by `add_variable`, the listening layers are
+        # saved with their model, not with the optimizer.
+        for name, value in attributes.items():
+            object.__setattr__(self, name, value)
 
-    @keras.src.utils.tracking.no_automatic_dependency_tracking
     def build(self, var_list):
         var_list = list(var_list)
-        self._micro_step = self.add_variable(
-            shape=(), dtype="int64", initializer="zeros",
-            aggregation="only_first_replica", name="micro_step",
-        )
-        self._accum_steps_var = self.add_variable(
-            shape=(), dtype="int64",
-            initializer=keras.initializers.Constant(self._accum_steps),
-            aggregation="only_first_replica", name="accum_steps",
-        )
+        first_replica = tf.VariableAggregation.ONLY_FIRST_REPLICA
+        with seam.variables_created_as(aggregation=first_replica):
+            self._micro_step = self.add_variable(
+                shape=(), dtype="int64", initializer="zeros", name="micro_step")
+            self._accum_steps_var = self.add_variable(
+                shape=(), dtype="int64",
+                initializer=keras.initializers.Constant(self._accum_steps), name="accum_steps")
         # Replica-local: each replica sums its own micro-batches; the sums meet
         # in one batched all-reduce when the window closes.
         self._weight_sum = self._add_local_variable((), "float32", "weight_sum")
+        overwrite = frozenset(i for i, v in enumerate(var_list) if _overwrites_with_gradient(v))
         # A pass-through never accumulates: it holds no buffers.
-        self._accumulators = [] if self._passthrough else [
+        accumulators = [] if self._passthrough else [
             self._add_local_variable(
-                v.shape, _accumulator_dtype(v), f"accumulator_{i}"
+                v.shape, _accumulator_dtype(v), f"accumulator_{i}",
+                initial=float("-inf") if i in overwrite else 0.0,
             )
             for i, v in enumerate(var_list)
         ]
-        self.inner_optimizer.build(var_list)
-        _tf.check_inner_supports_distribution(self.inner_optimizer)
+        self._untracked(_vars=var_list, _index_by_id={id(v): i for i, v in enumerate(var_list)},
+                        _accumulators=accumulators, _overwrite_indices=overwrite,
+                        _window_strategy=tf.distribute.get_strategy())
+        self._updater.build(var_list)
+        _tf.check_supports_distribution(self)
         super().build(var_list)
-
-    def _add_local_variable(self, shape, dtype, name):
-        with keras.name_scope(self.name, caller=self):
-            variable = keras.Variable(
-                initializer="zeros", shape=shape, dtype=dtype, trainable=False,
-                synchronization="on_read", aggregation="sum", name=name,
+        if not self._passthrough and "fit" not in seam.installed_hooks():
+            logger.warning(
+                "accumulator's Keras hooks are not installed (%s=0 or seam.uninstall()): "
+                "in `fit`, windows do not close at epoch ends unless you pass "
+                "accumulator.callbacks.EpochWindows(), and micro-batches weigh 1 each.",
+                seam.HOOKS_ENV,
             )
-        self._track_variable(variable)
-        return variable
+
+    def _add_local_variable(self, shape, dtype, name, initial=0.0):
+        with seam.variables_created_as(
+            synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM
+        ):
+            return self.add_variable(
+                shape=shape, dtype=dtype, initializer=keras.initializers.Constant(initial), name=name)
 
     @property
     def variables(self):
-        return self._variables + self.inner_optimizer.variables
+        return super().variables + self._updater.variables
+
+    def set_weights(self, weights):
+        """Sets the wrapper's and the inner optimizers' state, in `variables` order."""
+        variables = self.variables
+        if not self.built:
+            raise ValueError("Build the optimizer (or train one step) before `set_weights()`.")
+        if len(weights) != len(variables):
+            raise ValueError(
+                f"`weights` must hold {len(variables)} arrays (the wrapper's and the inner "
+                f"optimizer's variables, as `get_weights()` returns them); received {len(weights)}."
+            )
+        for variable, weight in zip(variables, weights):
+            if tuple(variable.shape) != tuple(ops.shape(weight)):
+                raise ValueError(
+                    f"`weights` entry for {variable.name} has shape {tuple(ops.shape(weight))}; "
+                    f"expected {tuple(variable.shape)}."
+                )
+            variable.assign(weight)
+
+    def get_weights(self):
+        return [ops.convert_to_numpy(v) for v in self.variables]
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Forwarded to the optimizers that apply weight decay (the inner ones)."""
+        targets = [o for o in optimizer_chain(self.inner_optimizer)
+                   if not isinstance(o, (GradientAccumulator, keras.optimizers.LossScaleOptimizer))]
+        for optimizer in targets:
+            optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
+
+    @property
+    def optimizers(self):
+        """The inner optimizer's sub-optimizers, where it has them (`MultiOptimizer`)."""
+        if not hasattr(self.inner_optimizer, "optimizers"):
+            raise AttributeError(f"{type(self.inner_optimizer).__name__} has no sub-optimizers.")
+        return self.inner_optimizer.optimizers
+
+    @property
+    def is_passthrough(self):
+        """True for `accum_steps=1` without `schedulable`: no buffers, no windows."""
+        return self._passthrough
 
     @property
     def accum_steps(self):
@@ -245,7 +344,7 @@ class GradientAccumulator(keras.optimizers.Optimizer):
 
     @property
     def iterations(self):
-        return self.inner_optimizer.iterations
+        return self._updater.iterations
 
     @property
     def learning_rate(self):
@@ -256,12 +355,18 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         self.inner_optimizer.learning_rate = learning_rate
 
     def scale_loss(self, loss):
-        return self.inner_optimizer.scale_loss(loss)
+        return self._updater.scale_loss(loss)
 
     def finalize_variable_values(self, var_list):
         # Keras calls this when `fit` ends, before EMA values are written back.
-        self.close_partial_window()
-        self.inner_optimizer.finalize_variable_values(var_list)
+        held = self.close_partial_window()
+        if held and self.partial_window == "carry":
+            logger.warning(
+                "Training ended with %d micro-batch(es) held in an open window "
+                "(partial_window='carry'); they are applied by the next fit or by "
+                "close_partial_window('apply'), and are not in the weights yet.", held,
+            )
+        self._updater.finalize_variable_values(var_list)
 
     def close_partial_window(self, mode=None):
         """Applies ("apply"), keeps ("carry") or discards ("drop") an open window.
@@ -318,10 +423,10 @@ class GradientAccumulator(keras.optimizers.Optimizer):
     def apply(self, grads, trainable_variables=None, micro_batch_weight=None):
         """One micro-batch. `micro_batch_weight` is the denominator of its loss.
 
-        Leave it `None` in `fit` (found from the compiled loss and the batch)
-        and in loops whose micro-batches weigh the same (weight 1); pass the
-        sample count, summed sample weight or unmasked-step count otherwise,
-        see `accumulator.weighting`.
+        Leave it `None` in `fit` (found from the compiled loss and the batch,
+        see `accumulator.weighting`) and in loops whose micro-batches weigh the
+        same (weight 1); pass the sample count, summed sample weight or
+        unmasked-step count otherwise.
         """
         grads = list(grads)
         if trainable_variables is None:
@@ -331,7 +436,7 @@ class GradientAccumulator(keras.optimizers.Optimizer):
                     "optimizer must be built first: call "
                     "`optimizer.build(model.trainable_variables)`."
                 )
-            trainable_variables = self._trainable_variables
+            trainable_variables = self._vars
         trainable_variables = list(trainable_variables)
         if len(grads) != len(trainable_variables):
             raise ValueError(
@@ -339,30 +444,45 @@ class GradientAccumulator(keras.optimizers.Optimizer):
                 f"({len(trainable_variables)}) must have the same length."
             )
         if not self.built:
-            with keras.name_scope(self.name, caller=self):
-                self.build(trainable_variables)
+            self.build(trainable_variables)
             self.built = True
-        self._check_variables_are_known(trainable_variables)
+        indices = [self._variable_index(v) for v in trainable_variables]
+        noted = weighting.take_noted_weight()
         if not grads:
             return
         if self._passthrough:
             # Transparent: the inner optimizer sees exactly what it would alone.
-            self.inner_optimizer.apply(grads, trainable_variables)
+            self._updater.apply(grads, trainable_variables)
             return
         if micro_batch_weight is None:
-            micro_batch_weight = weighting.fit_micro_batch_weight()
-        indices = [self._get_variable_index(v) for v in trainable_variables]
-        _tf.apply_in_context(self, grads, indices, 1.0 if micro_batch_weight is None else micro_batch_weight)
+            micro_batch_weight = 1.0 if noted is None else noted
+        _tf.apply_in_context(self, grads, indices, micro_batch_weight)
+
+    def _variable_index(self, variable):
+        index = self._index_by_id.get(id(variable))
+        if index is None:
+            raise ValueError(
+                f"Unknown variable {getattr(variable, 'path', None) or variable.name}: this "
+                "GradientAccumulator was built for other variables (one optimizer per model; "
+                "call `build` with all the variables it will update)."
+            )
+        return index
 
     def _accumulate(self, grads, indices, weight=1.0):
-        """Replica-local: adds `weight * grad` into the window's buffers."""
+        """Replica-local: adds `weight * grad` into the window's buffers.
+
+        `overwrite_with_gradient` variables keep the window's running maximum.
+        """
         weight = ops.cast(weight, "float32")
         for grad, index in zip(grads, indices):
             if grad is None:
                 continue
             if _tf.executing_eagerly():
                 self._seen_in_window.add(index)
-            _tf.add_weighted(self._accumulators[index], grad, weight)
+            if index in self._overwrite_indices:
+                _tf.keep_maximum(self._accumulators[index], grad)
+            else:
+                _tf.add_weighted(self._accumulators[index], grad, weight)
         self._weight_sum.assign_add(weight)
 
     def _window_is_full(self):
@@ -373,28 +493,34 @@ class GradientAccumulator(keras.optimizers.Optimizer):
 
         `used` lists the indices of the variables that had a gradient in the
         window, `sums` their accumulated (and, under a strategy, reduced)
-        weighted gradients, `weight_sum` the window's weight summed over the
-        `replicas`; the other variables get `None`, as in the large batch.
+        weighted gradients (for `overwrite_with_gradient` variables, their
+        maxima), `weight_sum` the window's weight summed over the `replicas`;
+        the other variables get `None`, as in the large batch.
         """
         weight_sum = weight_sum / replicas
-        grads = [None] * len(self._trainable_variables)
+        grads = [None] * len(self._vars)
         for i, total in zip(used, sums):
-            variable = self._trainable_variables[i]
-            grads[i] = ops.cast(total / ops.cast(weight_sum, total.dtype), variable.dtype)
-        self.inner_optimizer.apply(grads, self._trainable_variables)
+            variable = self._vars[i]
+            if i in self._overwrite_indices:
+                grads[i] = ops.cast(_tf.maximum_over_replicas(total), variable.dtype)
+            else:
+                grads[i] = ops.cast(total / ops.cast(weight_sum, total.dtype), variable.dtype)
+        self._updater.apply(grads, self._vars)
         self._reset_window(used)
 
     def _reset_window(self, indices):
         """Empties the buffers at `indices` (the others are empty) and the weight."""
         for i in indices:
-            self._accumulators[i].assign(ops.zeros_like(self._accumulators[i].value))
+            accumulator = self._accumulators[i]
+            empty = float("-inf") if i in self._overwrite_indices else 0.0
+            accumulator.assign(ops.full(accumulator.shape, empty, accumulator.dtype))
         self._weight_sum.assign(0.0)
 
     # ------------------------------------------------------------ serializing
     def get_config(self):
         return {
             "name": self.name,
-            "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "optimizer": keras.saving.serialize_keras_object(self._updater),
             "accum_steps": self.accum_steps,
             "partial_window": self.partial_window,
             "schedulable": self.schedulable,

@@ -8,74 +8,123 @@ sum(S_k) / sum(D_k), so its gradient is sum(D_k * g_k) / sum(D_k): each micro-ba
 weighs its denominator, not 1. With equal micro-batches the two agree; with a
 short last batch, sample weights or masks, only the weighted one is exact.
 
-In `fit`, `GradientAccumulator` finds D_k itself, by evaluating the compiled
-loss's reduction on ones for the batch at hand (see `loss_denominator`). In a
-custom loop, pass it: `optimizer.apply(grads, vars, micro_batch_weight=D_k)`.
+In `fit`, D_k comes through a public seam: Keras' train step calls
+`Model.compute_loss(x, y, y_pred, sample_weight)` with the batch and the
+predictions, and the hook `import accumulator` installs there
+(`accumulator.seam`) hands them to `note_batch`, which evaluates the compiled
+loss's own reduction on ones (`loss_denominator`, public Keras API only). The
+accumulator's `apply` then takes the note (`take_noted_weight`). A model whose
+own `train_step` calls `self.compute_loss(...)` is weighed the same way; one
+that computes its loss without it (or overrides `compute_loss` without calling
+`super()`) weighs every micro-batch 1, as does a custom loop that passes no
+`micro_batch_weight`. In a custom loop, pass it:
+`optimizer.apply(grads, vars, micro_batch_weight=D_k)`.
 """
 
-import inspect
+import threading
 
 import keras
+import tensorflow as tf
 from keras import ops
-from keras.src.backend.common.masking import get_keras_mask
-from keras.src.losses.loss import reduce_weighted_values
 
 
-def _resolve_path(path, structure):
-    if not keras.tree.is_nested(structure):
-        return structure
-    for key in path:
-        structure = structure[key]
-    return structure
+class _Notes(threading.local):
+    # Per thread: MirroredStrategy traces each replica's step in its own thread.
+    def __init__(self):
+        self.graph = None
+        self.weight = None
+
+
+_notes = _Notes()
+
+
+def _current_graph():
+    return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+
+
+def note_batch(model, x, y, y_pred, sample_weight):
+    """Called by the `compute_loss` hook on training batches: notes D of the batch.
+
+    Only for models compiled with an accumulating `GradientAccumulator`; under
+    `tf.function` it runs when the step is traced, so it costs nothing per step.
+    """
+    from accumulator.optimizer import GradientAccumulator
+
+    optimizer = getattr(model, "optimizer", None)
+    if not isinstance(optimizer, GradientAccumulator) or optimizer.is_passthrough:
+        return
+    _notes.graph = _current_graph()
+    _notes.weight = loss_denominator(model, x, y, y_pred, sample_weight)
+
+
+def take_noted_weight():
+    """D noted for the batch whose gradients are being applied (in this thread and graph), or None."""
+    weight, graph = _notes.weight, _notes.graph
+    _notes.weight = _notes.graph = None
+    if weight is None or graph is not _current_graph():
+        return None
+    return weight
 
 
 def _batch_size(x):
-    first = next(t for t in keras.tree.flatten(x) if t is not None)
-    return ops.cast(ops.shape(first)[0], "float32")
+    flat = [t for t in tf.nest.flatten(x) if t is not None]
+    if not flat:
+        return ops.cast(1.0, "float32")
+    return ops.cast(ops.shape(flat[0])[0], "float32")
+
+
+def _first_output_loss(model, y, y_pred, sample_weight):
+    """(loss, y, y_pred, sample_weight) of the model's first compiled loss, or None."""
+    loss = getattr(model, "loss", None)
+    if loss is None or y is None:
+        return None
+    if isinstance(loss, dict):
+        names = [n for n in (getattr(model, "output_names", None) or list(loss)) if loss.get(n) is not None]
+        if not names:
+            return None
+        key, index = names[0], list(getattr(model, "output_names", None) or list(loss)).index(names[0])
+    elif isinstance(loss, (list, tuple)):
+        indices = [i for i, item in enumerate(loss) if item is not None]
+        if not indices:
+            return None
+        key, index = None, indices[0]
+    else:
+        return loss, y, y_pred, sample_weight
+
+    def pick(structure):
+        if isinstance(structure, dict):
+            return structure[key] if key in structure else list(structure.values())[index]
+        if isinstance(structure, (list, tuple)):
+            return structure[index]
+        return structure
+
+    return loss[key if key is not None else index], pick(y), pick(y_pred), pick(sample_weight)
+
+
+class _Ones(keras.losses.Loss):
+    """A loss whose values are ones shaped like `values`: its reduction is Keras' own."""
+
+    def __init__(self, values, reduction):
+        super().__init__(name="accumulator_denominator", reduction=reduction)
+        self._values = values
+
+    def call(self, y_true, y_pred):
+        return ops.ones_like(self._values)
 
 
 def loss_denominator(model, x, y, y_pred, sample_weight):
     """D of the model's compiled loss on this batch (of its first output's loss)."""
-    compile_loss = getattr(model, "_compile_loss", None)
-    flat = getattr(compile_loss, "_flat_losses", None)
-    if not flat or y is None:
+    found = _first_output_loss(model, y, y_pred, sample_weight)
+    if found is None:
         return _batch_size(x)
-    path, loss_fn, _, _ = flat[0]
-    reduction = getattr(loss_fn, "reduction", "sum_over_batch_size")
+    loss, y_t, y_p, weight = found
+    loss = keras.losses.get(loss)
+    reduction = getattr(loss, "reduction", "sum_over_batch_size")
     if reduction in (None, "none", "sum"):
         return ops.cast(1.0, "float32")
-    y_t, y_p = _resolve_path(path, y), _resolve_path(path, y_pred)
-    weight = _resolve_path(path, sample_weight)
-    in_mask = get_keras_mask(y_p)
-    values = loss_fn.call(
-        ops.convert_to_tensor(y_t, dtype=loss_fn.dtype), ops.convert_to_tensor(y_p, dtype=loss_fn.dtype)
-    )
-    out_mask = get_keras_mask(values)
-    mask = in_mask if out_mask is None else (out_mask if in_mask is None else in_mask & out_mask)
-    ones = ops.ones_like(values)
-    reduced = reduce_weighted_values(ones, weight, mask, reduction, dtype="float32")
-    summed = reduce_weighted_values(ones, weight, mask, "sum", dtype="float32")
+    compute = loss.call if isinstance(loss, keras.losses.Loss) else loss
+    y_p_tensor = ops.convert_to_tensor(y_p)
+    values = compute(ops.cast(ops.convert_to_tensor(y_t), y_p_tensor.dtype), y_p_tensor)
+    reduced = _Ones(values, reduction)(y_t, y_p, weight)
+    summed = _Ones(values, "sum")(y_t, y_p, weight)
     return ops.cast(ops.divide_no_nan(summed, reduced), "float32")
-
-
-def fit_micro_batch_weight():
-    """Inside a `train_step` (Keras' or one like it): D of its batch; else None.
-
-    Looks up the caller frames for the `train_step` that computed the
-    gradients, whose locals hold the model and the batch. Runs at trace time
-    under `tf.function`, so it costs nothing per step there.
-    """
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            if frame.f_code.co_name == "train_step":
-                local = frame.f_locals
-                model = local.get("self")
-                if isinstance(model, keras.Model) and "y_pred" in local:
-                    return loss_denominator(
-                        model, local.get("x"), local.get("y"), local["y_pred"], local.get("sample_weight")
-                    )
-            frame = frame.f_back
-        return None
-    finally:
-        del frame

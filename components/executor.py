@@ -21,7 +21,7 @@ from tfx.types import standard_component_specs
 
 from accumulator.autowrap import accumulating_compile
 from accumulator.distribute import strategy_from_environment
-from components import fn_args_utils, settings as settings_lib, wrapping
+from components import fn_args_utils, settings as settings_lib
 
 ACCUM_STEPS_KEY = "accum_steps"
 EFFECTIVE_BATCH_SIZE_KEY = "effective_batch_size"
@@ -76,22 +76,33 @@ class Executor(tfx_trainer_executor.GenericExecutor):
         user_fn_args = fn_args_utils.for_accumulation(fn_args, settings)
 
         with accumulating_compile(settings.accum_steps, settings.schedule,
-                                  settings.partial_window) as optimizers, \
-                wrapping.strategy_scope(strategy):
+                                  settings.partial_window, strategy=strategy) as optimizers:
             run_fn(user_fn_args)
 
         if not fileio.exists(fn_args.serving_model_dir):
             raise RuntimeError("run_fn failed to generate model.")
+        if not optimizers:
+            raise RuntimeError(
+                "AccumulatingTrainer wrapped no optimizer: the run_fn never called "
+                "`keras.Model.compile(optimizer=...)` on a Keras 3 model, so nothing was "
+                "accumulated and no accumulation is recorded. A run_fn that trains a "
+                "tf_keras (Keras 2, TF_USE_LEGACY_KERAS=1) model or a custom loop must "
+                "wrap its optimizer itself (accumulator.GradientAccumulator) and use the "
+                "stock Trainer."
+            )
+        open_windows = sum(int(o.micro_step.numpy()) for o in optimizers if o.built and not o.is_passthrough)
         updates = max((int(o.iterations.numpy()) for o in optimizers), default=0)
-        self._record(output_dict, fn_args.model_run_dir, settings, updates, strategy)
+        self._record(output_dict, fn_args.model_run_dir, settings, updates, strategy, open_windows)
         logging.info(
             "Training complete: %d optimizer updates. Model written to %s. ModelRun written to %s",
             updates, fn_args.serving_model_dir, fn_args.model_run_dir,
         )
 
     @staticmethod
-    def _record(output_dict, model_run_dir, settings, updates, strategy):
-        properties = {**settings.as_properties(), "optimizer_updates": updates}
+    def _record(output_dict, model_run_dir, settings, updates, strategy, open_windows):
+        # `unapplied_micro_batches`: held in a window left open (partial_window="carry").
+        properties = {**settings.as_properties(), "optimizer_updates": updates,
+                      "unapplied_micro_batches": open_windows}
         for key in (standard_component_specs.MODEL_KEY, standard_component_specs.MODEL_RUN_KEY):
             for artifact in output_dict.get(key, []):
                 for name, value in properties.items():

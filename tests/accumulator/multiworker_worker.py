@@ -23,20 +23,22 @@ def main():
     parser.add_argument("--accum", type=int, default=4)
     parser.add_argument("--steps-per-epoch", type=int, default=32, help="micro-batches per epoch")
     parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--compat", default="none", help="Keras fixes to apply up front: comma-separated, or none")
+    parser.add_argument("--hooks", default="all",
+                        help="accumulator.seam hooks to install: 'all' (what `import accumulator` does), "
+                             "or comma-separated names, or none")
     parser.add_argument("--partial-window", default="apply")
     parser.add_argument("--backup", default="")
     parser.add_argument("--save-freq", type=int, default=0)
     parser.add_argument("--die-at", type=int, default=-1, help="SIGKILL self after this global micro-step")
     args = parser.parse_args()
 
+    if args.hooks != "all":
+        os.environ["ACCUMULATOR_KERAS_HOOKS"] = "0"
     import keras
-    from accumulator import GradientAccumulator
-    from accumulator import compat
-    fixes = [f for f in args.compat.split(",") if f and f != "none"]
-    compat.apply_keras_multiworker_fixes(fixes)
-    # GradientAccumulator applies every fix under a multi-worker strategy; the
-    # tests that show a fix is needed use a plain optimizer (accum 1, no wrapper).
+    from accumulator import GradientAccumulator, seam
+    if args.hooks != "all":
+        seam.install([h for h in args.hooks.split(",") if h and h != "none"])
+    # The tests that show a fix is needed use a plain optimizer (accum 1, no wrapper).
     from tests.accumulator import reference as ref
 
     from accumulator.distribute import strategy_from_environment

@@ -6,7 +6,7 @@ import time
 import keras
 import pytest
 
-from accumulator import compat
+from accumulator import seam
 from tests.accumulator import reference as ref
 from tests.accumulator.multiworker import load_result, run_cluster, start_cluster
 
@@ -24,7 +24,7 @@ def _single_device_large_batch(samples, epochs=1):
 
 
 def test_two_worker_fit_matches_single_device_large_batch(tmp_path):
-    """No fix applied up front: the accumulator installs them under the strategy."""
+    """The hooks `import accumulator` installs are all it takes."""
     codes, output, result = run_cluster(tmp_path / "out", "--accum", ACCUM, "--steps-per-epoch", 32)
     assert codes == [0, 0], output[-3000:]
     weights, iterations = result
@@ -32,11 +32,15 @@ def test_two_worker_fit_matches_single_device_large_batch(tmp_path):
     assert ref.max_abs_diff(weights, _single_device_large_batch(MICRO * 32)) <= 1e-5
 
 
-@pytest.mark.parametrize("missing", compat.FIXES)
+MULTIWORKER_FIXES = ("symbolic_build", "scalar_logs")
+
+
+@pytest.mark.parametrize("missing", MULTIWORKER_FIXES)
 def test_each_keras_fix_is_needed_for_multiworker_fit(missing, tmp_path):
     """Plain Keras optimizer, one fix left out: `fit` fails (keras-team/keras#20585)."""
-    others = ",".join(f for f in compat.FIXES if f != missing) or "none"
-    codes, output, _ = run_cluster(tmp_path / "out", "--accum", 1, "--compat", others, "--steps-per-epoch", 4)
+    assert set(MULTIWORKER_FIXES) <= set(seam.HOOKS)
+    others = ",".join(f for f in MULTIWORKER_FIXES if f != missing) or "none"
+    codes, output, _ = run_cluster(tmp_path / "out", "--accum", 1, "--hooks", others, "--steps-per-epoch", 4)
     assert codes != [0, 0]
     expected = {"symbolic_build": "PerReplica", "scalar_logs": "Invalid reduction dimension 0"}[missing]
     assert expected in output
@@ -44,7 +48,7 @@ def test_each_keras_fix_is_needed_for_multiworker_fit(missing, tmp_path):
 
 def test_plain_keras_multiworker_fit_runs_with_the_fixes(tmp_path):
     codes, output, result = run_cluster(
-        tmp_path / "out", "--accum", 1, "--compat", ",".join(compat.FIXES), "--steps-per-epoch", 4
+        tmp_path / "out", "--accum", 1, "--hooks", ",".join(MULTIWORKER_FIXES), "--steps-per-epoch", 4
     )
     assert codes == [0, 0], output[-3000:]
     assert result[1] == 4
