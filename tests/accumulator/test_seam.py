@@ -1,0 +1,188 @@
+"""The seam to Keras: private names in one module, hooks installed once, reversible, opt-out."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from accumulator import GradientAccumulator, seam
+from tests.accumulator import reference as ref
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+LIBRARY = [p for folder in ("accumulator", "components", "pipelines") for p in (ROOT / folder).rglob("*.py")]
+PRIVATE_MODULES = re.compile(r"keras\.src\b|tensorflow\.python\b|__internal__|from keras\.src|keras_core")
+# TFX's executor API for subclasses (not Keras or TensorFlow), and namedtuple's.
+ALLOWED_FOREIGN = {"_log_startup", "_GetFnArgs", "_GetExecutorClass", "_replace"}
+
+
+def _own_private_names(sources):
+    """Underscore names this project defines itself (methods, attributes, module names)."""
+    defined = {p.stem for p in LIBRARY if p.stem.startswith("_")}     # our modules: accumulator._tf
+    for text in sources:
+        defined |= set(re.findall(r"(?:def|class)\s+(_\w+)", text))
+        defined |= set(re.findall(r"\.(_\w+)\s*=[^=]", text))
+        defined |= set(re.findall(r"^(_\w+)\s*=", text, re.M))
+        defined |= set(re.findall(r"\b(_\w+)=", text))          # _untracked(_name=...)
+    return defined
+
+
+def test_no_private_keras_or_tensorflow_name_outside_the_seam():
+    sources = {p: p.read_text() for p in LIBRARY}
+    defined = _own_private_names(sources.values())
+    found = []
+    for path, text in sources.items():
+        if path.name == "seam.py":
+            continue
+        code = "\n".join(line.split("#")[0] for line in text.splitlines())
+        for match in PRIVATE_MODULES.finditer(code):
+            found.append(f"{path.relative_to(ROOT)}: {match.group(0)}")
+        for name in re.findall(r"\.(_[a-zA-Z]\w*)", code):
+            if name not in defined and name not in ALLOWED_FOREIGN:
+                found.append(f"{path.relative_to(ROOT)}: .{name}")
+    assert not found, "private Keras/TF names outside accumulator/seam.py:\n" + "\n".join(sorted(set(found)))
+
+
+@pytest.mark.parametrize("name", seam.PRIVATE_NAMES, ids=str)
+def test_each_private_name_the_seam_uses_exists(name):
+    try:
+        name.resolve()
+    except (AttributeError, ImportError) as err:
+        pytest.fail(f"{name} (needed for {name.needed_for}) is missing in Keras "
+                    f"{keras.__version__} / TF {tf.__version__}: {err}")
+
+
+def test_the_seam_docstring_lists_every_private_name():
+    doc = seam.__doc__
+    for name in seam.PRIVATE_NAMES:
+        assert name.path.split(".")[-1] in doc, name
+
+
+def _keras_functions():
+    from keras.src.backend.tensorflow import trainer as tf_trainer  # the functions the hooks replace
+
+    return {
+        "fit": keras.Model.fit, "compute_loss": keras.Model.compute_loss, "compile": keras.Model.compile,
+        "symbolic_build": tf_trainer.TensorFlowTrainer._maybe_symbolic_build,
+        "reduce_per_replica": tf_trainer.reduce_per_replica, "scope": tf.distribute.Strategy.scope,
+        "model_dict": dict(vars(keras.Model)), "trainer_dict": dict(vars(tf_trainer.TensorFlowTrainer)),
+    }
+
+
+def test_constructing_compiling_and_fitting_change_no_keras_function():
+    before = _keras_functions()
+    x, y = ref.regression_data(64)
+    with tf.distribute.MirroredStrategy(cross_device_ops=tf.distribute.ReductionToOneDevice()).scope():
+        model = ref.mlp()
+        model.compile(GradientAccumulator(keras.optimizers.Adam(), 4, partial_window="carry"), "mse")
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    model.evaluate(x, y, verbose=0)
+    assert _keras_functions() == before
+
+
+def test_uninstall_restores_keras_and_install_is_idempotent():
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    assert seam.installed_hooks() == sorted(seam.HOOKS)
+    wrapped_fit = keras.Model.fit
+    try:
+        seam.uninstall()
+        assert seam.installed_hooks() == []
+        assert "fit" not in vars(keras.Model) and "compute_loss" not in vars(keras.Model)
+        assert keras.Model.fit is tf_trainer.TensorFlowTrainer.fit
+        assert keras.Model.compute_loss is keras.src.trainers.trainer.Trainer.compute_loss
+    finally:
+        seam.install()
+        seam.install()
+    assert seam.installed_hooks() == sorted(seam.HOOKS)
+    assert keras.Model.fit.__wrapped__ is wrapped_fit.__wrapped__
+
+
+def test_unknown_hook_name_is_refused():
+    with pytest.raises(ValueError, match="`hooks` must be a subset of"):
+        seam.install(["fit", "train_step"])
+
+
+def _python(code, **env):
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), **env))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_import_installs_the_hooks_and_the_environment_can_opt_out():
+    code = ("import keras, accumulator; from accumulator import seam; "
+            "print(seam.installed_hooks(), 'fit' in vars(keras.Model), "
+            "accumulator.callbacks.AccumulationSchedule.__name__)")
+    assert _python(code).split()[-3:] == ["'symbolic_build']", "True", "AccumulationSchedule"]
+    assert _python(code, ACCUMULATOR_KERAS_HOOKS="0").split()[-3:] == ["[]", "False", "AccumulationSchedule"]
+
+
+class OwnTrainStep(keras.Model):
+    """A user's train_step with other local names: weighed through compute_loss."""
+
+    def train_step(self, data):
+        features, targets = data
+        with tf.GradientTape() as tape:
+            predictions = self(features, training=True)
+            value = self.compute_loss(x=features, y=targets, y_pred=predictions)
+        gradients = tape.gradient(value, self.trainable_variables)
+        self.optimizer.apply(gradients, self.trainable_variables)
+        return {"loss": value}
+
+
+def test_a_users_train_step_is_weighed_through_compute_loss():
+    # 100 samples as 32, 32, 32, 4: one exact step on all 100.
+    x, y = ref.regression_data(100)
+    expected = ref.fit_large_batch(ref.mlp(), keras.optimizers.SGD(0.1), x, y, 100)
+    base = ref.mlp()
+    model = OwnTrainStep(base.inputs, base.outputs)
+    model.compile(GradientAccumulator(keras.optimizers.SGD(0.1), 4), "mse")
+    model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 1
+    assert ref.max_abs_diff(model.get_weights(), expected.get_weights()) <= 1e-6
+
+
+def test_without_the_hooks_micro_batches_weigh_one_each():
+    # The same run, hooks off: the short micro-batch counts as much as a full one.
+    x, y = ref.regression_data(100)
+    expected = ref.fit_large_batch(ref.mlp(), keras.optimizers.SGD(0.1), x, y, 100)
+    seam.uninstall()
+    try:
+        model = ref.mlp()
+        model.compile(GradientAccumulator(keras.optimizers.SGD(0.1), 4), "mse")
+        model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    finally:
+        seam.install()
+    assert ref.max_abs_diff(model.get_weights(), expected.get_weights()) > 1e-4
+
+
+def test_xla_under_a_multi_replica_strategy_is_refused_before_training():
+    x, y = ref.regression_data(64)
+    with tf.distribute.MirroredStrategy(cross_device_ops=tf.distribute.ReductionToOneDevice()).scope():
+        model = ref.mlp()
+        model.compile(GradientAccumulator(keras.optimizers.SGD(0.1), 4), "mse", jit_compile=True)
+    before = model.get_weights()
+    with pytest.raises(NotImplementedError, match="jit_compile=False"):
+        model.fit(x, y, batch_size=16, verbose=0)
+    assert ref.max_abs_diff(model.get_weights(), before) == 0.0
+
+
+def test_xla_in_a_custom_strategy_loop_is_refused_with_the_message():
+    strategy = tf.distribute.MirroredStrategy(cross_device_ops=tf.distribute.ReductionToOneDevice())
+    with strategy.scope():
+        variable = keras.Variable(np.ones(3, "float32"))
+        optimizer = GradientAccumulator(keras.optimizers.SGD(0.1), 2)
+        optimizer.build([variable])
+
+    @tf.function(jit_compile=True)
+    def step():
+        strategy.run(lambda: optimizer.apply([tf.ones(3)], [variable]))
+
+    with pytest.raises(NotImplementedError, match="jit_compile=False"):
+        step()
