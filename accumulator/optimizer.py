@@ -346,6 +346,12 @@ class GradientAccumulator(keras.optimizers.Optimizer):
     def iterations(self):
         return self._updater.iterations
 
+    @iterations.setter
+    def iterations(self, value):
+        # Keras < 3.4 sets the base class's own counter as `self.iterations`;
+        # the wrapper counts nothing itself, so it is kept aside, unused.
+        object.__setattr__(self, "_own_iterations", value)
+
     @property
     def learning_rate(self):
         return self.inner_optimizer.learning_rate

@@ -79,7 +79,11 @@ class PrivateName:
     module: str
     path: str
     needed_for: str
-    since: str = ""
+    since: tuple = (3, 0)      # the first Keras release that has it
+
+    def expected(self, version=None):
+        """Whether this Keras should have it."""
+        return _version(version or keras.__version__) >= self.since
 
     def resolve(self):
         """The object, or AttributeError/ImportError naming what is missing."""
@@ -94,7 +98,7 @@ class PrivateName:
 
 PRIVATE_NAMES = (
     PrivateName("keras", "optimizers.Optimizer._all_reduce_sum_gradients",
-                "tf.distribute: one reduction per window", since="Keras 3.2"),
+                "tf.distribute: one reduction per window", since=(3, 2)),
     PrivateName("tensorflow", "__internal__.distribute.strategy_supports_no_merge_call",
                 "refusing XLA-compiled steps under a multi-replica strategy"),
     PrivateName("tensorflow.python.ops.control_flow_util", "GraphOrParentsInXlaContext",
@@ -102,16 +106,22 @@ PRIVATE_NAMES = (
     PrivateName("keras", "layers.Layer._flatten_layers", "finding AccumBatchNormalization layers"),
     PrivateName("keras", "layers.BatchNormalization._moments", "AccumBatchNormalization"),
     PrivateName("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer._maybe_symbolic_build",
-                "MultiWorkerMirroredStrategy fix (keras#20585)"),
+                "MultiWorkerMirroredStrategy fix (keras#20585)", since=(3, 5)),
     PrivateName("keras.src.backend.tensorflow.trainer", "reduce_per_replica",
                 "MultiWorkerMirroredStrategy fix (keras#20585)"),
 )
+
+
+def _version(text):
+    return tuple(int(part) for part in text.split(".")[:2])
 
 
 def missing_private_names():
     """`[(name, error)]` for the private names this Keras/TF lacks."""
     missing = []
     for name in PRIVATE_NAMES:
+        if not name.expected():
+            continue
         try:
             name.resolve()
         except (AttributeError, ImportError) as err:
@@ -278,6 +288,10 @@ def install(hooks=HOOKS):
         raise ValueError(f"`hooks` must be a subset of {HOOKS}; unknown: {sorted(unknown)}.")
     targets = _hook_targets()
     for label in hooks:
+        owner, name, _ = targets[label]
+        if not hasattr(owner, name):
+            # Not in this Keras (`_maybe_symbolic_build` came with 3.5): nothing to fix.
+            continue
         if label not in _Hooks.restorers:
             _Hooks.restorers[label] = _replace(*targets[label])
     return installed_hooks()

@@ -19,6 +19,8 @@ LIBRARY = [p for folder in ("accumulator", "components", "pipelines") for p in (
 PRIVATE_MODULES = re.compile(r"keras\.src\b|tensorflow\.python\b|__internal__|from keras\.src|keras_core")
 # TFX's executor API for subclasses (not Keras or TensorFlow), and namedtuple's.
 ALLOWED_FOREIGN = {"_log_startup", "_GetFnArgs", "_GetExecutorClass", "_replace"}
+# `_maybe_symbolic_build` (fixed by "symbolic_build") arrived in Keras 3.5.
+EXPECTED_HOOKS = sorted(h for h in seam.HOOKS if h != "symbolic_build" or next(n for n in seam.PRIVATE_NAMES if n.path.endswith("_maybe_symbolic_build")).expected())
 
 
 def _own_private_names(sources):
@@ -50,6 +52,8 @@ def test_no_private_keras_or_tensorflow_name_outside_the_seam():
 
 @pytest.mark.parametrize("name", seam.PRIVATE_NAMES, ids=str)
 def test_each_private_name_the_seam_uses_exists(name):
+    if not name.expected():
+        pytest.skip(f"{name} arrived in Keras {'.'.join(map(str, name.since))}; this is {keras.__version__}")
     try:
         name.resolve()
     except (AttributeError, ImportError) as err:
@@ -68,7 +72,7 @@ def _keras_functions():
 
     return {
         "fit": keras.Model.fit, "compute_loss": keras.Model.compute_loss, "compile": keras.Model.compile,
-        "symbolic_build": tf_trainer.TensorFlowTrainer._maybe_symbolic_build,
+        "symbolic_build": getattr(tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build", None),
         "reduce_per_replica": tf_trainer.reduce_per_replica, "scope": tf.distribute.Strategy.scope,
         "model_dict": dict(vars(keras.Model)), "trainer_dict": dict(vars(tf_trainer.TensorFlowTrainer)),
     }
@@ -88,7 +92,7 @@ def test_constructing_compiling_and_fitting_change_no_keras_function():
 def test_uninstall_restores_keras_and_install_is_idempotent():
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
-    assert seam.installed_hooks() == sorted(seam.HOOKS)
+    assert seam.installed_hooks() == EXPECTED_HOOKS
     wrapped_fit = keras.Model.fit
     try:
         seam.uninstall()
@@ -99,7 +103,7 @@ def test_uninstall_restores_keras_and_install_is_idempotent():
     finally:
         seam.install()
         seam.install()
-    assert seam.installed_hooks() == sorted(seam.HOOKS)
+    assert seam.installed_hooks() == EXPECTED_HOOKS
     assert keras.Model.fit.__wrapped__ is wrapped_fit.__wrapped__
 
 
@@ -119,7 +123,8 @@ def test_import_installs_the_hooks_and_the_environment_can_opt_out():
     code = ("import keras, accumulator; from accumulator import seam; "
             "print(seam.installed_hooks(), 'fit' in vars(keras.Model), "
             "accumulator.callbacks.AccumulationSchedule.__name__)")
-    assert _python(code).split()[-3:] == ["'symbolic_build']", "True", "AccumulationSchedule"]
+    assert _python(code).split()[-2:] == ["True", "AccumulationSchedule"]
+    assert _python(code).startswith(str(EXPECTED_HOOKS))
     assert _python(code, ACCUMULATOR_KERAS_HOOKS="0").split()[-3:] == ["[]", "False", "AccumulationSchedule"]
 
 
