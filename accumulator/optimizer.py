@@ -344,7 +344,9 @@ class GradientAccumulator(keras.optimizers.Optimizer):
 
     @property
     def iterations(self):
-        return self._updater.iterations
+        # The update-making optimizer's count (a LossScaleOptimizer's own
+        # counter is not it before Keras 3.4).
+        return self.inner_optimizer.iterations
 
     @iterations.setter
     def iterations(self, value):

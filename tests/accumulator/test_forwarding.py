@@ -93,21 +93,28 @@ def test_swap_ema_weights_works_through_a_loss_scale_optimizer():
     assert ref.max_abs_diff(seen.weights, emas) == 0.0
 
 
+def _float8_like_variables():
+    # A scale-like variable next to an ordinary weight, as in float8 layers
+    # (Keras before 3.9 refuses an update with no ordinary gradient at all).
+    scale = keras.Variable(np.zeros(2, "float32"))
+    scale.overwrite_with_gradient = True
+    return scale, keras.Variable(np.zeros(1, "float32"))
+
+
 def test_overwrite_with_gradient_variables_get_the_windows_maximum():
     # Float8 scales and amax histories: one large batch's amax is the maximum
     # over its micro-batches, as Keras' own accumulation takes.
-    variable = keras.Variable(np.zeros(2, "float32"))
-    variable.overwrite_with_gradient = True
+    variable, weight = _float8_like_variables()
     optimizer = GradientAccumulator(keras.optimizers.SGD(1.0), 2)
-    builtin_variable = keras.Variable(np.zeros(2, "float32"))
-    builtin_variable.overwrite_with_gradient = True
+    builtin_variable, builtin_weight = _float8_like_variables()
     builtin = keras.optimizers.SGD(1.0, gradient_accumulation_steps=2)
     for g in ([1.0, 3.0], [2.0, 1.0]):
-        optimizer.apply([tf.constant(g)], [variable])
-        builtin.apply([tf.constant(g)], [builtin_variable])
+        optimizer.apply([tf.constant(g), tf.ones(1)], [variable, weight])
+        builtin.apply([tf.constant(g), tf.ones(1)], [builtin_variable, builtin_weight])
     np.testing.assert_array_equal(variable.numpy(), [2.0, 3.0])
     np.testing.assert_array_equal(builtin_variable.numpy(), variable.numpy())
-    optimizer.apply([tf.constant([-1.0, -2.0])], [variable])   # a new window starts empty
+    np.testing.assert_array_equal(weight.numpy(), [-1.0])      # the mean gradient, once
+    optimizer.apply([tf.constant([-1.0, -2.0]), tf.ones(1)], [variable, weight])   # a new window starts empty
     optimizer.close_partial_window()
     np.testing.assert_array_equal(variable.numpy(), [-1.0, -2.0])
 
@@ -115,16 +122,15 @@ def test_overwrite_with_gradient_variables_get_the_windows_maximum():
 def test_overwrite_with_gradient_on_two_replicas_takes_the_maximum_over_both():
     strategy = tf.distribute.MirroredStrategy(cross_device_ops=tf.distribute.ReductionToOneDevice())
     with strategy.scope():
-        variable = keras.Variable(np.zeros(2, "float32"))
-        variable.overwrite_with_gradient = True
+        variable, weight = _float8_like_variables()
         optimizer = GradientAccumulator(keras.optimizers.SGD(1.0), 2)
-        optimizer.build([variable])
+        optimizer.build([variable, weight])
 
     @tf.function
     def step(values):
         def replica_step():
             replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-            optimizer.apply([tf.gather(values, replica)], [variable])
+            optimizer.apply([tf.gather(values, replica), tf.ones(1)], [variable, weight])
         strategy.run(replica_step)
 
     step(tf.constant([[1.0, 0.0], [0.0, 5.0]]))
