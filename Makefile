@@ -3,16 +3,18 @@
 PYTHON ?= python3
 VENV := .venv
 LATEST := .venv-tf-latest
+OLDEST := .venv-oldest
 PYTEST_ARGS ?=
 
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export KERAS_BACKEND := tensorflow
 export PYTHONUNBUFFERED := 1
 
-.PHONY: bench demo test test-tfx test-latest setup setup-latest clean
+.PHONY: bench demo test test-tfx test-latest test-oldest setup setup-latest setup-oldest clean
 
 setup: $(VENV)/.installed
 setup-latest: $(LATEST)/.installed
+setup-oldest: $(OLDEST)/.installed
 
 # The TFX 1.16 stack. tfx's metadata says Python < 3.11 while its libraries ship
 # 3.11 wheels, hence --ignore-requires-python; the constraints keep pip from
@@ -32,6 +34,14 @@ $(LATEST)/.installed: setup.py constraints/tf-latest.txt
 	$(LATEST)/bin/pip install -q --no-deps -e .
 	touch $@
 
+# The core library alone on the oldest supported TensorFlow and Keras.
+$(OLDEST)/.installed: setup.py constraints/oldest.txt
+	$(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/pip install -q --upgrade pip
+	$(OLDEST)/bin/pip install -q -r constraints/oldest.txt pytest pytest-timeout portpicker
+	$(OLDEST)/bin/pip install -q --no-deps -e .
+	touch $@
+
 # The main job: the digits pipeline, locally on the Beam DirectRunner. Run it
 # again and the cached components are reused.
 demo: $(VENV)/.installed
@@ -41,7 +51,7 @@ demo: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(VENV)/bin/python -m benchmarks.run
 
-test: test-tfx test-latest
+test: test-tfx test-latest test-oldest
 
 test-tfx: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
@@ -49,5 +59,8 @@ test-tfx: $(VENV)/.installed
 test-latest: $(LATEST)/.installed
 	$(LATEST)/bin/python -m pytest tests/accumulator $(PYTEST_ARGS)
 
+test-oldest: $(OLDEST)/.installed
+	$(OLDEST)/bin/python -m pytest tests/accumulator $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) $(LATEST) *.egg-info
+	rm -rf $(VENV) $(LATEST) $(OLDEST) *.egg-info

@@ -13,7 +13,9 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["accumulator*", "components*", "pipelines*"]),
     python_requires=">=3.9",
-    install_requires=["tensorflow>=2.16", "keras>=3.5"],
+    # Supported = tested by `make test`: the oldest pair (constraints/oldest.txt),
+    # the TFX 1.16 stack and the newest pair (constraints/tf-latest.txt).
+    install_requires=["tensorflow>=2.16,<2.22", "keras>=3.8,<3.16"],
     extras_require={
         # The TFX 1.16 stack; install with constraints/tfx-1.16.txt (see README).
         "tfx": ["tfx==1.16.0", "kfp-pipeline-spec==0.7.0", "scikit-learn"],

@@ -37,6 +37,8 @@ from accumulator.validation import integer_at_least
 logger = logging.getLogger(__name__)
 
 PARTIAL_WINDOW_MODES = ("apply", "carry", "drop")
+# Supported = tested (`make test`): setup.py declares the same range.
+OLDEST_KERAS = (3, 8)
 
 _BASE_ARG_DEFAULTS = {
     "weight_decay": None,
@@ -199,6 +201,13 @@ class GradientAccumulator(keras.optimizers.Optimizer):
             raise ValueError(
                 f"GradientAccumulator got unknown arguments: {sorted(kwargs)}. "
                 "It takes `optimizer`, `accum_steps`, `partial_window`, `schedulable` and `name`."
+            )
+        if seam.version_tuple(keras.__version__) < OLDEST_KERAS:
+            raise RuntimeError(
+                f"GradientAccumulator needs Keras >= {'.'.join(map(str, OLDEST_KERAS))} "
+                f"(with TensorFlow >= 2.16); this is Keras {keras.__version__}. Older Keras 3 "
+                "releases train differently under tf.distribute and mixed precision; "
+                "`pip install -U 'keras>=3.8'`."
             )
         if keras.backend.backend() != "tensorflow":
             raise RuntimeError(

@@ -3,7 +3,7 @@
 Everything else in `accumulator/` and `components/` uses public names only; a
 test (`tests/accumulator/test_seam.py`) fails if a private name appears anywhere
 else, and another fails, naming it, when one of those below disappears from the
-installed Keras or TensorFlow. Checked on Keras 3.3.3 + TF 2.16.2 (the oldest
+installed Keras or TensorFlow. Checked on Keras 3.8.0 + TF 2.16.2 (the oldest
 supported pair), Keras 3.15.1 + TF 2.16.2 (the TFX 1.16 stack) and Keras 3.15.1
 + TF 2.21.0 (the newest), all run by `make test`.
 
@@ -83,7 +83,7 @@ class PrivateName:
 
     def expected(self, version=None):
         """Whether this Keras should have it."""
-        return _version(version or keras.__version__) >= self.since
+        return version_tuple(version or keras.__version__) >= self.since
 
     def resolve(self):
         """The object, or AttributeError/ImportError naming what is missing."""
@@ -112,7 +112,8 @@ PRIVATE_NAMES = (
 )
 
 
-def _version(text):
+def version_tuple(text):
+    """(major, minor) of a version string such as '3.15.1'."""
     return tuple(int(part) for part in text.split(".")[:2])
 
 

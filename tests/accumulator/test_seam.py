@@ -191,3 +191,20 @@ def test_xla_in_a_custom_strategy_loop_is_refused_with_the_message():
 
     with pytest.raises(NotImplementedError, match="jit_compile=False"):
         step()
+
+
+def test_an_unsupported_keras_is_refused_with_the_range(monkeypatch):
+    monkeypatch.setattr(keras, "__version__", "3.7.0")
+    with pytest.raises(RuntimeError, match=r"needs Keras >= 3\.8.*this is Keras 3\.7\.0"):
+        GradientAccumulator(keras.optimizers.SGD(), 2)
+
+
+def test_setup_declares_the_range_make_test_runs():
+    setup = (ROOT / "setup.py").read_text()
+    oldest = (ROOT / "constraints" / "oldest.txt").read_text()
+    keras_floor = re.search(r"^keras==(\d+\.\d+)", oldest, re.M).group(1)
+    tf_floor = re.search(r"^tensorflow-cpu==(\d+\.\d+)", oldest, re.M).group(1)
+    assert f'"keras>={keras_floor},' in setup and f'"tensorflow>={tf_floor},' in setup
+    from accumulator.optimizer import OLDEST_KERAS
+    assert ".".join(map(str, OLDEST_KERAS)) == keras_floor
+    assert "test-oldest" in (ROOT / "Makefile").read_text().split("\ntest:")[1].splitlines()[0]
