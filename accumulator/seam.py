@@ -354,8 +354,8 @@ def _make_symbolic_build(original):
         strategy = getattr(self, "distribute_strategy", None)
         if iterator is None or not is_multi_worker(strategy):
             return original(self, iterator=iterator, data_batch=data_batch)
-        for _, _, it in iterator:
-            batch = next(it)
+        for item in iterator:       # (step, iterator) before Keras 3.10, (step, ?, iterator) since
+            batch = next(item[-1])
             data_batch = tf.nest.map_structure(
                 lambda v: strategy.experimental_local_results(v)[0]
                 if isinstance(v, tf.distribute.DistributedValues) else v,

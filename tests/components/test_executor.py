@@ -5,6 +5,7 @@ import os
 
 import keras
 import pytest
+import tensorflow as tf
 
 from tests.accumulator.reference import max_abs_diff
 from tests.components import fixtures
@@ -52,10 +53,17 @@ def test_without_effective_batch_the_run_fns_batch_is_the_micro_batch(examples, 
     assert (seen["train_batch"], seen["train_steps"], seen["iterations"]) == (32, 6, 2)
 
 
-def test_compile_is_restored_after_the_run(examples, tmp_path):
-    before = keras.Model.compile
-    fixtures.run_executor(tmp_path, examples, num_steps=1, accum_steps=2)
-    assert keras.Model.compile is before
+def test_compile_and_strategy_scope_are_restored_after_the_run(examples, tmp_path):
+    before = (keras.Model.compile, tf.distribute.Strategy.scope, dict(vars(tf.distribute.Strategy)))
+    fixtures.run_executor(tmp_path, examples, num_steps=1, accum_steps=2, strategy="mirrored")
+    assert (keras.Model.compile, tf.distribute.Strategy.scope, dict(vars(tf.distribute.Strategy))) == before
+
+
+def test_a_run_that_wrapped_no_optimizer_fails_instead_of_recording_accumulation(examples, tmp_path):
+    with pytest.raises(RuntimeError, match="wrapped no optimizer"):
+        fixtures.run_executor(tmp_path, examples, num_steps=2, accum_steps=4,
+                              module=os.path.join(fixtures.TESTDATA, "custom_loop_module.py"))
+    assert not os.path.exists(tmp_path / "model_run" / "accumulation")
 
 
 def test_run_fn_with_its_own_strategy_scope_keeps_working(examples, tmp_path):
@@ -93,6 +101,17 @@ def test_partial_window_parameter_reaches_the_optimizer_and_is_recorded(examples
                                              partial_window="carry")
     assert (seen["partial_window"], seen["iterations"]) == ("carry", 2)
     assert outputs["model"][0].get_string_custom_property("partial_window") == "carry"
+    assert outputs["model"][0].get_int_custom_property("unapplied_micro_batches") == 0
+
+
+def test_a_carried_remainder_is_recorded_not_hidden(examples, tmp_path):
+    # A run_fn that trains 3 x 2 + 1 = 7 micro-steps in windows of 2: 3 updates, 1 held.
+    outputs, seen, _ = fixtures.run_executor(tmp_path, examples, num_steps=3, accum_steps=2,
+                                             partial_window="carry", custom_config={"extra_micro_steps": 1})
+    assert seen["iterations"] == 3
+    for artifact in (outputs["model"][0], outputs["model_run"][0]):
+        assert artifact.get_int_custom_property("unapplied_micro_batches") == 1
+        assert artifact.get_int_custom_property("optimizer_updates") == 3
 
 
 def test_accumulation_schedule_parameter_reaches_the_optimizer(examples, tmp_path):

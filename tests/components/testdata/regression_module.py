@@ -58,7 +58,8 @@ def run_fn(fn_args: tfx.components.FnArgs):
             model = _make_keras_model()
     else:
         model = _make_keras_model()
-    model.fit(train, steps_per_epoch=fn_args.train_steps,
+    extra = (fn_args.custom_config or {}).get("extra_micro_steps", 0)   # for the tests
+    model.fit(train, steps_per_epoch=fn_args.train_steps + extra,
               validation_data=evaluation, validation_steps=fn_args.eval_steps, verbose=0)
     seen = {
         "train_steps": fn_args.train_steps,
