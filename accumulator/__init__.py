@@ -13,9 +13,11 @@ fixes), unless the environment variable ACCUMULATOR_KERAS_HOOKS=0 is set;
 
 from accumulator import seam
 from accumulator import callbacks  # noqa: F401  (accumulator.callbacks.* after `import accumulator`)
+from accumulator import noise_scale  # noqa: F401  (accumulator.noise_scale.* after `import accumulator`)
 from accumulator.batch_norm import AccumBatchNormalization, use_accumulated_batch_norm
 from accumulator.callbacks import AccumulationSchedule, EpochWindows
 from accumulator.distribute import strategy_from_environment
+from accumulator.noise_scale import NoiseScaleEstimate
 from accumulator.optimizer import GradientAccumulator, validate_accum_steps
 
 seam.install_unless_opted_out()
@@ -25,6 +27,8 @@ __all__ = [
     "AccumulationSchedule",
     "EpochWindows",
     "GradientAccumulator",
+    "NoiseScaleEstimate",
+    "noise_scale",
     "use_accumulated_batch_norm",
     "strategy_from_environment",
     "validate_accum_steps",

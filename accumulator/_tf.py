@@ -72,6 +72,14 @@ def maximum_over_replicas(value):
     return tf.reshape(tf.reduce_max(rows, axis=0), tf.shape(value))
 
 
+def replicas_in_sync():
+    """The replicas whose gradients one all-reduce sums (1 without a strategy)."""
+    if not tf.distribute.has_strategy():
+        return 1
+    context = tf.distribute.get_replica_context()
+    return 1 if context is None else context.num_replicas_in_sync
+
+
 def check_supports_distribution(optimizer):
     """Raises, before training, where the wrapper cannot run under the active strategy."""
     if not tf.distribute.has_strategy():
@@ -162,11 +170,15 @@ def apply_in_context(optimizer, grads, indices, weight=1.0, close_only=False):
     def local_sums(used):
         return [optimizer._accumulators[i].value for i in used]
 
-    # The window's weight travels in the same reduction as the gradients.
-    # Keras scales each replica's loss by 1/replicas, so the summed gradients
-    # are divided by the mean of the replicas' weights.
+    noise_sums = optimizer._noise_sums   # empty unless it measures the noise scale
+
+    # The window's weight (and the noise-scale sums) travel in the same
+    # reduction as the gradients. Keras scales each replica's loss by
+    # 1/replicas, so the summed gradients are divided by the mean of the
+    # replicas' weights.
     if not tf.distribute.has_strategy():
-        step(lambda used: optimizer._apply_window(used, local_sums(used), optimizer._weight_sum.value, 1))
+        step(lambda used: optimizer._apply_window(
+            used, local_sums(used), optimizer._weight_sum.value, 1, [s.value for s in noise_sums]))
     elif seam.replica_context_lacks_merge_call() or seam.in_xla_context():
         raise NotImplementedError(NO_MERGE_CALL_MESSAGE)
     else:
@@ -177,11 +189,14 @@ def apply_in_context(optimizer, grads, indices, weight=1.0, close_only=False):
                 # Sums are all-reduced here, in one batch; maxima (overwrite-
                 # with-gradient variables) in the replicas (`_apply_window`).
                 summed = [i for i in used if i not in optimizer._overwrite_indices]
-                *reduced, weight = distribution.extended.batch_reduce_to(
+                reduced = distribution.extended.batch_reduce_to(
                     SUM,
                     [(optimizer._accumulators[i].value, variables[i].value) for i in summed]
-                    + [(optimizer._weight_sum.value, variables[0].value)],
+                    + [(optimizer._weight_sum.value, variables[0].value)]
+                    + [(s.value, variables[0].value) for s in noise_sums],
                 )
+                reduced, weight, reduced_noise = (
+                    reduced[:len(summed)], reduced[len(summed)], reduced[len(summed) + 1:])
                 by_index = dict(zip(summed, reduced))
                 sums = [by_index[i] if i in by_index else optimizer._accumulators[i].value for i in used]
                 from accumulator.optimizer import optimizer_chain
@@ -189,7 +204,7 @@ def apply_in_context(optimizer, grads, indices, weight=1.0, close_only=False):
                 with seam.gradients_already_reduced(optimizer_chain(optimizer._updater)):
                     distribution.extended.call_for_each_replica(
                         optimizer._apply_window,
-                        args=(used, sums, weight, distribution.num_replicas_in_sync),
+                        args=(used, sums, weight, distribution.num_replicas_in_sync, reduced_noise),
                     )
 
             step(apply_window)

@@ -59,6 +59,15 @@ class EpochWindows(keras.callbacks.Callback):
     and at the epoch's end. `fit` puts it first among the callbacks, so
     checkpoints and early stopping see the window applied.
 
+    When the optimizer measures the gradient noise scale
+    (`GradientAccumulator(..., measure_noise_scale=True)`), it also writes
+    `logs["noise_scale"]` (a float, NaN until a window of two or more
+    micro-batches has closed) at each training batch's end and at each
+    epoch's end (after closing the window): Keras hands every callback the
+    same `logs` dict in list order, and this one runs first, so the progress
+    bar, `History` (appended after the user's callbacks), TensorBoard,
+    `CSVLogger` and early stopping see it.
+
     Args:
         epoch_end: "apply", "carry" or "drop"; `None` (the default) follows the
             optimizer's `partial_window`.
@@ -94,6 +103,15 @@ class EpochWindows(keras.callbacks.Callback):
         if self._training_epoch:
             self._close_epoch_window()
         self._training_epoch = False
+        self._log_noise_scale(logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._log_noise_scale(logs)
+
+    def _log_noise_scale(self, logs):
+        optimizer = getattr(self.model, "optimizer", None)
+        if logs is not None and isinstance(optimizer, GradientAccumulator) and optimizer.measure_noise_scale:
+            logs["noise_scale"] = optimizer.noise_scale
 
     def _close_epoch_window(self):
         self._training_epoch = False

@@ -139,6 +139,22 @@ def squared_norm(grads):
     return total
 
 
+def micro_batch_terms(grads, weight, replicas=1):
+    """One replica micro-batch's share of the window sums: `(R^2 |g|^2, 1/b, 1)`.
+
+    `grads` is the replica's gradient list (the gradient of its loss, which is
+    its local mean loss divided by `replicas` = R under a strategy), `weight`
+    its size b (its `micro_batch_weight`). A micro-batch of weight <= 0 (all
+    sample weights zero) adds nothing to the window, and counts nothing here.
+    """
+    weight = tf.cast(weight, tf.float32)
+    counted = weight > 0.0
+    zero = tf.zeros_like(weight)
+    sq = float(replicas) ** 2 * squared_norm(grads)
+    inv = 1.0 / tf.where(counted, weight, tf.ones_like(weight))
+    return tf.where(counted, sq, zero), tf.where(counted, inv, zero), tf.cast(counted, tf.float32)
+
+
 def window_estimates(micro_sq_norm_sum, inv_size_sum, micro_count, window_sq_norm, window_size):
     """Unbiased |G|^2 and tr(Sigma) from one window; see the module docstring.
 
@@ -253,6 +269,16 @@ class NoiseScaleEstimate:
         )
         self.update(g2, trace, valid)
         return valid
+
+    def noise_scale_value(self):
+        """`noise_scale` as a Python float, read from the variables without tensor ops (eager)."""
+        if int(self._window_count.numpy()) == 0:
+            return float("nan")
+        g2 = float(self._ema_g2.numpy())
+        trace = float(self._ema_trace.numpy())
+        if g2 == 0.0:
+            return float("nan") if trace == 0.0 else math.copysign(float("inf"), trace)
+        return trace / g2
 
     def _corrected(self, ema):
         weight = tf.convert_to_tensor(self._ema_weight)

@@ -32,6 +32,9 @@ import tensorflow as tf
 from keras import ops
 
 from accumulator import _tf, seam, weighting
+from accumulator.noise_scale import (
+    DEFAULT_SMOOTHING, NoiseScaleEstimate, micro_batch_terms, squared_norm, validate_smoothing,
+)
 from accumulator.validation import integer_at_least
 
 logger = logging.getLogger(__name__)
@@ -63,6 +66,13 @@ def validate_partial_window(mode, name="partial_window"):
     if mode not in PARTIAL_WINDOW_MODES:
         raise ValueError(f"`{name}` must be one of {PARTIAL_WINDOW_MODES}; received {mode!r}.")
     return mode
+
+
+def validate_measure_noise_scale(measure, name="measure_noise_scale"):
+    """Returns `measure` as a bool if it is True or False, or raises naming the parameter."""
+    if not isinstance(measure, bool):
+        raise ValueError(f"`{name}` must be True or False; received {measure!r}.")
+    return measure
 
 
 def optimizer_chain(optimizer):
@@ -182,13 +192,34 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         schedulable: keep the accumulating path even at `accum_steps=1`, so
             that `set_accum_steps` (or `accumulator.callbacks.AccumulationSchedule`)
             can change it during training. Implied by any `accum_steps > 1`.
+        measure_noise_scale: estimate the gradient noise scale B_simple
+            (McCandlish et al. 2018, the critical batch size) from the
+            windows' micro-batches; see `accumulator.noise_scale`. Read it as
+            `optimizer.noise_scale` (a float, NaN until a window of at least
+            two micro-batches has closed); in `fit` it is logged as
+            `noise_scale` (History, progress bar, TensorBoard). Costs one
+            squared norm per micro-step and a few scalars in the window's one
+            all-reduce; needs windows, so not with a pass-through
+            (`accum_steps=1` without `schedulable`).
+        noise_scale_smoothing: the decay, in [0, 1), of the exponential moving
+            averages of |G|^2 and tr(Sigma) over windows (0.99: about 100 windows).
         name: optional name of the wrapper.
     """
 
     def __init__(self, optimizer, accum_steps=1, partial_window="apply", schedulable=False,
+                 measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING,
                  name=None, **kwargs):
         accum_steps = validate_accum_steps(accum_steps)
         validate_partial_window(partial_window)
+        measure_noise_scale = validate_measure_noise_scale(measure_noise_scale)
+        noise_scale_smoothing = validate_smoothing(noise_scale_smoothing, "noise_scale_smoothing")
+        if measure_noise_scale and accum_steps == 1 and not schedulable:
+            raise ValueError(
+                "`measure_noise_scale=True` needs windows of several micro-batches: the "
+                "noise scale compares the micro-batches' gradients with their window's, "
+                "and `accum_steps=1` (without `schedulable=True`) makes a pass-through "
+                "with windows of 1, which give no estimate. Use accum_steps >= 2."
+            )
         optimizer = _resolve_optimizer(optimizer)
         for arg_name, default in _BASE_ARG_DEFAULTS.items():
             if arg_name in kwargs and kwargs.pop(arg_name) != default:
@@ -200,7 +231,8 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         if kwargs:
             raise ValueError(
                 f"GradientAccumulator got unknown arguments: {sorted(kwargs)}. "
-                "It takes `optimizer`, `accum_steps`, `partial_window`, `schedulable` and `name`."
+                "It takes `optimizer`, `accum_steps`, `partial_window`, `schedulable`, "
+                "`measure_noise_scale`, `noise_scale_smoothing` and `name`."
             )
         if seam.version_tuple(keras.__version__) < OLDEST_KERAS:
             raise RuntimeError(
@@ -234,11 +266,14 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         # Fixed at construction: a traced train step cannot switch paths later.
         self.schedulable = bool(schedulable)
         self._passthrough = accum_steps == 1 and not self.schedulable
+        self.measure_noise_scale = measure_noise_scale
+        self.noise_scale_smoothing = noise_scale_smoothing
         self._seen_in_window = set()
         # {epoch: accum_steps} that `fit` follows (set by `accumulating_compile`).
         self.epoch_schedule = None
         self._untracked(_window_listeners=[], _vars=[], _index_by_id={}, _accumulators=[],
-                        _overwrite_indices=frozenset(), _window_strategy=None)
+                        _overwrite_indices=frozenset(), _window_strategy=None,
+                        _noise_estimate=None, _noise_sums=[])
 
     # ------------------------------------------------------------------ state
     def _untracked(self, **attributes):
@@ -269,6 +304,19 @@ class GradientAccumulator(keras.optimizers.Optimizer):
             )
             for i, v in enumerate(var_list)
         ]
+        if self.measure_noise_scale:
+            # Per replica, next to the accumulators: sum_k R^2 |g_k|^2, sum_k 1/b_k
+            # and K, reduced with them once per window.
+            noise_sums = [self._add_local_variable((), "float32", f"noise_scale_{name}")
+                          for name in ("micro_sq_norm_sum", "inv_size_sum", "micro_count")]
+            # The smoothed estimate: mirrored, updated after the window's reduction.
+            with seam.variables_created_as(aggregation=first_replica):
+                estimate = NoiseScaleEstimate(
+                    lambda name, dtype: self.add_variable(
+                        shape=(), dtype=dtype, initializer="zeros", name=f"noise_scale_{name}"),
+                    smoothing=self.noise_scale_smoothing,
+                )
+            self._untracked(_noise_estimate=estimate, _noise_sums=noise_sums)
         self._untracked(_vars=var_list, _index_by_id={id(v): i for i, v in enumerate(var_list)},
                         _accumulators=accumulators, _overwrite_indices=overwrite,
                         _window_strategy=tf.distribute.get_strategy())
@@ -341,6 +389,30 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         if self.built and _tf.executing_eagerly():
             return int(self._accum_steps_var.numpy())
         return self._accum_steps
+
+    @property
+    def noise_scale_estimate(self):
+        """The `NoiseScaleEstimate` (smoothed |G|^2, tr Sigma, B_simple as tensors);
+        None before the optimizer is built. Needs `measure_noise_scale=True`."""
+        self._check_measures_noise_scale()
+        return self._noise_estimate
+
+    @property
+    def noise_scale(self):
+        """B_simple, the gradient noise scale, as a Python float, in the units of
+        the micro-batch weights (samples in `fit`); NaN before the first window of
+        at least two micro-batches. Needs `measure_noise_scale=True`."""
+        self._check_measures_noise_scale()
+        if self._noise_estimate is None:
+            return float("nan")
+        return self._noise_estimate.noise_scale_value()
+
+    def _check_measures_noise_scale(self):
+        if not self.measure_noise_scale:
+            raise AttributeError(
+                "This GradientAccumulator does not measure the gradient noise scale; "
+                "construct it with `measure_noise_scale=True` (and accum_steps >= 2)."
+            )
 
     @property
     def micro_step(self):
@@ -501,29 +573,57 @@ class GradientAccumulator(keras.optimizers.Optimizer):
             else:
                 _tf.add_weighted(self._accumulators[index], grad, weight)
         self._weight_sum.assign_add(weight)
+        if self._noise_sums:
+            # This replica's micro-batch: R^2 |g|^2 (R the replicas, as in the
+            # window gradient, see `accumulator.noise_scale`), 1/b and 1.
+            terms = micro_batch_terms(
+                [g for g, i in zip(grads, indices) if i not in self._overwrite_indices],
+                weight, _tf.replicas_in_sync(),
+            )
+            for total, term in zip(self._noise_sums, terms):
+                total.assign_add(term)
 
     def _window_is_full(self):
         return self._micro_step >= self._accum_steps_var
 
-    def _apply_window(self, used, sums, weight_sum, replicas):
+    def _apply_window(self, used, sums, weight_sum, replicas, noise_sums=()):
         """Replica-local: applies the window's mean gradient, then resets it.
 
         `used` lists the indices of the variables that had a gradient in the
         window, `sums` their accumulated (and, under a strategy, reduced)
         weighted gradients (for `overwrite_with_gradient` variables, their
         maxima), `weight_sum` the window's weight summed over the `replicas`;
-        the other variables get `None`, as in the large batch.
+        the other variables get `None`, as in the large batch. `noise_sums`
+        are the window's (reduced) noise-scale sums when it measures.
         """
+        global_weight = weight_sum
         weight_sum = weight_sum / replicas
         grads = [None] * len(self._vars)
+        means = []
         for i, total in zip(used, sums):
             variable = self._vars[i]
             if i in self._overwrite_indices:
                 grads[i] = ops.cast(_tf.maximum_over_replicas(total), variable.dtype)
             else:
-                grads[i] = ops.cast(total / ops.cast(weight_sum, total.dtype), variable.dtype)
+                mean = total / ops.cast(weight_sum, total.dtype)
+                means.append(mean)
+                grads[i] = ops.cast(mean, variable.dtype)
+        if self._noise_estimate is not None:
+            self._update_noise_scale(noise_sums, means, global_weight)
         self._updater.apply(grads, self._vars)
         self._reset_window(used)
+
+    def _update_noise_scale(self, noise_sums, window_means, window_weight):
+        """Folds the closing window into the estimate (before the update changes the loss scale)."""
+        micro_sq_sum, inv_size_sum, micro_count = noise_sums
+        window_sq = squared_norm(window_means)
+        if self.loss_scale_optimizer is not None:
+            # The window's gradients carry the loss scale (constant in a window).
+            scale = ops.cast(self.loss_scale_optimizer.scale_loss(1.0), "float32")
+            micro_sq_sum = micro_sq_sum / ops.square(scale)
+            window_sq = window_sq / ops.square(scale)
+        self._noise_estimate.update_from_window(
+            micro_sq_sum, inv_size_sum, micro_count, window_sq, window_weight)
 
     def _reset_window(self, indices):
         """Empties the buffers at `indices` (the others are empty) and the weight."""
@@ -532,6 +632,8 @@ class GradientAccumulator(keras.optimizers.Optimizer):
             empty = float("-inf") if i in self._overwrite_indices else 0.0
             accumulator.assign(ops.full(accumulator.shape, empty, accumulator.dtype))
         self._weight_sum.assign(0.0)
+        for total in self._noise_sums:
+            total.assign(0.0)
 
     # ------------------------------------------------------------ serializing
     def get_config(self):
@@ -541,6 +643,8 @@ class GradientAccumulator(keras.optimizers.Optimizer):
             "accum_steps": self.accum_steps,
             "partial_window": self.partial_window,
             "schedulable": self.schedulable,
+            "measure_noise_scale": self.measure_noise_scale,
+            "noise_scale_smoothing": self.noise_scale_smoothing,
         }
 
     @classmethod
