@@ -42,22 +42,48 @@ noise scale), so, as the paper advises, |G|^2 and tr(Sigma) are smoothed
 biased and dominated by windows where g2_est is near 0.
 
 Under `tf.distribute`: each replica's share of a micro-batch is a micro-batch
-of its own, of size b_k / replicas (its *local* weight, which is what
-`micro_batch_weight` holds on a replica), and its gradient is that replica's
-local gradient. Keras' TensorFlow backend scales every replica's loss by
-1/replicas (`keras.src.losses.loss.scale_loss_for_distribution`, applied to
-losses with a mean reduction, Keras' default, and to added losses; not to
-`reduction="sum"`), so that the all-reduce *sum* is a mean; undo it before
-squaring: |g_local|^2 = replicas^2 * squared_norm(replica_grads). The
-per-micro-step work (one squared norm, one 1/b, one count) is replica-local,
-held in replica-local (ON_READ, SUM) variables next to the accumulators; the
-three window sums (sum |g_k|^2, sum 1/b_k, K) are reduced across replicas
-*once per window*, in the same batched all-reduce as the gradients and the
-window weight. So the estimator adds no all-reduce per micro-step. After that
-reduction, K counts replica micro-batches (micro-steps x replicas), B is the
-global window weight and G_B the global window gradient (the accumulator's
-reduced sums divided by the reduced weight / replicas, which the 1/replicas
-scaling cancels out of).
+of its own, of size b_r, its *local* weight (what `micro_batch_weight` holds
+on a replica), with its own gradient. The per-micro-step work (one squared
+norm, one 1/b, one count) is replica-local, held in replica-local (ON_READ,
+SUM) variables next to the accumulators; the three window sums (sum |g_k|^2,
+sum 1/b_k, K) are reduced across replicas *once per window*, in the same
+batched all-reduce as the gradients and the window weight, so the estimator
+adds no all-reduce per micro-step. After that reduction, K counts replica
+micro-batches (micro-steps x replicas) and B is the global window weight.
+
+The replicas^2 correction. With R replicas, the accumulator forms the window
+gradient as  sum_r w_r grad_r / (W / R)  (W the reduced weight): it takes R
+grad_r as replica r's micro-batch gradient, because every replica's gradient
+is expected to be its share's mean-loss gradient divided by R, so that their
+all-reduced sum is the global mean, the convention stock Keras optimizers
+rely on too. Keras' `fit` produces exactly that (its TensorFlow trainer
+divides each replica's loss by R, for losses with a mean reduction and added
+losses); so does a custom `strategy.run` loop with
+`tf.nn.compute_average_loss(per_example_loss)` (local sum / (R b_r)), or with
+`global_batch_size=G` when every replica's share is G / R. The micro-batch
+terms therefore use the same R: |g_k|^2 = R^2 |grad_r|^2, in fit and custom
+loops alike, whenever R > 1: it is the accumulator's own R, not a guess about
+the loss. Where a loop's replica gradients are some other *constant* multiple
+c of the local mean-loss gradients (a local `reduce_mean` without the 1/R,
+c = 1, which also makes the applied window gradient R times the mean, as a
+stock optimizer's would be), |G|^2 and tr(Sigma) come out (c R)^2 times too
+large, in the scale of the gradient actually applied, and B_simple, their
+ratio, is unchanged. What no constant can fix is a multiple that varies
+between micro-batches: `compute_average_loss(..., global_batch_size=G)` on a
+short last batch (local share s < G / R) scales that gradient by s / G, not
+1 / R; such a window's gradient is then not the large batch's mean either.
+For exact windows and estimates with short batches, divide by R b_r (leave
+out `global_batch_size`, as `fit` does) and pass
+`micro_batch_weight=b_r`, the *replica's* sample count: passing the global
+batch size G as the weight instead makes every size R times too large, and
+B_simple in samples R times too large. With no weight (1 per micro-batch),
+B_simple is in replica micro-batches.
+
+In `GradientAccumulator(..., measure_noise_scale=True)`, variables marked
+`overwrite_with_gradient` (float8 scales, whose "gradient" is a new value)
+are left out of both norms, and under a `LossScaleOptimizer` both squared
+norms are divided by the loss scale squared (the scale is constant within a
+window; a window with a non-finite gradient is skipped).
 
 Limits:
 

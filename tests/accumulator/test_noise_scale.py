@@ -1,0 +1,360 @@
+"""`GradientAccumulator(measure_noise_scale=True)` in `fit`, custom loops and under a strategy.
+
+The estimator itself is tested in `test_noise_scale_estimator.py`; here, that
+the optimizer feeds it the right sums: every micro-batch's squared norm, size
+and count, the window's gradient and weight, once per window, reset with the
+window, across replicas with no extra reduction, and that the estimate is
+saved, logged and off by default.
+
+Weights are kept fixed (SGD with learning rate 0) where a truth is known, so
+every window samples the same |G|^2 and tr Sigma.
+"""
+
+import math
+
+import numpy as np
+import keras
+import pytest
+import tensorflow as tf
+
+from accumulator import GradientAccumulator
+from tests.accumulator import reference as ref
+from tests.accumulator import test_noise_scale_estimator as est
+from tests.accumulator.test_mirrored import CountingReduction
+
+DEVICES = ["/cpu:0", "/cpu:1"]
+
+
+def _accumulator(inner=None, accum_steps=4, **kwargs):
+    return GradientAccumulator(inner or keras.optimizers.SGD(0.0), accum_steps,
+                               measure_noise_scale=True, **kwargs)
+
+
+def _expected_from_windows(windows, smoothing):
+    """B_simple, |G|^2, tr Sigma by the appendix-A formulas in float64, from per-window lists
+    of (micro-batch gradient vectors, sizes); bias-corrected EMAs, K = 1 windows skipped."""
+    ema_g2 = ema_trace = ema_w = 0.0
+    for grads, sizes in windows:
+        if len(sizes) < 2:
+            continue
+        sizes = np.asarray(sizes, "float64")
+        total = sizes.sum()
+        mean_sq = np.mean([g @ g for g in grads])
+        big = sum(b * g for b, g in zip(sizes, grads)) / total
+        trace = (mean_sq - big @ big) / (np.mean(1 / sizes) - 1 / total)
+        g2 = big @ big - trace / total
+        ema_g2 = smoothing * ema_g2 + (1 - smoothing) * g2
+        ema_trace = smoothing * ema_trace + (1 - smoothing) * trace
+        ema_w = smoothing * ema_w + (1 - smoothing)
+    return ema_trace / ema_g2, ema_g2 / ema_w, ema_trace / ema_w
+
+
+def _flat_gradient(model, loss_fn, x, y):
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=True))
+    return np.concatenate([tf.reshape(g, [-1]).numpy().astype("float64")
+                           for g in tape.gradient(loss, model.trainable_variables)])
+
+
+def _readings(optimizer):
+    estimate = optimizer.noise_scale_estimate
+    return optimizer.noise_scale, float(estimate.gradient_sq_norm), float(estimate.trace)
+
+
+# ------------------------------------------------------ known truths via fit
+
+def _least_squares_data(windows, window, seed=0, d=10, noise_var=2.0):
+    rng = np.random.RandomState(seed)
+    w_star = rng.randn(d, 1)
+    delta = rng.randn(d, 1)
+    delta /= np.linalg.norm(delta)                      # |delta|^2 = 1
+    x = rng.randn(windows * window, d).astype("float32")
+    y = (x @ w_star + math.sqrt(noise_var) * rng.randn(windows * window, 1)).astype("float32")
+    return x, y, (w_star + delta).astype("float32")
+
+
+def _least_squares_model(weights):
+    model = keras.Sequential([keras.Input((weights.shape[0],)), keras.layers.Dense(1, use_bias=False)])
+    model.layers[0].set_weights([weights])
+    return model
+
+
+# keras' "mse" is mean (x.w - y)^2, twice the 0.5 (x.w - y)^2 of the closed
+# form: gradients double, |G|^2 and tr Sigma grow 4 times, B_simple = 31 stays.
+def _lsq_truth():
+    g2, trace, noise_scale = est._least_squares_truth(10, 1.0, 2.0)
+    return noise_scale, 4 * g2, 4 * trace
+
+
+def test_least_squares_through_fit_matches_the_closed_form():
+    """1000 windows of 4 x 16 at fixed weights, smoothing 0.998: B_simple = 31.
+
+    The same windows and smoothing as the estimator's closed-form test, whose
+    spread over 20 seeds (std 2.4% |G|^2, 1.1% tr Sigma, 2.4% B_simple; max
+    4.2%, 2.2%, 5.0%) sets the tolerances (`est.LSQ_TOLERANCE`, about 3
+    sigma of the uneven case). Fed wrong sums (a window's sums not reset: K
+    and the norms grow without bound; the step that finds the data exhausted
+    counted; the bias correction left out: 13.5%), it lands far outside.
+    """
+    x, y, weights = _least_squares_data(est.LSQ_WINDOWS, 64)
+    model = _least_squares_model(weights)
+    optimizer = _accumulator(noise_scale_smoothing=est.LSQ_SMOOTHING)
+    model.compile(optimizer, "mse")
+    model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    assert int(optimizer.noise_scale_estimate.window_count) == est.LSQ_WINDOWS
+    np.testing.assert_allclose(model.get_weights()[0], weights)      # learning rate 0
+    got, truth = _readings(optimizer), _lsq_truth()
+    print("least squares via fit", got, "truth", truth)
+    for (name, tol), value, true in zip(
+            [("noise_scale", 0.12), ("g2", 0.10), ("trace", 0.06)], got, truth):
+        assert abs(value - true) <= tol * true, (name, value, true)
+
+
+def test_uneven_micro_batches_through_fit_match_the_closed_form():
+    """Windows of 16, 16, 16, 4 (a dataset that ends every window short): B = 52,
+    h = (3/16 + 1/4) / 4. Spread over 20 seeds (estimator test): std 3.5%,
+    2.0%, 4.3%; max 7.5%, 3.1%, 8.4%: the tolerances are about 3 sigma. Taking
+    the short micro-batch as a full one (h = K/B) fails them."""
+    windows, window = est.LSQ_WINDOWS, 52
+    x, y, weights = _least_squares_data(windows, window, seed=1)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(window).flat_map(
+        lambda xw, yw: tf.data.Dataset.from_tensor_slices((xw, yw)).batch(16))
+    model = _least_squares_model(weights)
+    optimizer = _accumulator(noise_scale_smoothing=est.LSQ_SMOOTHING)
+    model.compile(optimizer, "mse")
+    model.fit(dataset, verbose=0)
+    assert int(optimizer.noise_scale_estimate.window_count) == windows
+    got, truth = _readings(optimizer), _lsq_truth()
+    print("uneven least squares via fit", got, "truth", truth)
+    for (name, tol), value, true in zip(
+            [("noise_scale", 0.12), ("g2", 0.10), ("trace", 0.06)], got, truth):
+        assert abs(value - true) <= tol * true, (name, value, true)
+
+
+def test_short_last_micro_batch_and_forced_close_are_exact():
+    """100 samples in batches of 16 (6 of 16, one of 4), accum_steps 4: a window of
+    4 x 16, then the epoch's end applies one of 16, 16, 4; both count, with
+    their true sizes. Weights move (SGD 0.1), so each window is compared with
+    per-micro-batch gradients taken at that window's weights."""
+    x, y = ref.regression_data(100)
+    loss_fn = keras.losses.MeanSquaredError()
+    model = ref.mlp()
+    optimizer = _accumulator(keras.optimizers.SGD(0.1), noise_scale_smoothing=0.5)
+    model.compile(optimizer, "mse")
+    reference = ref.mlp()
+    windows = []
+    for start, stop in [(0, 64), (64, 100)]:
+        bounds = list(range(start, stop, 16)) + [stop]
+        grads = [_flat_gradient(reference, loss_fn, x[a:b], y[a:b]) for a, b in zip(bounds, bounds[1:])]
+        windows.append((grads, np.diff(bounds)))
+        ref.fit_large_batch(reference, keras.optimizers.SGD(0.1), x[start:stop], y[start:stop], stop - start)
+    model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    assert int(optimizer.noise_scale_estimate.window_count) == 2
+    np.testing.assert_allclose(_readings(optimizer), _expected_from_windows(windows, 0.5), rtol=2e-4)
+
+
+@pytest.mark.parametrize("mode, counted", [("drop", 1), ("apply", 1)])
+def test_the_sums_reset_with_every_window(mode, counted):
+    """5 micro-batches, accum_steps 4: a window of 4, then one of 1 ("apply":
+    K = 1 gives no estimate, skipped) or dropped; the sums are empty after."""
+    x, y = ref.regression_data(80)
+    model = ref.mlp()
+    optimizer = _accumulator(partial_window=mode)
+    model.compile(optimizer, "mse")
+    model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    assert int(optimizer.noise_scale_estimate.window_count) == counted
+    assert [float(v.numpy()) for v in optimizer._noise_sums] == [0.0, 0.0, 0.0]
+    first = optimizer.noise_scale
+    # The same 4 micro-batches alone give the same estimate: nothing of the
+    # fifth leaked into it, nor into the next window.
+    alone = ref.mlp()
+    alone_optimizer = _accumulator()
+    alone.compile(alone_optimizer, "mse")
+    alone.fit(x[:64], y[:64], batch_size=16, shuffle=False, verbose=0)
+    assert first == pytest.approx(alone_optimizer.noise_scale, rel=1e-6)
+
+
+def test_small_model_through_fit_matches_per_example_brute_force():
+    """The estimator test's MLP with an embedding (truth |G|^2 = 0.6509, tr Sigma
+    = 8.857, B_simple = 13.61 by brute force over 512 examples), through fit:
+    300 windows of 4 x 8 drawn with replacement, smoothing 0.995. Spread of
+    that set-up over 12 seeds: std 1.6%, 1.4%, 2.5%; max 3.1%, 3.2%, 4.3%;
+    tolerances `est.MLP_TOLERANCE` (6%, 7%, 10%)."""
+    model, x, category, labels = est._classification_problem()
+    g2, trace, noise_scale = est._brute_force_truth(model, x, category, labels)
+    draws = np.random.RandomState(1).randint(0, est.N_EXAMPLES, size=300 * 32)
+    optimizer = _accumulator(noise_scale_smoothing=0.995)
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit([x[draws], category[draws]], labels[draws], batch_size=8, shuffle=False, verbose=0)
+    got = _readings(optimizer)
+    print("mlp via fit", got, "truth", (noise_scale, g2, trace))
+    for (name, tol), value, true in zip(
+            [("noise_scale", est.MLP_TOLERANCE["noise_scale"]), ("g2", est.MLP_TOLERANCE["g2"]),
+             ("trace", est.MLP_TOLERANCE["trace"])], got, (noise_scale, g2, trace)):
+        assert abs(value - true) <= tol * true, (name, value, true)
+
+
+def test_loss_scale_is_divided_out():
+    x, y = ref.regression_data(128)
+    readings = []
+    for inner in (keras.optimizers.SGD(0.1),
+                  keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0 ** 12)):
+        model = ref.mlp()
+        optimizer = _accumulator(inner, noise_scale_smoothing=0.5)
+        model.compile(optimizer, "mse", auto_scale_loss=False)
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        readings.append(_readings(optimizer))
+    np.testing.assert_allclose(readings[1], readings[0], rtol=1e-4)
+
+
+# ------------------------------------------------------------- distribution
+
+MICRO, ACCUM = 16, 4        # global micro-batch 16: 8 per replica
+
+
+def _one_device_reference(x, y, epochs):
+    """One device, micro-batches of 8 in windows of 8: the replicas' shares in order."""
+    model = ref.mlp()
+    optimizer = _accumulator(keras.optimizers.SGD(0.05), 2 * ACCUM, noise_scale_smoothing=0.5)
+    model.compile(optimizer, "mse")
+    model.fit(x, y, batch_size=MICRO // 2, epochs=epochs, shuffle=False, verbose=0)
+    return optimizer
+
+
+def test_mirrored_fit_matches_one_device_with_one_reduction_per_window():
+    """2 replicas, 96 samples in global micro-batches of 16, accum_steps 4: windows
+    of 4 and 2 (closed at the epoch's end) per epoch. Same windows, same
+    micro-batches (the replicas' shares) as one device with batches of 8 and
+    accum_steps 8: the same estimate. And still one batched reduction per
+    window: the noise-scale sums travel with the gradients."""
+    x, y = ref.regression_data(96)
+    counter = CountingReduction()
+    strategy = tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=counter)
+    with strategy.scope():
+        model = ref.mlp()
+        optimizer = _accumulator(keras.optimizers.SGD(0.05), ACCUM, noise_scale_smoothing=0.5)
+        model.compile(optimizer, "mse")
+    model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
+    windows = int(optimizer.iterations.numpy())
+    assert windows == 4 and int(optimizer.noise_scale_estimate.window_count) == 4
+    assert int(counter.count.numpy()) == windows
+    one_device = _one_device_reference(x, y, epochs=2)
+    np.testing.assert_allclose(_readings(optimizer), _readings(one_device), rtol=1e-4)
+
+
+def test_custom_strategy_run_loop_with_compute_average_loss_matches_one_device():
+    """A custom loop: `tf.nn.compute_average_loss(..., global_batch_size=16)` scales
+    each replica's loss by 1/2 like fit does, so the replicas^2 correction
+    applies; `micro_batch_weight` is the replica's sample count."""
+    x, y = ref.regression_data(96)
+    loss_fn = keras.losses.MeanSquaredError(reduction="none")
+    strategy = tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=CountingReduction())
+    with strategy.scope():
+        model = ref.mlp()
+        optimizer = _accumulator(keras.optimizers.SGD(0.05), ACCUM, noise_scale_smoothing=0.5)
+        optimizer.build(model.trainable_variables)
+    dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(MICRO))
+
+    @tf.function
+    def step(batch):
+        def replica_step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(loss_fn(yb, model(xb, training=True)), global_batch_size=MICRO)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply(grads, model.trainable_variables,
+                            micro_batch_weight=tf.cast(tf.shape(xb)[0], tf.float32))
+        strategy.run(replica_step, args=batch)
+
+    for batch in dataset:
+        step(batch)
+    optimizer.close_partial_window()
+    assert int(optimizer.noise_scale_estimate.window_count) == 2
+    np.testing.assert_allclose(_readings(optimizer), _readings(_one_device_reference(x, y, epochs=1)), rtol=1e-4)
+
+
+# --------------------------------------------------- API, logs and saving
+
+def test_off_by_default_adds_no_variables_and_no_log():
+    x, y = ref.regression_data(64)
+    counts, histories = [], []
+    for measure in (False, True):
+        model = ref.mlp()
+        optimizer = GradientAccumulator(keras.optimizers.Adam(), 4, measure_noise_scale=measure)
+        model.compile(optimizer, "mse")
+        histories.append(model.fit(x, y, batch_size=8, epochs=2, verbose=0).history)
+        counts.append(len(optimizer.variables))
+        if not measure:
+            assert not optimizer.measure_noise_scale
+            assert not any("noise_scale" in v.name for v in optimizer.variables)
+            with pytest.raises(AttributeError, match="measure_noise_scale=True"):
+                optimizer.noise_scale
+    assert counts[1] == counts[0] + 7           # 3 replica-local sums, 4 estimator variables
+    assert "noise_scale" not in histories[0]
+    assert len(histories[1]["noise_scale"]) == 2
+
+
+def test_history_progress_bar_and_batch_logs_show_the_noise_scale(capsys):
+    x, y = ref.regression_data(128)
+    batch_logs = []
+    seen = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: batch_logs.append(dict(logs)))
+    model = ref.mlp()
+    optimizer = _accumulator(keras.optimizers.SGD(0.05))
+    model.compile(optimizer, "mse")
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=1, callbacks=[seen])
+    values = history.history["noise_scale"]
+    assert len(values) == 2 and all(isinstance(v, float) and math.isfinite(v) for v in values)
+    assert values[-1] == optimizer.noise_scale
+    # Batch logs: NaN until the first window closes (4th micro-batch), then the estimate.
+    assert [math.isnan(logs["noise_scale"]) for logs in batch_logs[:4]] == [True, True, True, False]
+    assert "noise_scale: " in capsys.readouterr().out
+
+
+def test_saving_and_restoring_keep_the_estimate(tmp_path):
+    x, y = ref.regression_data(128)
+    model = ref.mlp()
+    optimizer = _accumulator(keras.optimizers.Adam(1e-3), noise_scale_smoothing=0.9)
+    model.compile(optimizer, "mse")
+    model.fit(x, y, batch_size=8, verbose=0)
+    expected = _readings(optimizer)
+    assert math.isfinite(expected[0])
+
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert loaded.optimizer.measure_noise_scale and loaded.optimizer.noise_scale_smoothing == 0.9
+    np.testing.assert_allclose(_readings(loaded.optimizer), expected, rtol=1e-6)
+
+    path = tf.train.Checkpoint(optimizer=optimizer).save(str(tmp_path / "ckpt"))
+    fresh = ref.mlp()
+    fresh_optimizer = _accumulator(keras.optimizers.Adam(1e-3), noise_scale_smoothing=0.9)
+    fresh_optimizer.build(fresh.trainable_variables)
+    assert math.isnan(fresh_optimizer.noise_scale)
+    tf.train.Checkpoint(optimizer=fresh_optimizer).restore(path).assert_existing_objects_matched()
+    np.testing.assert_allclose(_readings(fresh_optimizer), expected, rtol=1e-6)
+
+
+def test_config_round_trip():
+    optimizer = _accumulator(noise_scale_smoothing=0.95)
+    config = optimizer.get_config()
+    assert config["measure_noise_scale"] is True and config["noise_scale_smoothing"] == 0.95
+    again = GradientAccumulator.from_config(config)
+    assert again.measure_noise_scale and again.noise_scale_smoothing == 0.95
+    assert math.isnan(again.noise_scale)            # not built: nothing measured
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", None, np.float32(1.0)])
+def test_bad_measure_noise_scale_raises_naming_the_parameter(value):
+    with pytest.raises(ValueError, match=r"`measure_noise_scale` must be True or False"):
+        GradientAccumulator(keras.optimizers.SGD(), 4, measure_noise_scale=value)
+
+
+@pytest.mark.parametrize("value", [1.0, -0.5, float("nan"), "0.9", None])
+def test_bad_smoothing_raises_naming_the_parameter(value):
+    with pytest.raises(ValueError, match=r"`noise_scale_smoothing` must be a float in \[0, 1\)"):
+        GradientAccumulator(keras.optimizers.SGD(), 4, measure_noise_scale=True, noise_scale_smoothing=value)
+
+
+def test_a_pass_through_cannot_measure():
+    with pytest.raises(ValueError, match="accum_steps >= 2"):
+        GradientAccumulator(keras.optimizers.SGD(), 1, measure_noise_scale=True)
+    # A schedulable one at 1 can: its windows of 1 are skipped until it grows.
+    assert GradientAccumulator(keras.optimizers.SGD(), 1, schedulable=True, measure_noise_scale=True)
