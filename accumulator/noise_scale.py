@@ -42,42 +42,53 @@ noise scale), so, as the paper advises, |G|^2 and tr(Sigma) are smoothed
 biased and dominated by windows where g2_est is near 0.
 
 Under `tf.distribute`: each replica's share of a micro-batch is a micro-batch
-of its own, of size b_r, its *local* weight (what `micro_batch_weight` holds
-on a replica), with its own gradient. The per-micro-step work (one squared
-norm, one 1/b, one count) is replica-local, held in replica-local (ON_READ,
-SUM) variables next to the accumulators; the three window sums (sum |g_k|^2,
+of its own, with its own gradient. The per-micro-step work (one squared norm,
+one 1/b, one count) is replica-local, held in replica-local (ON_READ, SUM)
+variables next to the accumulators; the three window sums (sum |g_k|^2,
 sum 1/b_k, K) are reduced across replicas *once per window*, in the same
 batched all-reduce as the gradients and the window weight, so the estimator
 adds no all-reduce per micro-step. After that reduction, K counts replica
-micro-batches (micro-steps x replicas) and B is the global window weight.
+micro-batches (micro-steps x replicas).
 
-The replicas^2 correction. With R replicas, the accumulator forms the window
-gradient as  sum_r w_r grad_r / (W / R)  (W the reduced weight): it takes R
-grad_r as replica r's micro-batch gradient, because every replica's gradient
-is expected to be its share's mean-loss gradient divided by R, so that their
-all-reduced sum is the global mean, the convention stock Keras optimizers
-rely on too. Keras' `fit` produces exactly that (its TensorFlow trainer
-divides each replica's loss by R, for losses with a mean reduction and added
-losses); so does a custom `strategy.run` loop with
-`tf.nn.compute_average_loss(per_example_loss)` (local sum / (R b_r)), or with
-`global_batch_size=G` when every replica's share is G / R. The micro-batch
-terms therefore use the same R: |g_k|^2 = R^2 |grad_r|^2, in fit and custom
-loops alike, whenever R > 1: it is the accumulator's own R, not a guess about
-the loss. Where a loop's replica gradients are some other *constant* multiple
-c of the local mean-loss gradients (a local `reduce_mean` without the 1/R,
-c = 1, which also makes the applied window gradient R times the mean, as a
-stock optimizer's would be), |G|^2 and tr(Sigma) come out (c R)^2 times too
-large, in the scale of the gradient actually applied, and B_simple, their
-ratio, is unchanged. What no constant can fix is a multiple that varies
-between micro-batches: `compute_average_loss(..., global_batch_size=G)` on a
-short last batch (local share s < G / R) scales that gradient by s / G, not
-1 / R; such a window's gradient is then not the large batch's mean either.
-For exact windows and estimates with short batches, divide by R b_r (leave
-out `global_batch_size`, as `fit` does) and pass
-`micro_batch_weight=b_r`, the *replica's* sample count: passing the global
-batch size G as the weight instead makes every size R times too large, and
-B_simple in samples R times too large. With no weight (1 per micro-batch),
-B_simple is in replica micro-batches.
+The replicas^2 correction, and the sizes. With R replicas, the accumulator's
+window gradient is  sum_r w_r grad_r / (W / R),  W the reduced weight: it
+rests on the convention that a replica's loss is its local sum S_r divided by
+the replica's weight w_r = R b_r (b_r its local sample count), so that the
+replicas' gradients sum to the global mean, as stock Keras optimizers expect.
+Keras' `fit` does exactly that: its TensorFlow trainer divides each replica's
+mean loss by R, and `accumulator.weighting` notes that loss's denominator,
+R b_r, as the weight; so does a custom `strategy.run` loop with
+`tf.nn.compute_average_loss(per_example_loss)` (S_r / (R b_r)) or with
+`global_batch_size=G` and even shares (S_r / G, G = R b_r), passing that
+denominator as `micro_batch_weight`. Under it, replica r's micro-batch has
+the mean-loss gradient  g_r = R grad_r  and the size  b_r = w_r / R,  and the
+window's size is B = W / R. So the estimator takes |g_k|^2 = R^2 |grad_r|^2,
+1/b_k = R / w_r and B = W / R: the accumulator's own R (the one that turns W
+into the window's mean), in `fit` and custom loops alike, not a guess about
+the loss. It applies whenever R > 1; on one device R = 1 and nothing changes.
+Note that B is *not* the reduced weight W itself: in `fit` that counts every
+sample R times.
+
+What follows for custom loops:
+
+* Weights that are some constant multiple of the denominators (1 for every
+  micro-batch, the default) leave the window gradient exact and put the sizes
+  in other units: with weight 1, B_simple is in *global* micro-batches (a
+  replica's share counts 1/R), as it is in micro-batches on one device.
+* Gradients that are some other constant multiple c of the mean-loss ones (a
+  local `reduce_mean` without the 1/R: c = R; it also makes the applied
+  window gradient R times the mean, as a stock optimizer's would be) scale
+  |G|^2 and tr(Sigma) by c^2, in the scale of the gradient actually applied;
+  B_simple, their ratio, is unchanged.
+* Passing the *local* sample count as the weight while the loss is divided by
+  R b_r (or by G) makes every size R times too small, and B_simple in samples
+  R times too small: pass the loss's denominator.
+* What no constant fixes is a multiple that varies between micro-batches:
+  `compute_average_loss(..., global_batch_size=G)` on a short last batch
+  (local share s < G / R) divides by G, not by R s, and with the weight G its
+  window gradient is not the large batch's mean either. For exact windows
+  and estimates with short batches leave out `global_batch_size` and pass
+  `micro_batch_weight=R * s` (what `fit` does).
 
 In `GradientAccumulator(..., measure_noise_scale=True)`, variables marked
 `overwrite_with_gradient` (float8 scales, whose "gradient" is a new value)
@@ -166,18 +177,19 @@ def squared_norm(grads):
 
 
 def micro_batch_terms(grads, weight, replicas=1):
-    """One replica micro-batch's share of the window sums: `(R^2 |g|^2, 1/b, 1)`.
+    """One replica micro-batch's share of the window sums: `(R^2 |grad|^2, R/w, 1)`.
 
-    `grads` is the replica's gradient list (the gradient of its loss, which is
-    its local mean loss divided by `replicas` = R under a strategy), `weight`
-    its size b (its `micro_batch_weight`). A micro-batch of weight <= 0 (all
-    sample weights zero) adds nothing to the window, and counts nothing here.
+    `grads` is the replica's gradient list (of its loss, its local sum divided
+    by `weight` = w = R b under `replicas` = R, see the module docstring), so
+    R grad is its mean-loss gradient and w / R its size. A micro-batch of
+    weight <= 0 (all sample weights zero) adds nothing to the window, and
+    counts nothing here either.
     """
     weight = tf.cast(weight, tf.float32)
     counted = weight > 0.0
     zero = tf.zeros_like(weight)
     sq = float(replicas) ** 2 * squared_norm(grads)
-    inv = 1.0 / tf.where(counted, weight, tf.ones_like(weight))
+    inv = float(replicas) / tf.where(counted, weight, tf.ones_like(weight))
     return tf.where(counted, sq, zero), tf.where(counted, inv, zero), tf.cast(counted, tf.float32)
 
 

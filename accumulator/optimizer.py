@@ -574,8 +574,8 @@ class GradientAccumulator(keras.optimizers.Optimizer):
                 _tf.add_weighted(self._accumulators[index], grad, weight)
         self._weight_sum.assign_add(weight)
         if self._noise_sums:
-            # This replica's micro-batch: R^2 |g|^2 (R the replicas, as in the
-            # window gradient, see `accumulator.noise_scale`), 1/b and 1.
+            # This replica's micro-batch: R^2 |g|^2, R/w and 1 (R the replicas,
+            # as in the window gradient; see `accumulator.noise_scale`).
             terms = micro_batch_terms(
                 [g for g, i in zip(grads, indices) if i not in self._overwrite_indices],
                 weight, _tf.replicas_in_sync(),
@@ -596,7 +596,6 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         the other variables get `None`, as in the large batch. `noise_sums`
         are the window's (reduced) noise-scale sums when it measures.
         """
-        global_weight = weight_sum
         weight_sum = weight_sum / replicas
         grads = [None] * len(self._vars)
         means = []
@@ -609,7 +608,8 @@ class GradientAccumulator(keras.optimizers.Optimizer):
                 means.append(mean)
                 grads[i] = ops.cast(mean, variable.dtype)
         if self._noise_estimate is not None:
-            self._update_noise_scale(noise_sums, means, global_weight)
+            # The window's size: its weight over the replicas (see accumulator.noise_scale).
+            self._update_noise_scale(noise_sums, means, weight_sum)
         self._updater.apply(grads, self._vars)
         self._reset_window(used)
 

@@ -243,9 +243,10 @@ def test_mirrored_fit_matches_one_device_with_one_reduction_per_window():
 
 
 def test_custom_strategy_run_loop_with_compute_average_loss_matches_one_device():
-    """A custom loop: `tf.nn.compute_average_loss(..., global_batch_size=16)` scales
-    each replica's loss by 1/2 like fit does, so the replicas^2 correction
-    applies; `micro_batch_weight` is the replica's sample count."""
+    """A custom loop: `tf.nn.compute_average_loss(..., global_batch_size=16)` divides
+    each replica's local sum by 16 = 2 x 8, as fit divides its mean by 2, so
+    the replicas^2 correction applies; `micro_batch_weight` is that
+    denominator, 16, whose share per replica (16 / 2) is the replica's size."""
     x, y = ref.regression_data(96)
     loss_fn = keras.losses.MeanSquaredError(reduction="none")
     strategy = tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=CountingReduction())
@@ -261,8 +262,7 @@ def test_custom_strategy_run_loop_with_compute_average_loss_matches_one_device()
             with tf.GradientTape() as tape:
                 loss = tf.nn.compute_average_loss(loss_fn(yb, model(xb, training=True)), global_batch_size=MICRO)
             grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply(grads, model.trainable_variables,
-                            micro_batch_weight=tf.cast(tf.shape(xb)[0], tf.float32))
+            optimizer.apply(grads, model.trainable_variables, micro_batch_weight=float(MICRO))
         strategy.run(replica_step, args=batch)
 
     for batch in dataset:
