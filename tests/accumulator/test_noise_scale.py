@@ -358,3 +358,26 @@ def test_a_pass_through_cannot_measure():
         GradientAccumulator(keras.optimizers.SGD(), 1, measure_noise_scale=True)
     # A schedulable one at 1 can: its windows of 1 are skipped until it grows.
     assert GradientAccumulator(keras.optimizers.SGD(), 1, schedulable=True, measure_noise_scale=True)
+
+
+def test_overwrite_with_gradient_variables_are_left_out():
+    """A float8-style variable whose "gradient" is its new value (large here) must
+    not enter either norm: the estimate equals the one without it."""
+    rng = np.random.RandomState(0)
+    grads = [rng.randn(3, 2).astype("float32") for _ in range(8)]
+    readings = []
+    for with_scale in (False, True):
+        weights = keras.Variable(np.zeros((3, 2), "float32"), name="w")
+        variables = [weights]
+        if with_scale:
+            scale = keras.Variable(np.zeros((4,), "float32"), name="amax", trainable=False)
+            scale.overwrite_with_gradient = True
+            variables.append(scale)
+        optimizer = _accumulator(noise_scale_smoothing=0.5)
+        optimizer.build(variables)
+        for k, g in enumerate(grads):
+            step_grads = [g] + ([np.full((4,), 100.0 + k, "float32")] if with_scale else [])
+            optimizer.apply(step_grads, variables, micro_batch_weight=4.0 + k % 4)
+        readings.append(_readings(optimizer))
+    assert int(optimizer.noise_scale_estimate.window_count) == 2
+    np.testing.assert_allclose(readings[1], readings[0], rtol=1e-6)
