@@ -1,36 +1,50 @@
-"""Exact gradient accumulation for TensorFlow 2 / Keras 3.
+"""Exact gradient accumulation for TensorFlow 2 / Keras 3 and Keras 2.
 
-`GradientAccumulator(optimizer, accum_steps)` wraps any Keras 3 optimizer so that
+`GradientAccumulator(optimizer, accum_steps)` wraps any Keras optimizer so that
 training with micro-batches follows the run with the `accum_steps`-times larger
-batch.
+batch. It picks its implementation from the optimizer it is given: a Keras 3
+optimizer gets `accumulator.optimizer.GradientAccumulator`, a Keras 2 one
+(`tf_keras`, or `tf.keras` on TF <= 2.15) `accumulator.keras2.GradientAccumulator`;
+both share one update rule (`accumulator.window`).
 
 Importing this package imports TensorFlow and Keras only (`accumulator.tuning`,
-imported on its own, needs keras-tuner), and installs the library's Keras hooks
-(`accumulator.seam`: `keras.Model.fit` and `compute_loss`, and two multi-worker
-fixes), unless the environment variable ACCUMULATOR_KERAS_HOOKS=0 is set;
-`accumulator.seam.uninstall()` removes them.
+imported on its own, needs keras-tuner; `tf_keras` is imported where it is
+installed, to hook its `Model`), and installs the library's Keras hooks
+(`accumulator.seam`: `Model.fit` and `compute_loss` of each installed Keras, and
+two Keras 3 multi-worker fixes), unless the environment variable
+ACCUMULATOR_KERAS_HOOKS=0 is set; `accumulator.seam.uninstall()` removes them.
 """
 
 from accumulator import seam
-from accumulator import callbacks  # noqa: F401  (accumulator.callbacks.* after `import accumulator`)
 from accumulator import noise_scale  # noqa: F401  (accumulator.noise_scale.* after `import accumulator`)
-from accumulator.batch_norm import AccumBatchNormalization, use_accumulated_batch_norm
-from accumulator.callbacks import AccumulationSchedule, EpochWindows
 from accumulator.distribute import strategy_from_environment
 from accumulator.noise_scale import NoiseScaleEstimate
-from accumulator.optimizer import GradientAccumulator, validate_accum_steps
+from accumulator.window import AccumulationWindow, validate_accum_steps
+
+if seam.keras_is_3():
+    from accumulator import callbacks  # noqa: F401  (accumulator.callbacks.* after `import accumulator`)
+    from accumulator.batch_norm import AccumBatchNormalization, use_accumulated_batch_norm
+    from accumulator.callbacks import AccumulationSchedule, EpochWindows
+    from accumulator.optimizer import GradientAccumulator
+else:
+    # TF <= 2.15: `keras` is Keras 2. The Keras 3 features (AccumBatchNormalization,
+    # the TFX and KerasTuner helpers) are absent; accumulation is whole.
+    from accumulator import callbacks  # noqa: F401
+    from accumulator.callbacks import AccumulationSchedule, EpochWindows
+    from accumulator.keras2 import GradientAccumulator
 
 seam.install_unless_opted_out()
 
 __all__ = [
-    "AccumBatchNormalization",
     "AccumulationSchedule",
+    "AccumulationWindow",
     "EpochWindows",
     "GradientAccumulator",
     "NoiseScaleEstimate",
     "noise_scale",
-    "use_accumulated_batch_norm",
     "strategy_from_environment",
     "validate_accum_steps",
 ]
-__version__ = "0.2.0"
+if seam.keras_is_3():
+    __all__ += ["AccumBatchNormalization", "use_accumulated_batch_norm"]
+__version__ = "0.3.0"

@@ -11,9 +11,7 @@ on one device (stock Keras clips each replica's share before reducing, so its
 result depends on how the batch is split).
 """
 
-import keras
 import tensorflow as tf
-from keras import ops
 
 from accumulator import seam
 
@@ -36,9 +34,14 @@ def executing_eagerly():
     return tf.executing_eagerly()
 
 
+def backing_variable(variable):
+    """The `tf.Variable` behind a Keras 3 variable (`.value`); a Keras 2 one is one."""
+    return variable if isinstance(variable, tf.Variable) else variable.value
+
+
 def add_weighted(accumulator, grad, weight):
     """`accumulator += weight * grad`, for dense and `IndexedSlices` gradients."""
-    variable = accumulator.value
+    variable = backing_variable(accumulator)
     weight = tf.cast(weight, variable.dtype)
     if isinstance(grad, tf.IndexedSlices):
         # Dense buffer, sparse update: only the touched rows are written.
@@ -60,7 +63,7 @@ def add_weighted(accumulator, grad, weight):
 
 def keep_maximum(accumulator, grad):
     """`accumulator = max(accumulator, grad)` (for `overwrite_with_gradient` variables)."""
-    variable = accumulator.value
+    variable = backing_variable(accumulator)
     variable.assign(tf.maximum(variable, tf.cast(tf.convert_to_tensor(grad), variable.dtype)))
 
 
@@ -78,21 +81,6 @@ def replicas_in_sync():
         return 1
     context = tf.distribute.get_replica_context()
     return 1 if context is None else context.num_replicas_in_sync
-
-
-def check_supports_distribution(optimizer):
-    """Raises, before training, where the wrapper cannot run under the active strategy."""
-    if not tf.distribute.has_strategy():
-        return
-    from accumulator.optimizer import optimizer_chain
-
-    if not any(seam.reduces_gradients_itself(o) for o in optimizer_chain(optimizer._updater)):
-        raise NotImplementedError(
-            "GradientAccumulator under tf.distribute needs Keras >= 3.2, whose TensorFlow "
-            "optimizers reduce gradients across replicas themselves (and can be told not "
-            f"to); this Keras is {keras.__version__} and {type(optimizer._updater).__name__} "
-            "does not. Upgrade Keras, or train without a strategy."
-        )
 
 
 def stack_over_replicas(vector):
@@ -165,10 +153,10 @@ def apply_in_context(optimizer, grads, indices, weight=1.0, close_only=False):
             optimizer._micro_step.assign(0)
             optimizer._seen_in_window = set()
 
-        ops.cond(should_close, close, lambda: None)
+        tf.cond(should_close, close, lambda: None)
 
     def local_sums(used):
-        return [optimizer._accumulators[i].value for i in used]
+        return [backing_variable(optimizer._accumulators[i]) for i in used]
 
     noise_sums = optimizer._noise_sums   # empty unless it measures the noise scale
 
@@ -178,7 +166,8 @@ def apply_in_context(optimizer, grads, indices, weight=1.0, close_only=False):
     # replicas' weights.
     if not tf.distribute.has_strategy():
         step(lambda used: optimizer._apply_window(
-            used, local_sums(used), optimizer._weight_sum.value, 1, [s.value for s in noise_sums]))
+            used, local_sums(used), backing_variable(optimizer._weight_sum), 1,
+            [backing_variable(s) for s in noise_sums]))
     elif seam.replica_context_lacks_merge_call() or seam.in_xla_context():
         raise NotImplementedError(NO_MERGE_CALL_MESSAGE)
     else:
@@ -191,17 +180,17 @@ def apply_in_context(optimizer, grads, indices, weight=1.0, close_only=False):
                 summed = [i for i in used if i not in optimizer._overwrite_indices]
                 reduced = distribution.extended.batch_reduce_to(
                     SUM,
-                    [(optimizer._accumulators[i].value, variables[i].value) for i in summed]
-                    + [(optimizer._weight_sum.value, variables[0].value)]
-                    + [(s.value, variables[0].value) for s in noise_sums],
+                    [(backing_variable(optimizer._accumulators[i]), backing_variable(variables[i]))
+                     for i in summed]
+                    + [(backing_variable(optimizer._weight_sum), backing_variable(variables[0]))]
+                    + [(backing_variable(s), backing_variable(variables[0])) for s in noise_sums],
                 )
                 reduced, weight, reduced_noise = (
                     reduced[:len(summed)], reduced[len(summed)], reduced[len(summed) + 1:])
                 by_index = dict(zip(summed, reduced))
-                sums = [by_index[i] if i in by_index else optimizer._accumulators[i].value for i in used]
-                from accumulator.optimizer import optimizer_chain
-
-                with seam.gradients_already_reduced(optimizer_chain(optimizer._updater)):
+                sums = [by_index[i] if i in by_index else backing_variable(optimizer._accumulators[i])
+                        for i in used]
+                with optimizer._updates_without_reduction():
                     distribution.extended.call_for_each_replica(
                         optimizer._apply_window,
                         args=(used, sums, weight, distribution.num_replicas_in_sync, reduced_noise),

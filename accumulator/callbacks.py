@@ -15,11 +15,13 @@ new `accum_steps` holds from the first micro-batch of the epoch. The
 accumulator's step reads `accum_steps` from a variable, so nothing is retraced.
 """
 
+import functools
 import logging
 
 import keras
 
-from accumulator.optimizer import GradientAccumulator, validate_accum_steps, validate_partial_window
+from accumulator import seam
+from accumulator.window import AccumulationWindow, validate_accum_steps, validate_partial_window
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +53,7 @@ def accum_steps_at(schedule, epoch):
     return steps
 
 
-class EpochWindows(keras.callbacks.Callback):
+class _EpochWindowsRule:
     """Closes the window open when an epoch's training ends.
 
     It acts when the epoch's last micro-batch has been trained: before `fit`
@@ -81,7 +83,7 @@ class EpochWindows(keras.callbacks.Callback):
 
     def _optimizer(self):
         optimizer = self.model.optimizer
-        if not isinstance(optimizer, GradientAccumulator):
+        if not isinstance(optimizer, AccumulationWindow):
             raise TypeError(
                 f"{type(self).__name__} needs a model compiled with a GradientAccumulator; "
                 f"its optimizer is {type(optimizer).__name__}."
@@ -110,7 +112,7 @@ class EpochWindows(keras.callbacks.Callback):
 
     def _log_noise_scale(self, logs):
         optimizer = getattr(self.model, "optimizer", None)
-        if logs is not None and isinstance(optimizer, GradientAccumulator) and optimizer.measure_noise_scale:
+        if logs is not None and isinstance(optimizer, AccumulationWindow) and optimizer.measure_noise_scale:
             logs["noise_scale"] = optimizer.noise_scale
 
     def _close_epoch_window(self):
@@ -129,7 +131,7 @@ class EpochWindows(keras.callbacks.Callback):
             )
 
 
-class AccumulationSchedule(EpochWindows):
+class _AccumulationScheduleRule(_EpochWindowsRule):
     """Changes `accum_steps` at epoch starts, and closes windows at epoch ends.
 
     Args:
@@ -150,3 +152,24 @@ class AccumulationSchedule(EpochWindows):
         if steps != optimizer.accum_steps:
             optimizer.close_partial_window("apply")
             optimizer.set_accum_steps(steps)
+
+
+@functools.lru_cache(maxsize=None)
+def window_callback_classes(keras_package):
+    """(EpochWindows, AccumulationSchedule) for `keras_package` (Keras 3 or Keras 2)."""
+    if keras_package is keras:
+        return EpochWindows, AccumulationSchedule
+    base = keras_package.callbacks.Callback
+    epoch_windows = type("EpochWindows", (_EpochWindowsRule, base), {
+        "__doc__": _EpochWindowsRule.__doc__, "__module__": __name__})
+    schedule = type("AccumulationSchedule", (_AccumulationScheduleRule, epoch_windows), {
+        "__doc__": _AccumulationScheduleRule.__doc__, "__module__": __name__})
+    return epoch_windows, schedule
+
+
+class EpochWindows(_EpochWindowsRule, keras.callbacks.Callback):
+    __doc__ = _EpochWindowsRule.__doc__
+
+
+class AccumulationSchedule(_AccumulationScheduleRule, EpochWindows):
+    __doc__ = _AccumulationScheduleRule.__doc__

@@ -17,19 +17,22 @@ installs (`accumulator.seam`) calls `before_fit`, which
   weights. A callback of that kind the user passes is moved to the front
   instead of being doubled.
 
-Models compiled with any other optimizer train exactly as before.
+Models compiled with any other optimizer train exactly as before. The same
+hook serves Keras 2's `Model.fit` (`accumulator.keras2`), with Keras 2's
+callback classes.
 """
 
 import keras
 
+from accumulator import seam
+from accumulator.window import AccumulationWindow
+
 
 def before_fit(model, callbacks):
     """The checks above, then `callbacks` with the window callback first."""
-    from accumulator.optimizer import GradientAccumulator
-
     optimizer = getattr(model, "optimizer", None)
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and \
-            isinstance(optimizer.inner_optimizer, GradientAccumulator):
+    if not seam.is_keras2_object(model) and isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and \
+            isinstance(optimizer.inner_optimizer, AccumulationWindow):
         raise ValueError(
             "Keras wrapped the GradientAccumulator in its own LossScaleOptimizer "
             "(the model's dtype policy is mixed_float16 and compile() had "
@@ -39,7 +42,7 @@ def before_fit(model, callbacks):
             "model.compile(optimizer=GradientAccumulator(keras.optimizers.LossScaleOptimizer(inner), "
             "accum_steps), ..., auto_scale_loss=False)."
         )
-    if not isinstance(optimizer, GradientAccumulator) or optimizer.is_passthrough:
+    if not isinstance(optimizer, AccumulationWindow) or optimizer.is_passthrough:
         return callbacks
     if getattr(model, "jit_compile", False) is True and \
             model.distribute_strategy.num_replicas_in_sync > 1:
@@ -51,16 +54,19 @@ def before_fit(model, callbacks):
 
 def with_epoch_windows(model, callbacks):
     """`callbacks` with an `EpochWindows` first, if `model` trains with an accumulator."""
-    from accumulator.batch_norm import configure_batch_norm
-    from accumulator.callbacks import AccumulationSchedule, EpochWindows
-    from accumulator.optimizer import GradientAccumulator
+    from accumulator.callbacks import window_callback_classes
 
     optimizer = getattr(model, "optimizer", None)
-    if not isinstance(optimizer, GradientAccumulator) or optimizer.is_passthrough:
+    if not isinstance(optimizer, AccumulationWindow) or optimizer.is_passthrough:
         return callbacks
-    # Window-pooling layers follow the optimizer's windows.
-    configure_batch_norm(model, optimizer.accum_steps, optimizer)
-    as_list = isinstance(callbacks, keras.callbacks.CallbackList)
+    keras_package = seam.keras_package_of(model)
+    EpochWindows, AccumulationSchedule = window_callback_classes(keras_package)
+    if seam.keras_is_3() and not seam.is_keras2_object(model):
+        from accumulator.batch_norm import configure_batch_norm
+
+        # Window-pooling layers follow the optimizer's windows.
+        configure_batch_norm(model, optimizer.accum_steps, optimizer)
+    as_list = isinstance(callbacks, keras_package.callbacks.CallbackList)
     items = callbacks.callbacks if as_list else list(callbacks or [])
     ours = [c for c in items if isinstance(c, EpochWindows)]
     if not ours:

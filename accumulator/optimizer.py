@@ -1,26 +1,14 @@
-"""`GradientAccumulator`: a Keras 3 optimizer wrapper that trains like a larger batch.
+"""`GradientAccumulator` for Keras 3: a Keras optimizer that trains like a larger batch.
 
-The wrapper keeps a small, explicit state (in the spirit of optax's `MultiSteps`):
+The window's state and update rule are `accumulator.window.AccumulationWindow`,
+shared with the Keras 2 class (`accumulator.keras2`); the distribution
+mechanics (replica-local sums, one batched all-reduce when a window closes, the
+boundary decided in cross-replica context) are `accumulator._tf`. This module
+holds what is Keras 3's: the optimizer base class, `LossScaleOptimizer`, the
+forwarding of the inner optimizer's API, and serialization.
 
-* ``micro_step``      how many micro-batches the open window holds;
-* ``accum_steps``     how many micro-batches close a window (a variable, so it
-                      can change during training without retracing);
-* ``weight_sum``      the total weight of the micro-batches in the window;
-* ``accumulators``    per variable, the weighted sum of the window's gradients.
-
-and one update rule: add ``weight * grad`` to the accumulators; when the window is
-full, hand ``accumulators / weight_sum`` to the inner optimizer exactly once and
-reset the window. Everything the inner optimizer does per update (learning-rate
-schedules, clipping, weight decay, Adam moments, EMA, loss scaling, iteration
-count) therefore happens once per window, on the window's mean gradient.
-
-Under `tf.distribute` the accumulators are replica-local (`ON_READ`): every
-micro-step stays on its replica, and the only cross-replica reduction is one
-batched all-reduce of the window's sums when it closes (`_tf.py`). The boundary
-decision is taken in cross-replica context (a `cond` inside `merge_call`, the
-pattern Keras' own `LossScaleOptimizer` uses), because a `cond` in replica
-context cannot hold the `merge_call` that Keras' optimizers issue when they
-update variables.
+`GradientAccumulator(optimizer, ...)` given a Keras 2 optimizer (`tf_keras`, or
+`tf.keras` on TF <= 2.15) returns the Keras 2 class instead: one name for both.
 """
 
 from __future__ import annotations
@@ -31,15 +19,15 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from accumulator import _tf, seam, weighting
-from accumulator.noise_scale import (
-    DEFAULT_SMOOTHING, NoiseScaleEstimate, micro_batch_terms, squared_norm, validate_smoothing,
+from accumulator import seam, weighting
+from accumulator.noise_scale import DEFAULT_SMOOTHING
+from accumulator.window import (  # noqa: F401  (validators re-exported: the public names)
+    PARTIAL_WINDOW_MODES, AccumulationWindow, optimizer_chain, refuse_nested_accumulation,
+    validate_accum_steps, validate_measure_noise_scale, validate_partial_window,
 )
-from accumulator.validation import integer_at_least
 
 logger = logging.getLogger(__name__)
 
-PARTIAL_WINDOW_MODES = ("apply", "carry", "drop")
 # Supported = tested (`make test`): setup.py declares the same range.
 OLDEST_KERAS = (3, 8)
 
@@ -56,41 +44,6 @@ _BASE_ARG_DEFAULTS = {
 }
 
 
-def validate_accum_steps(accum_steps, name="accum_steps"):
-    """Returns `accum_steps` as an int, or raises naming the parameter."""
-    return integer_at_least(accum_steps, name)
-
-
-def validate_partial_window(mode, name="partial_window"):
-    """Returns `mode` if it is one of PARTIAL_WINDOW_MODES, or raises naming the parameter."""
-    if mode not in PARTIAL_WINDOW_MODES:
-        raise ValueError(f"`{name}` must be one of {PARTIAL_WINDOW_MODES}; received {mode!r}.")
-    return mode
-
-
-def validate_measure_noise_scale(measure, name="measure_noise_scale"):
-    """Returns `measure` as a bool if it is True or False, or raises naming the parameter."""
-    if not isinstance(measure, bool):
-        raise ValueError(f"`{name}` must be True or False; received {measure!r}.")
-    return measure
-
-
-def optimizer_chain(optimizer):
-    """`optimizer` and every optimizer it wraps (`inner_optimizer`, `optimizers`)."""
-    chain, todo = [], [optimizer]
-    while todo:
-        current = todo.pop(0)
-        if current is None or any(current is known for known in chain):
-            continue
-        chain.append(current)
-        todo.append(getattr(current, "inner_optimizer", None))
-        try:
-            todo.extend(getattr(current, "optimizers", None) or [])
-        except AttributeError:
-            pass
-    return chain
-
-
 def _resolve_optimizer(optimizer):
     if isinstance(optimizer, str):
         try:
@@ -105,36 +58,12 @@ def _resolve_optimizer(optimizer):
             "`keras.optimizers.Adam()`) or the name of one (for example 'adam'); "
             f"received {optimizer!r} of type {type(optimizer).__name__}."
         )
-    for inner in optimizer_chain(optimizer):
-        if isinstance(inner, GradientAccumulator):
-            raise TypeError(
-                "`optimizer` is already a GradientAccumulator; nest the accumulation "
-                "by multiplying `accum_steps` instead."
-            )
-        if getattr(inner, "gradient_accumulation_steps", None):
-            raise ValueError(
-                f"`optimizer` ({type(inner).__name__}) was built with Keras' own "
-                f"`gradient_accumulation_steps={inner.gradient_accumulation_steps}`, which "
-                "would accumulate again inside every window; build it without that "
-                "argument and set `accum_steps` on the GradientAccumulator "
-                f"(accum_steps={inner.gradient_accumulation_steps} for the same window)."
-            )
+    refuse_nested_accumulation(optimizer)
     return optimizer
 
 
-def _accumulator_dtype(variable):
-    # Half-precision sums lose the small gradients accumulation exists for.
-    dtype = keras.backend.standardize_dtype(variable.dtype)
-    return "float32" if dtype in ("float16", "bfloat16") else dtype
-
-
-def _overwrites_with_gradient(variable):
-    # Float8 training's scale and amax history: the "gradient" is the new value.
-    return bool(getattr(variable, "overwrite_with_gradient", False))
-
-
 @keras.saving.register_keras_serializable(package="accumulator")
-class GradientAccumulator(keras.optimizers.Optimizer):
+class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
     """Accumulates gradients over `accum_steps` micro-batches, then updates once.
 
     Wrap any Keras 3 optimizer; training then follows the run with a batch
@@ -206,20 +135,22 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         name: optional name of the wrapper.
     """
 
+    def __new__(cls, optimizer=None, *args, **kwargs):
+        # One name for both Keras: a Keras 2 optimizer (or, where tf.keras is
+        # Keras 2, an optimizer's name) gets the Keras 2 class.
+        if cls is GradientAccumulator and (
+                seam.is_keras2_object(optimizer)
+                or (isinstance(optimizer, str) and seam.tf_keras_is_keras2())):
+            from accumulator import keras2
+
+            return keras2.GradientAccumulator(optimizer, *args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, optimizer, accum_steps=1, partial_window="apply", schedulable=False,
                  measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING,
                  name=None, **kwargs):
-        accum_steps = validate_accum_steps(accum_steps)
-        validate_partial_window(partial_window)
-        measure_noise_scale = validate_measure_noise_scale(measure_noise_scale)
-        noise_scale_smoothing = validate_smoothing(noise_scale_smoothing, "noise_scale_smoothing")
-        if measure_noise_scale and accum_steps == 1 and not schedulable:
-            raise ValueError(
-                "`measure_noise_scale=True` needs windows of several micro-batches: the "
-                "noise scale compares the micro-batches' gradients with their window's, "
-                "and `accum_steps=1` (without `schedulable=True`) makes a pass-through "
-                "with windows of 1, which give no estimate. Use accum_steps >= 2."
-            )
+        window_args = self._validate_window_arguments(
+            accum_steps, partial_window, schedulable, measure_noise_scale, noise_scale_smoothing)
         optimizer = _resolve_optimizer(optimizer)
         for arg_name, default in _BASE_ARG_DEFAULTS.items():
             if arg_name in kwargs and kwargs.pop(arg_name) != default:
@@ -257,71 +188,14 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         else:
             self.loss_scale_optimizer = None
             self.inner_optimizer = optimizer
-        self._accum_steps = accum_steps
-        self.partial_window = partial_window
-        # Indices of the variables that got gradients in any traced or eager
-        # call: what a forced close of the window applies.
-        self._indices_with_grads = set()
-        self._close_function = None
-        # Fixed at construction: a traced train step cannot switch paths later.
-        self.schedulable = bool(schedulable)
-        self._passthrough = accum_steps == 1 and not self.schedulable
-        self.measure_noise_scale = measure_noise_scale
-        self.noise_scale_smoothing = noise_scale_smoothing
-        self._seen_in_window = set()
-        # {epoch: accum_steps} that `fit` follows (set by `accumulating_compile`).
-        self.epoch_schedule = None
-        self._untracked(_window_listeners=[], _vars=[], _index_by_id={}, _accumulators=[],
-                        _overwrite_indices=frozenset(), _window_strategy=None,
-                        _noise_estimate=None, _noise_sums=[])
+        self._init_window(*window_args)
 
     # ------------------------------------------------------------------ state
-    def _untracked(self, **attributes):
-        # Plain Python state, set past TensorFlow's attribute tracking: the
-        # variables are tracked by `add_variable`, the listening layers are
-        # saved with their model, not with the optimizer.
-        for name, value in attributes.items():
-            object.__setattr__(self, name, value)
-
     def build(self, var_list):
         var_list = list(var_list)
-        first_replica = tf.VariableAggregation.ONLY_FIRST_REPLICA
-        with seam.variables_created_as(aggregation=first_replica):
-            self._micro_step = self.add_variable(
-                shape=(), dtype="int64", initializer="zeros", name="micro_step")
-            self._accum_steps_var = self.add_variable(
-                shape=(), dtype="int64",
-                initializer=keras.initializers.Constant(self._accum_steps), name="accum_steps")
-        # Replica-local: each replica sums its own micro-batches; the sums meet
-        # in one batched all-reduce when the window closes.
-        self._weight_sum = self._add_local_variable((), "float32", "weight_sum")
-        overwrite = frozenset(i for i, v in enumerate(var_list) if _overwrites_with_gradient(v))
-        # A pass-through never accumulates: it holds no buffers.
-        accumulators = [] if self._passthrough else [
-            self._add_local_variable(
-                v.shape, _accumulator_dtype(v), f"accumulator_{i}",
-                initial=float("-inf") if i in overwrite else 0.0,
-            )
-            for i, v in enumerate(var_list)
-        ]
-        if self.measure_noise_scale:
-            # Per replica, next to the accumulators: sum_k R^2 |g_k|^2, sum_k 1/b_k
-            # and K, reduced with them once per window.
-            noise_sums = [self._add_local_variable((), "float32", f"noise_scale_{name}")
-                          for name in ("micro_sq_norm_sum", "inv_size_sum", "micro_count")]
-            # The smoothed estimate: mirrored, updated after the window's reduction.
-            with seam.variables_created_as(aggregation=first_replica):
-                estimate = NoiseScaleEstimate(
-                    lambda name, dtype: self.add_variable(
-                        shape=(), dtype=dtype, initializer="zeros", name=f"noise_scale_{name}"),
-                    smoothing=self.noise_scale_smoothing,
-                )
-            self._untracked(_noise_estimate=estimate, _noise_sums=noise_sums)
-        self._untracked(_vars=var_list, _index_by_id={id(v): i for i, v in enumerate(var_list)},
-                        _accumulators=accumulators, _overwrite_indices=overwrite,
-                        _window_strategy=tf.distribute.get_strategy())
+        self._build_window(var_list)
         self._updater.build(var_list)
-        _tf.check_supports_distribution(self)
+        _check_supports_distribution(self)
         super().build(var_list)
         if not self._passthrough and "fit" not in seam.installed_hooks():
             logger.warning(
@@ -331,13 +205,27 @@ class GradientAccumulator(keras.optimizers.Optimizer):
                 seam.HOOKS_ENV,
             )
 
-    def _add_local_variable(self, shape, dtype, name, initial=0.0):
-        with seam.variables_created_as(
-            synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM
-        ):
-            return self.add_variable(
-                shape=shape, dtype=dtype, initializer=keras.initializers.Constant(initial), name=name)
+    # ------------------------------------------------ what AccumulationWindow needs
+    def _new_variable(self, shape, dtype, initial, name):
+        return self.add_variable(
+            shape=shape, dtype=tf.as_dtype(dtype).name,
+            initializer=keras.initializers.Constant(initial), name=name)
 
+    def _hand_to_updater(self, grads, variables, reduced):
+        self._updater.apply(grads, variables)
+
+    def _updates_without_reduction(self):
+        # Keras 3 has no public switch: see `seam.gradients_already_reduced`.
+        return seam.gradients_already_reduced(optimizer_chain(self._updater))
+
+    def _window_gradient_scale(self):
+        # In Keras 3 the loss is scaled by `scale_loss` and the LossScaleOptimizer
+        # unscales in `apply`: the window's sums carry the scale.
+        if self.loss_scale_optimizer is None:
+            return None
+        return self.loss_scale_optimizer.scale_loss(1.0)
+
+    # ------------------------------------------------------------ forwarding
     @property
     def variables(self):
         return super().variables + self._updater.variables
@@ -378,52 +266,6 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         return self.inner_optimizer.optimizers
 
     @property
-    def is_passthrough(self):
-        """True for `accum_steps=1` without `schedulable`: no buffers, no windows."""
-        return self._passthrough
-
-    @property
-    def accum_steps(self):
-        """Micro-batches per window. Once built, the variable's value: what a
-        schedule set, and what a restored checkpoint or loaded model holds."""
-        if self.built and _tf.executing_eagerly():
-            return int(self._accum_steps_var.numpy())
-        return self._accum_steps
-
-    @property
-    def noise_scale_estimate(self):
-        """The `NoiseScaleEstimate` (smoothed |G|^2, tr Sigma, B_simple as tensors);
-        None before the optimizer is built. Needs `measure_noise_scale=True`."""
-        self._check_measures_noise_scale()
-        return self._noise_estimate
-
-    @property
-    def noise_scale(self):
-        """B_simple, the gradient noise scale, as a Python float, in the units of
-        the micro-batch weights (samples in `fit`); NaN before the first window of
-        at least two micro-batches. Needs `measure_noise_scale=True`."""
-        self._check_measures_noise_scale()
-        if self._noise_estimate is None:
-            return float("nan")
-        return self._noise_estimate.noise_scale_value()
-
-    def _check_measures_noise_scale(self):
-        if not self.measure_noise_scale:
-            raise AttributeError(
-                "This GradientAccumulator does not measure the gradient noise scale; "
-                "construct it with `measure_noise_scale=True` (and accum_steps >= 2)."
-            )
-
-    @property
-    def micro_step(self):
-        """Micro-batches in the open window (0 right after an update)."""
-        return self._micro_step
-
-    @property
-    def accumulators(self):
-        return list(self._accumulators)
-
-    @property
     def iterations(self):
         # The update-making optimizer's count (a LossScaleOptimizer's own
         # counter is not it before Keras 3.4).
@@ -448,60 +290,8 @@ class GradientAccumulator(keras.optimizers.Optimizer):
 
     def finalize_variable_values(self, var_list):
         # Keras calls this when `fit` ends, before EMA values are written back.
-        held = self.close_partial_window()
-        if held and self.partial_window == "carry":
-            logger.warning(
-                "Training ended with %d micro-batch(es) held in an open window "
-                "(partial_window='carry'); they are applied by the next fit or by "
-                "close_partial_window('apply'), and are not in the weights yet.", held,
-            )
+        self._close_at_training_end()
         self._updater.finalize_variable_values(var_list)
-
-    def close_partial_window(self, mode=None):
-        """Applies ("apply"), keeps ("carry") or discards ("drop") an open window.
-
-        Call it between training runs or where a custom loop's epoch ends;
-        `fit` calls it with `partial_window` when an epoch and when training
-        ends. Returns the number of micro-batches the window held.
-        """
-        mode = validate_partial_window(mode or self.partial_window, name="mode")
-        if not self.built or self._passthrough:
-            return 0
-        held = int(self._micro_step.numpy())
-        if held == 0 or mode == "carry":
-            return held
-        # Layers pooling statistics per window (AccumBatchNormalization) close theirs too.
-        for layer in self._window_listeners:
-            layer.close_window(apply=mode == "apply")
-        if mode == "drop":
-            self._reset_window(range(len(self._accumulators)))
-            self._micro_step.assign(0)
-            self._seen_in_window = set()
-        else:
-            if self._close_function is None:
-                self._close_function = _tf.make_close_function(self)
-            self._close_function()
-        return held
-
-    def set_accum_steps(self, accum_steps):
-        """Changes the window length from the next window on (no retracing)."""
-        accum_steps = validate_accum_steps(accum_steps)
-        if self._passthrough and accum_steps != 1:
-            raise ValueError(
-                "This GradientAccumulator was made with `accum_steps=1` and "
-                "`schedulable=False`, a pass-through without buffers; construct "
-                "it with `schedulable=True` to change `accum_steps` later."
-            )
-        if self.built and int(self._micro_step.numpy()):
-            raise ValueError(
-                "`accum_steps` can change only between windows; close the open "
-                "window first (`close_partial_window`)."
-            )
-        self._accum_steps = accum_steps
-        if self.built:
-            self._accum_steps_var.assign(accum_steps)
-        for layer in self._window_listeners:
-            layer.set_accum_steps(accum_steps)
 
     # ----------------------------------------------------------------- update
     def apply_gradients(self, grads_and_vars, micro_batch_weight=None):
@@ -535,116 +325,15 @@ class GradientAccumulator(keras.optimizers.Optimizer):
         if not self.built:
             self.build(trainable_variables)
             self.built = True
-        indices = [self._variable_index(v) for v in trainable_variables]
         noted = weighting.take_noted_weight()
-        if not grads:
-            return
-        if self._passthrough:
-            # Transparent: the inner optimizer sees exactly what it would alone.
-            self._updater.apply(grads, trainable_variables)
-            return
-        if micro_batch_weight is None:
-            micro_batch_weight = 1.0 if noted is None else noted
-        _tf.apply_in_context(self, grads, indices, micro_batch_weight)
-
-    def _variable_index(self, variable):
-        index = self._index_by_id.get(id(variable))
-        if index is None:
-            raise ValueError(
-                f"Unknown variable {getattr(variable, 'path', None) or variable.name}: this "
-                "GradientAccumulator was built for other variables (one optimizer per model; "
-                "call `build` with all the variables it will update)."
-            )
-        return index
-
-    def _accumulate(self, grads, indices, weight=1.0):
-        """Replica-local: adds `weight * grad` into the window's buffers.
-
-        `overwrite_with_gradient` variables keep the window's running maximum.
-        """
-        weight = ops.cast(weight, "float32")
-        for grad, index in zip(grads, indices):
-            if grad is None:
-                continue
-            if _tf.executing_eagerly():
-                self._seen_in_window.add(index)
-            if index in self._overwrite_indices:
-                _tf.keep_maximum(self._accumulators[index], grad)
-            else:
-                _tf.add_weighted(self._accumulators[index], grad, weight)
-        self._weight_sum.assign_add(weight)
-        if self._noise_sums:
-            # This replica's micro-batch: R^2 |g|^2, R/w and 1 (R the replicas,
-            # as in the window gradient; see `accumulator.noise_scale`).
-            terms = micro_batch_terms(
-                [g for g, i in zip(grads, indices) if i not in self._overwrite_indices],
-                weight, _tf.replicas_in_sync(),
-            )
-            for total, term in zip(self._noise_sums, terms):
-                total.assign_add(term)
-
-    def _window_is_full(self):
-        return self._micro_step >= self._accum_steps_var
-
-    def _apply_window(self, used, sums, weight_sum, replicas, noise_sums=()):
-        """Replica-local: applies the window's mean gradient, then resets it.
-
-        `used` lists the indices of the variables that had a gradient in the
-        window, `sums` their accumulated (and, under a strategy, reduced)
-        weighted gradients (for `overwrite_with_gradient` variables, their
-        maxima), `weight_sum` the window's weight summed over the `replicas`;
-        the other variables get `None`, as in the large batch. `noise_sums`
-        are the window's (reduced) noise-scale sums when it measures.
-        """
-        weight_sum = weight_sum / replicas
-        grads = [None] * len(self._vars)
-        means = []
-        for i, total in zip(used, sums):
-            variable = self._vars[i]
-            if i in self._overwrite_indices:
-                grads[i] = ops.cast(_tf.maximum_over_replicas(total), variable.dtype)
-            else:
-                mean = total / ops.cast(weight_sum, total.dtype)
-                means.append(mean)
-                grads[i] = ops.cast(mean, variable.dtype)
-        if self._noise_estimate is not None:
-            # The window's size: its weight over the replicas (see accumulator.noise_scale).
-            self._update_noise_scale(noise_sums, means, weight_sum)
-        self._updater.apply(grads, self._vars)
-        self._reset_window(used)
-
-    def _update_noise_scale(self, noise_sums, window_means, window_weight):
-        """Folds the closing window into the estimate (before the update changes the loss scale)."""
-        micro_sq_sum, inv_size_sum, micro_count = noise_sums
-        window_sq = squared_norm(window_means)
-        if self.loss_scale_optimizer is not None:
-            # The window's gradients carry the loss scale (constant in a window).
-            scale = ops.cast(self.loss_scale_optimizer.scale_loss(1.0), "float32")
-            micro_sq_sum = micro_sq_sum / ops.square(scale)
-            window_sq = window_sq / ops.square(scale)
-        self._noise_estimate.update_from_window(
-            micro_sq_sum, inv_size_sum, micro_count, window_sq, window_weight)
-
-    def _reset_window(self, indices):
-        """Empties the buffers at `indices` (the others are empty) and the weight."""
-        for i in indices:
-            accumulator = self._accumulators[i]
-            empty = float("-inf") if i in self._overwrite_indices else 0.0
-            accumulator.assign(ops.full(accumulator.shape, empty, accumulator.dtype))
-        self._weight_sum.assign(0.0)
-        for total in self._noise_sums:
-            total.assign(0.0)
+        self._apply_micro_batch(grads, trainable_variables, micro_batch_weight, noted)
 
     # ------------------------------------------------------------ serializing
     def get_config(self):
         return {
             "name": self.name,
             "optimizer": keras.saving.serialize_keras_object(self._updater),
-            "accum_steps": self.accum_steps,
-            "partial_window": self.partial_window,
-            "schedulable": self.schedulable,
-            "measure_noise_scale": self.measure_noise_scale,
-            "noise_scale_smoothing": self.noise_scale_smoothing,
+            **self._window_config(),
         }
 
     @classmethod
@@ -654,3 +343,16 @@ class GradientAccumulator(keras.optimizers.Optimizer):
             config.pop("optimizer"), custom_objects=custom_objects
         )
         return cls(inner, **config)
+
+
+def _check_supports_distribution(optimizer):
+    """Raises, before training, where the wrapper cannot run under the active strategy."""
+    if not tf.distribute.has_strategy():
+        return
+    if not any(seam.reduces_gradients_itself(o) for o in optimizer_chain(optimizer._updater)):
+        raise NotImplementedError(
+            "GradientAccumulator under tf.distribute needs an inner Keras optimizer that "
+            "reduces gradients across replicas itself (every built-in Keras >= 3.8 "
+            f"optimizer does); {type(optimizer._updater).__name__} does not. Use a "
+            "keras.optimizers.Optimizer subclass, or train without a strategy."
+        )

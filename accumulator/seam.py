@@ -59,9 +59,11 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import inspect
 import logging
 import os
+import sys
 import threading
 
 import keras
@@ -115,6 +117,41 @@ PRIVATE_NAMES = (
 def version_tuple(text):
     """(major, minor) of a version string such as '3.15.1'."""
     return tuple(int(part) for part in text.split(".")[:2])
+
+
+def keras_is_3():
+    """Whether `import keras` is Keras 3 (False on TF <= 2.15, whose `keras` is Keras 2)."""
+    return version_tuple(keras.__version__) >= (3, 0)
+
+
+def keras2_module():
+    """The Keras 2 package: `tf_keras` where installed (TF >= 2.16), else `keras`
+    when it is Keras 2 (TF <= 2.15); None where there is none."""
+    if not keras_is_3():
+        return keras
+    if importlib.util.find_spec("tf_keras") is None:
+        return None
+    return importlib.import_module("tf_keras")
+
+
+def keras_package_of(obj):
+    """The Keras package (`keras` or `tf_keras` module) that defines `obj`'s class, or None."""
+    for klass in type(obj).__mro__:
+        root = klass.__module__.split(".")[0]
+        if root in ("keras", "tf_keras") and root in sys.modules:
+            return sys.modules[root]
+    return None
+
+
+def is_keras2_object(obj):
+    """Whether `obj` (an optimizer, a model) belongs to Keras 2."""
+    package = keras_package_of(obj)
+    return package is not None and not package.__version__.startswith("3.")
+
+
+def tf_keras_is_keras2():
+    """Whether `tf.keras` is Keras 2 (TF <= 2.15, or TF_USE_LEGACY_KERAS=1 with tf_keras)."""
+    return not keras_is_3() or os.environ.get("TF_USE_LEGACY_KERAS", "0").strip().lower() in ("1", "true")
 
 
 def missing_private_names():
@@ -264,18 +301,28 @@ class _Hooks:
     restorers = {}
 
 
-HOOKS = ("fit", "compute_loss", "symbolic_build", "scalar_logs")
+HOOKS = ("fit", "compute_loss", "symbolic_build", "scalar_logs", "keras2_fit", "keras2_compute_loss")
 
 
 def _hook_targets():
-    from keras.src.backend.tensorflow import trainer as tf_trainer
+    targets = {}
+    if keras_is_3():
+        from keras.src.backend.tensorflow import trainer as tf_trainer
 
-    return {
-        "fit": (keras.Model, "fit", _make_fit),
-        "compute_loss": (keras.Model, "compute_loss", _make_compute_loss),
-        "symbolic_build": (tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build", _make_symbolic_build),
-        "scalar_logs": (tf_trainer, "reduce_per_replica", _make_reduce_per_replica),
-    }
+        targets.update({
+            "fit": (keras.Model, "fit", _make_fit),
+            "compute_loss": (keras.Model, "compute_loss", _make_compute_loss),
+            "symbolic_build": (tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build", _make_symbolic_build),
+            "scalar_logs": (tf_trainer, "reduce_per_replica", _make_reduce_per_replica),
+        })
+    keras2 = keras2_module()
+    if keras2 is not None:
+        # Keras 2 (tf_keras, or TF <= 2.15's keras): the same two hooks on its Model.
+        targets.update({
+            "keras2_fit": (keras2.Model, "fit", _make_fit),
+            "keras2_compute_loss": (keras2.Model, "compute_loss", _make_compute_loss),
+        })
+    return targets
 
 
 def install(hooks=HOOKS):
@@ -289,6 +336,8 @@ def install(hooks=HOOKS):
         raise ValueError(f"`hooks` must be a subset of {HOOKS}; unknown: {sorted(unknown)}.")
     targets = _hook_targets()
     for label in hooks:
+        if label not in targets:
+            continue        # no such Keras installed (Keras 2 hooks without tf_keras)
         owner, name, _ = targets[label]
         if not hasattr(owner, name):
             # Not in this Keras (`_maybe_symbolic_build` came with 3.5): nothing to fix.

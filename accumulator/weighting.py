@@ -21,11 +21,12 @@ that computes its loss without it (or overrides `compute_loss` without calling
 `optimizer.apply(grads, vars, micro_batch_weight=D_k)`.
 """
 
+import functools
 import threading
 
-import keras
 import tensorflow as tf
-from keras import ops
+
+from accumulator import seam
 
 
 class _Notes(threading.local):
@@ -48,10 +49,10 @@ def note_batch(model, x, y, y_pred, sample_weight):
     Only for models compiled with an accumulating `GradientAccumulator`; under
     `tf.function` it runs when the step is traced, so it costs nothing per step.
     """
-    from accumulator.optimizer import GradientAccumulator
+    from accumulator.window import AccumulationWindow
 
     optimizer = getattr(model, "optimizer", None)
-    if not isinstance(optimizer, GradientAccumulator) or optimizer.is_passthrough:
+    if not isinstance(optimizer, AccumulationWindow) or optimizer.is_passthrough:
         return
     _notes.graph = _current_graph()
     _notes.weight = loss_denominator(model, x, y, y_pred, sample_weight)
@@ -69,8 +70,8 @@ def take_noted_weight():
 def _batch_size(x):
     flat = [t for t in tf.nest.flatten(x) if t is not None]
     if not flat:
-        return ops.cast(1.0, "float32")
-    return ops.cast(ops.shape(flat[0])[0], "float32")
+        return tf.constant(1.0)
+    return tf.cast(tf.shape(flat[0])[0], tf.float32)
 
 
 def _first_output_loss(model, y, y_pred, sample_weight):
@@ -101,30 +102,47 @@ def _first_output_loss(model, y, y_pred, sample_weight):
     return loss[key if key is not None else index], pick(y), pick(y_pred), pick(sample_weight)
 
 
-class _Ones(keras.losses.Loss):
-    """A loss whose values are ones shaped like `values`: its reduction is Keras' own."""
+@functools.lru_cache(maxsize=None)
+def _ones_loss_class(keras_package):
+    """A loss of `keras_package` whose values are ones shaped like `values`: its
+    reduction (sample weights, masks) is that Keras' own."""
 
-    def __init__(self, values, reduction):
-        super().__init__(name="accumulator_denominator", reduction=reduction)
-        self._values = values
+    class Ones(keras_package.losses.Loss):
+        def __init__(self, values, reduction):
+            super().__init__(name="accumulator_denominator", reduction=reduction)
+            self.values = values
 
-    def call(self, y_true, y_pred):
-        return ops.ones_like(self._values)
+        def call(self, y_true, y_pred):
+            return tf.ones_like(self.values)
+
+    return Ones
 
 
 def loss_denominator(model, x, y, y_pred, sample_weight):
-    """D of the model's compiled loss on this batch (of its first output's loss)."""
+    """D of the model's compiled loss on this batch (of its first output's loss).
+
+    Keras 3: the ratio of the loss's sum to its own reduction, both on ones.
+    Keras 2 (whose `sum_over_batch_size` divides by the loss elements, or by the
+    unmasked ones under a mask, whatever the sample weights): the reduction
+    "sum" of ones without sample weights (the one reduction Keras 2 allows on
+    any loss under a strategy).
+    """
     found = _first_output_loss(model, y, y_pred, sample_weight)
     if found is None:
         return _batch_size(x)
+    keras_package = seam.keras_package_of(model)
+    keras2 = seam.is_keras2_object(model)
     loss, y_t, y_p, weight = found
-    loss = keras.losses.get(loss)
+    loss = keras_package.losses.get(loss)
     reduction = getattr(loss, "reduction", "sum_over_batch_size")
     if reduction in (None, "none", "sum"):
-        return ops.cast(1.0, "float32")
-    compute = loss.call if isinstance(loss, keras.losses.Loss) else loss
-    y_p_tensor = ops.convert_to_tensor(y_p)
-    values = compute(ops.cast(ops.convert_to_tensor(y_t), y_p_tensor.dtype), y_p_tensor)
-    reduced = _Ones(values, reduction)(y_t, y_p, weight)
-    summed = _Ones(values, "sum")(y_t, y_p, weight)
-    return ops.cast(ops.divide_no_nan(summed, reduced), "float32")
+        return tf.constant(1.0)
+    compute = loss.call if isinstance(loss, keras_package.losses.Loss) else loss
+    y_p_tensor = tf.convert_to_tensor(y_p)
+    values = compute(tf.cast(tf.convert_to_tensor(y_t), y_p_tensor.dtype), y_p_tensor)
+    ones = _ones_loss_class(keras_package)
+    if keras2:
+        return tf.cast(ones(values, "sum")(y_t, y_p), tf.float32)
+    reduced = ones(values, reduction)(y_t, y_p, weight)
+    summed = ones(values, "sum")(y_t, y_p, weight)
+    return tf.cast(tf.math.divide_no_nan(summed, reduced), tf.float32)

@@ -1,0 +1,318 @@
+"""`GradientAccumulator` for Keras 2: `tf_keras` (TF >= 2.16) or `tf.keras` on TF <= 2.15.
+
+The same window, update rule and distribution mechanics as the Keras 3 class
+(`accumulator.window`, `accumulator._tf`); this module holds only what Keras 2
+does differently:
+
+* the base class is Keras 2's optimizer (the one of TF 2.11+,
+  `tf_keras.optimizers.Optimizer`); its `apply_gradients` takes a public
+  `skip_gradients_aggregation=True`, so the window's gradient, already reduced
+  across replicas, reaches the inner optimizer without a second reduction (no
+  private name is needed here, unlike Keras 3);
+* mixed precision: Keras 2's `compile` wraps every optimizer of a
+  `mixed_float16` model in a `LossScaleOptimizer` unless it is one, which
+  would check and skip single micro-batches. A `GradientAccumulator` given a
+  `tf_keras.mixed_precision.LossScaleOptimizer` is therefore itself a
+  `LossScaleOptimizer` (`LossScalingGradientAccumulator`): `compile` leaves it
+  alone, `compute_gradients` scales the loss and unscales the gradients through
+  the inner one, and the inner one checks the window's mean once, skipping a
+  window holding a non-finite gradient as a whole while the scale adapts.
+  Gradients arrive unscaled, so the accumulated sums carry no loss scale;
+* `tf_keras.optimizers.legacy.*` (the `OptimizerV2` classes) are refused with a
+  message: they update through per-variable slot kernels that Keras 2 itself
+  replaced in TF 2.11, and `tf.keras.optimizers.Adam` and friends have been
+  the new classes since.
+
+Use it through the one public name: `accumulator.GradientAccumulator(optimizer,
+accum_steps)` returns this class when `optimizer` is a Keras 2 optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import tensorflow as tf
+
+from accumulator import _tf, seam, weighting
+from accumulator.noise_scale import DEFAULT_SMOOTHING
+from accumulator.window import AccumulationWindow, optimizer_chain, refuse_nested_accumulation
+
+keras2 = seam.keras2_module()
+if keras2 is None:
+    raise ImportError(
+        "accumulator.keras2 needs Keras 2: `pip install tf_keras` (TensorFlow >= 2.16) "
+        "or TensorFlow <= 2.15, whose tf.keras is Keras 2."
+    )
+
+_Optimizer = keras2.optimizers.Optimizer
+_LegacyOptimizer = keras2.optimizers.legacy.Optimizer
+_LossScaleOptimizer = keras2.mixed_precision.LossScaleOptimizer
+_register = keras2.utils.register_keras_serializable(package="accumulator")
+
+
+def _resolve_optimizer(optimizer):
+    if isinstance(optimizer, str):
+        try:
+            optimizer = keras2.optimizers.get(optimizer)
+        except ValueError as err:
+            raise ValueError(f"`optimizer` names no Keras 2 optimizer: {optimizer!r} ({err})") from None
+    inner = optimizer.inner_optimizer if isinstance(optimizer, _LossScaleOptimizer) else optimizer
+    if isinstance(inner, _LegacyOptimizer):
+        raise TypeError(
+            f"`optimizer` is a legacy Keras 2 optimizer ({type(inner).__module__}."
+            f"{type(inner).__name__}, the OptimizerV2 of TF <= 2.10); GradientAccumulator "
+            "wraps the optimizers of TF 2.11+: use "
+            f"`{keras2.__name__}.optimizers.{type(inner).__name__}` instead of "
+            f"`{keras2.__name__}.optimizers.legacy.{type(inner).__name__}`."
+        )
+    if not isinstance(optimizer, _Optimizer):
+        raise TypeError(
+            f"`optimizer` must be a Keras 2 optimizer instance (for example "
+            f"`{keras2.__name__}.optimizers.Adam()`) or the name of one; received "
+            f"{optimizer!r} of type {type(optimizer).__name__}."
+        )
+    refuse_nested_accumulation(optimizer)
+    return optimizer
+
+
+@_register
+class GradientAccumulator(AccumulationWindow, _Optimizer):
+    """Accumulates gradients over `accum_steps` micro-batches, then updates once (Keras 2).
+
+    ```python
+    import tf_keras as keras          # or tf.keras with TF_USE_LEGACY_KERAS=1, or TF <= 2.15
+    from accumulator import GradientAccumulator
+
+    optimizer = GradientAccumulator(keras.optimizers.Adam(1e-3), accum_steps=4)
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=32)   # trains like batch_size=128
+    ```
+
+    Arguments, behaviour and guarantees are those of the Keras 3 class
+    (`accumulator.optimizer.GradientAccumulator`): one inner update per
+    window on the window's mean gradient (schedules, clipping, weight decay,
+    EMA, moments and `iterations` once per window), exact weighting of uneven
+    micro-batches in `fit`, `partial_window`, `schedulable`,
+    `measure_noise_scale`, one all-reduce per window under `tf.distribute`.
+    Custom loops call `apply_gradients(zip(grads, vars))` once per
+    micro-batch (with `micro_batch_weight=` where micro-batches differ).
+
+    Mixed precision (`mixed_float16`): wrap
+    `keras.mixed_precision.LossScaleOptimizer(inner)`; see the module docstring.
+
+    Args:
+        optimizer: a Keras 2 optimizer of TF 2.11+ (not `optimizers.legacy`),
+            possibly inside a `mixed_precision.LossScaleOptimizer`, or the name
+            of one.
+        accum_steps, partial_window, schedulable, measure_noise_scale,
+        noise_scale_smoothing, name: as for the Keras 3 class.
+    """
+
+    def __new__(cls, optimizer=None, *args, **kwargs):
+        if cls is GradientAccumulator and isinstance(optimizer, _LossScaleOptimizer):
+            cls = LossScalingGradientAccumulator
+        return super().__new__(cls)
+
+    def __init__(self, optimizer, accum_steps=1, partial_window="apply", schedulable=False,
+                 measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING,
+                 name=None, **kwargs):
+        window_args = self._validate_window_arguments(
+            accum_steps, partial_window, schedulable, measure_noise_scale, noise_scale_smoothing)
+        optimizer = _resolve_optimizer(optimizer)
+        kwargs.pop("is_legacy_optimizer", None)     # in every Keras 2 optimizer config
+        if kwargs:
+            raise ValueError(
+                f"GradientAccumulator got unknown arguments: {sorted(kwargs)}. "
+                "It takes `optimizer`, `accum_steps`, `partial_window`, `schedulable`, "
+                "`measure_noise_scale`, `noise_scale_smoothing` and `name`; set "
+                "clipping, weight decay and EMA on the inner optimizer."
+            )
+        super().__init__(name=name or "GradientAccumulator")
+        self._updater = optimizer
+        if isinstance(optimizer, _LossScaleOptimizer):
+            self.loss_scale_optimizer = optimizer
+            self.inner_optimizer = optimizer.inner_optimizer
+        else:
+            self.loss_scale_optimizer = None
+            self.inner_optimizer = optimizer
+        self._init_window(*window_args)
+
+    def build(self, var_list):
+        if self._window_built():
+            return
+        var_list = list(var_list)
+        self._build_window(var_list)
+        self._updater.build(var_list)
+
+    # ------------------------------------------------ what AccumulationWindow needs
+    def _new_variable(self, shape, dtype, initial, name):
+        dtype = tf.as_dtype(dtype)
+        return self.add_variable(
+            shape=shape, dtype=dtype, name=name,
+            initializer=lambda shape, dtype: tf.fill(shape, tf.constant(initial, dtype)))
+
+    def _hand_to_updater(self, grads, variables, reduced):
+        pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
+        if pairs:
+            self._updater.apply_gradients(pairs, skip_gradients_aggregation=reduced)
+
+    def _updates_without_reduction(self):
+        # `_hand_to_updater` passes skip_gradients_aggregation=True: nothing to switch off.
+        return contextlib.nullcontext()
+
+    def _window_gradient_scale(self):
+        # Keras 2 unscales in `compute_gradients` / `get_unscaled_gradients`.
+        return None
+
+    # ----------------------------------------------------------------- update
+    def compute_gradients(self, loss, var_list, tape=None):
+        # Through the inner optimizer: a LossScaleOptimizer scales and unscales here.
+        return self._updater.compute_gradients(loss, var_list, tape=tape)
+
+    def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False,
+                        micro_batch_weight=None, **kwargs):
+        """One micro-batch. `micro_batch_weight` is the denominator of its loss (see
+        `accumulator.weighting`); leave it None in `fit` and where micro-batches weigh the same."""
+        aggregated = skip_gradients_aggregation or not kwargs.pop("experimental_aggregate_gradients", True)
+        if kwargs:
+            raise TypeError(f"apply_gradients() got unexpected arguments: {sorted(kwargs)}.")
+        grads_and_vars = list(grads_and_vars)
+        if not grads_and_vars:
+            return self.iterations
+        grads, variables = (list(part) for part in zip(*grads_and_vars))
+        if aggregated and not self._passthrough and _tf.replicas_in_sync() > 1:
+            raise ValueError(
+                "GradientAccumulator reduces gradients across replicas itself, once per "
+                "window; pass the replicas' own gradients (skip_gradients_aggregation=False)."
+            )
+        with tf.init_scope():
+            self.build(variables)
+        noted = weighting.take_noted_weight()
+        self._apply_micro_batch(grads, variables, micro_batch_weight, noted)
+        return self.iterations
+
+    def apply(self, grads, trainable_variables=None, micro_batch_weight=None):
+        """`apply_gradients(zip(grads, trainable_variables))`, as the Keras 3 class takes it."""
+        if trainable_variables is None:
+            if not self._window_built():
+                raise ValueError("Build the optimizer before `apply(grads)` without variables.")
+            trainable_variables = self._vars
+        return self.apply_gradients(zip(grads, trainable_variables), micro_batch_weight=micro_batch_weight)
+
+    def finalize_variable_values(self, var_list):
+        # Keras 2's `fit` calls this when training ends, before EMA values are written back.
+        self._close_at_training_end()
+        self._updater.finalize_variable_values(var_list)
+
+    # ------------------------------------------------------------ forwarding
+    @property
+    def iterations(self):
+        """The update-making optimizer's count: updates, not micro-steps."""
+        return self.inner_optimizer.iterations
+
+    @iterations.setter
+    def iterations(self, value):
+        self.inner_optimizer.iterations = value
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def variables(self):
+        """The wrapper's variables, then the inner optimizer's."""
+        return list(super().variables) + list(self._updater.variables)
+
+    def set_weights(self, weights):
+        """Sets the wrapper's and the inner optimizers' state, in `variables` order."""
+        if not self._window_built():
+            raise ValueError("Build the optimizer (or train one step) before `set_weights()`.")
+        variables = self.variables
+        if len(weights) != len(variables):
+            raise ValueError(
+                f"`weights` must hold {len(variables)} arrays (the wrapper's and the inner "
+                f"optimizer's variables, as `get_weights()` returns them); received {len(weights)}."
+            )
+        for variable, weight in zip(variables, weights):
+            if tuple(variable.shape) != tuple(getattr(weight, "shape", ())):
+                raise ValueError(
+                    f"`weights` entry for {variable.name} has shape {tuple(weight.shape)}; "
+                    f"expected {tuple(variable.shape)}."
+                )
+            variable.assign(weight)
+
+    def get_weights(self):
+        return [v.numpy() for v in self.variables]
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Forwarded to the optimizers that apply weight decay (the inner ones)."""
+        for optimizer in optimizer_chain(self.inner_optimizer):
+            if not isinstance(optimizer, (AccumulationWindow, _LossScaleOptimizer)):
+                optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
+
+    # ------------------------------------------------------------ serializing
+    def get_config(self):
+        return {
+            "name": self.name,
+            "optimizer": keras2.optimizers.serialize(self._updater),
+            "is_legacy_optimizer": False,
+            **self._window_config(),
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = keras2.optimizers.deserialize(
+            config.pop("optimizer"), custom_objects=custom_objects, use_legacy_optimizer=False)
+        return cls(inner, **config)
+
+
+@_register
+class LossScalingGradientAccumulator(GradientAccumulator, _LossScaleOptimizer):
+    """A `GradientAccumulator` around a Keras 2 `LossScaleOptimizer`, and itself one.
+
+    Keras 2's `compile` wraps any optimizer that is not a `LossScaleOptimizer`
+    in one for `mixed_float16` models; being one keeps the loss scaling inside
+    the window (see the module docstring). Made by `GradientAccumulator(...)`
+    when given a `LossScaleOptimizer`; the loss-scale API is the inner one's.
+    """
+
+    def get_scaled_loss(self, loss):
+        return self.loss_scale_optimizer.get_scaled_loss(loss)
+
+    def get_unscaled_gradients(self, grads):
+        return self.loss_scale_optimizer.get_unscaled_gradients(grads)
+
+    @property
+    def dynamic(self):
+        return self.loss_scale_optimizer.dynamic
+
+    @property
+    def loss_scale(self):
+        return self.loss_scale_optimizer.loss_scale
+
+    @property
+    def dynamic_counter(self):
+        return self.loss_scale_optimizer.dynamic_counter
+
+    @property
+    def initial_scale(self):
+        return self.loss_scale_optimizer.initial_scale
+
+    @property
+    def dynamic_growth_steps(self):
+        return self.loss_scale_optimizer.dynamic_growth_steps
+
+
+def _window_callbacks():
+    from accumulator.callbacks import window_callback_classes
+
+    return window_callback_classes(keras2)
+
+
+# Keras 2's own callback classes for what `fit` adds by itself (`accumulator.callbacks`).
+EpochWindows, AccumulationSchedule = _window_callbacks()

@@ -1,0 +1,441 @@
+"""The accumulation window: the state and the update rule every `GradientAccumulator` shares.
+
+In the spirit of optax's `MultiSteps`, a small, explicit state:
+
+* ``micro_step``      how many micro-batches the open window holds;
+* ``accum_steps``     how many micro-batches close a window (a variable, so it
+                      can change during training without retracing);
+* ``weight_sum``      the total weight of the micro-batches in the window;
+* ``accumulators``    per variable, the weighted sum of the window's gradients.
+
+and one update rule: add ``weight * grad`` to the accumulators; when the window is
+full, hand ``accumulators / weight_sum`` to the inner optimizer exactly once and
+reset the window. Everything the inner optimizer does per update (learning-rate
+schedules, clipping, weight decay, Adam moments, EMA, loss scaling, iteration
+count) therefore happens once per window, on the window's mean gradient.
+
+`AccumulationWindow` holds that rule in TensorFlow ops only, so the Keras 3
+optimizer (`accumulator.optimizer`) and the Keras 2 one (`accumulator.keras2`)
+share it, and share the distribution mechanics of `accumulator._tf` (one
+batched all-reduce per window). What differs between the Keras versions is what
+each subclass supplies, in one place per Keras:
+
+* ``_new_variable(shape, dtype, initial, name)``: a plain optimizer variable;
+* ``_hand_to_updater(grads, variables)``: one update of the inner optimizer
+  with a gradient that is already reduced across replicas;
+* ``_updates_without_reduction()``: a context in which that holds;
+* ``_window_gradient_scale()``: the loss scale the accumulated gradients carry
+  (1 where they arrive unscaled).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import tensorflow as tf
+
+from accumulator import _tf, seam
+from accumulator.noise_scale import (
+    DEFAULT_SMOOTHING, NoiseScaleEstimate, micro_batch_terms, squared_norm, validate_smoothing,
+)
+from accumulator.validation import integer_at_least
+
+logger = logging.getLogger(__name__)
+
+PARTIAL_WINDOW_MODES = ("apply", "carry", "drop")
+
+__all__ = [
+    "AccumulationWindow", "DEFAULT_SMOOTHING", "PARTIAL_WINDOW_MODES", "optimizer_chain",
+    "validate_accum_steps", "validate_partial_window", "validate_measure_noise_scale",
+]
+
+
+def validate_accum_steps(accum_steps, name="accum_steps"):
+    """Returns `accum_steps` as an int, or raises naming the parameter."""
+    return integer_at_least(accum_steps, name)
+
+
+def validate_partial_window(mode, name="partial_window"):
+    """Returns `mode` if it is one of PARTIAL_WINDOW_MODES, or raises naming the parameter."""
+    if mode not in PARTIAL_WINDOW_MODES:
+        raise ValueError(f"`{name}` must be one of {PARTIAL_WINDOW_MODES}; received {mode!r}.")
+    return mode
+
+
+def validate_measure_noise_scale(measure, name="measure_noise_scale"):
+    """Returns `measure` as a bool if it is True or False, or raises naming the parameter."""
+    if not isinstance(measure, bool):
+        raise ValueError(f"`{name}` must be True or False; received {measure!r}.")
+    return measure
+
+
+def optimizer_chain(optimizer):
+    """`optimizer` and every optimizer it wraps (`inner_optimizer`, `optimizers`)."""
+    chain, todo = [], [optimizer]
+    while todo:
+        current = todo.pop(0)
+        if current is None or any(current is known for known in chain):
+            continue
+        chain.append(current)
+        todo.append(getattr(current, "inner_optimizer", None))
+        try:
+            todo.extend(getattr(current, "optimizers", None) or [])
+        except AttributeError:
+            pass
+    return chain
+
+
+def refuse_nested_accumulation(optimizer):
+    """Raises if `optimizer` already accumulates (ours, or Keras' own steps)."""
+    for inner in optimizer_chain(optimizer):
+        if isinstance(inner, AccumulationWindow):
+            raise TypeError(
+                "`optimizer` is already a GradientAccumulator; nest the accumulation "
+                "by multiplying `accum_steps` instead."
+            )
+        if getattr(inner, "gradient_accumulation_steps", None):
+            raise ValueError(
+                f"`optimizer` ({type(inner).__name__}) was built with Keras' own "
+                f"`gradient_accumulation_steps={inner.gradient_accumulation_steps}`, which "
+                "would accumulate again inside every window; build it without that "
+                "argument and set `accum_steps` on the GradientAccumulator "
+                f"(accum_steps={inner.gradient_accumulation_steps} for the same window)."
+            )
+
+
+def _accumulator_dtype(variable):
+    # Half-precision sums lose the small gradients accumulation exists for.
+    dtype = tf.as_dtype(variable.dtype)
+    return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
+
+
+def _overwrites_with_gradient(variable):
+    # Float8 training's scale and amax history (Keras 3): the "gradient" is the new value.
+    return bool(getattr(variable, "overwrite_with_gradient", False))
+
+
+class AccumulationWindow:
+    """The window state and update rule; mixed into each Keras' optimizer class.
+
+    Subclasses call `_init_window(...)` in their constructor and
+    `_build_window(var_list)` in their `build`, route each micro-batch through
+    `_apply_micro_batch`, and supply the four methods listed in the module
+    docstring.
+    """
+
+    # ------------------------------------------------------------------ setup
+    def _init_window(self, accum_steps, partial_window, schedulable, measure_noise_scale,
+                     noise_scale_smoothing):
+        self._accum_steps = accum_steps
+        self.partial_window = partial_window
+        # Indices of the variables that got gradients in any traced or eager
+        # call: what a forced close of the window applies.
+        self._indices_with_grads = set()
+        self._close_function = None
+        # Fixed at construction: a traced train step cannot switch paths later.
+        self.schedulable = bool(schedulable)
+        self._passthrough = accum_steps == 1 and not self.schedulable
+        self.measure_noise_scale = measure_noise_scale
+        self.noise_scale_smoothing = noise_scale_smoothing
+        self._seen_in_window = set()
+        # {epoch: accum_steps} that `fit` follows (set by `accumulating_compile`).
+        self.epoch_schedule = None
+        self._untracked(_window_listeners=[], _vars=[], _index_by_id={}, _accumulators=[],
+                        _overwrite_indices=frozenset(), _window_strategy=None,
+                        _noise_estimate=None, _noise_sums=[])
+
+    @staticmethod
+    def _validate_window_arguments(accum_steps, partial_window, schedulable, measure_noise_scale,
+                                   noise_scale_smoothing):
+        accum_steps = validate_accum_steps(accum_steps)
+        validate_partial_window(partial_window)
+        measure_noise_scale = validate_measure_noise_scale(measure_noise_scale)
+        noise_scale_smoothing = validate_smoothing(noise_scale_smoothing, "noise_scale_smoothing")
+        if measure_noise_scale and accum_steps == 1 and not schedulable:
+            raise ValueError(
+                "`measure_noise_scale=True` needs windows of several micro-batches: the "
+                "noise scale compares the micro-batches' gradients with their window's, "
+                "and `accum_steps=1` (without `schedulable=True`) makes a pass-through "
+                "with windows of 1, which give no estimate. Use accum_steps >= 2."
+            )
+        return accum_steps, partial_window, schedulable, measure_noise_scale, noise_scale_smoothing
+
+    def _untracked(self, **attributes):
+        # Plain Python state, set past TensorFlow's attribute tracking: the
+        # variables are tracked by `add_variable`, the listening layers are
+        # saved with their model, not with the optimizer.
+        for name, value in attributes.items():
+            object.__setattr__(self, name, value)
+
+    def _build_window(self, var_list):
+        """Creates the window's variables for `var_list` (the model's trainable variables)."""
+        var_list = list(var_list)
+        first_replica = tf.VariableAggregation.ONLY_FIRST_REPLICA
+        with seam.variables_created_as(aggregation=first_replica):
+            self._micro_step = self._new_variable((), tf.int64, 0, "micro_step")
+            self._accum_steps_var = self._new_variable((), tf.int64, self._accum_steps, "accum_steps")
+        # Replica-local: each replica sums its own micro-batches; the sums meet
+        # in one batched all-reduce when the window closes.
+        self._weight_sum = self._new_local_variable((), tf.float32, "weight_sum")
+        overwrite = frozenset(i for i, v in enumerate(var_list) if _overwrites_with_gradient(v))
+        # A pass-through never accumulates: it holds no buffers.
+        accumulators = [] if self._passthrough else [
+            self._new_local_variable(
+                tuple(v.shape), _accumulator_dtype(v), f"accumulator_{i}",
+                initial=float("-inf") if i in overwrite else 0.0,
+            )
+            for i, v in enumerate(var_list)
+        ]
+        if self.measure_noise_scale:
+            # Per replica, next to the accumulators: sum_k R^2 |g_k|^2, sum_k 1/b_k
+            # and K, reduced with them once per window.
+            noise_sums = [self._new_local_variable((), tf.float32, f"noise_scale_{name}")
+                          for name in ("micro_sq_norm_sum", "inv_size_sum", "micro_count")]
+            # The smoothed estimate: mirrored, updated after the window's reduction.
+            with seam.variables_created_as(aggregation=first_replica):
+                estimate = NoiseScaleEstimate(
+                    lambda name, dtype: self._new_variable((), dtype, 0, f"noise_scale_{name}"),
+                    smoothing=self.noise_scale_smoothing,
+                )
+            self._untracked(_noise_estimate=estimate, _noise_sums=noise_sums)
+        self._untracked(_vars=var_list, _index_by_id={id(v): i for i, v in enumerate(var_list)},
+                        _accumulators=accumulators, _overwrite_indices=overwrite,
+                        _window_strategy=tf.distribute.get_strategy())
+
+    def _new_local_variable(self, shape, dtype, name, initial=0.0):
+        with seam.variables_created_as(
+            synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM
+        ):
+            return self._new_variable(shape, dtype, initial, name)
+
+    # ------------------------------------------------------------- the state
+    @property
+    def is_passthrough(self):
+        """True for `accum_steps=1` without `schedulable`: no buffers, no windows."""
+        return self._passthrough
+
+    @property
+    def accum_steps(self):
+        """Micro-batches per window. Once built, the variable's value: what a
+        schedule set, and what a restored checkpoint or loaded model holds."""
+        if self._window_built() and _tf.executing_eagerly():
+            return int(self._accum_steps_var.numpy())
+        return self._accum_steps
+
+    def _window_built(self):
+        return getattr(self, "_accum_steps_var", None) is not None
+
+    @property
+    def micro_step(self):
+        """Micro-batches in the open window (0 right after an update)."""
+        return self._micro_step
+
+    @property
+    def accumulators(self):
+        return list(self._accumulators)
+
+    @property
+    def noise_scale_estimate(self):
+        """The `NoiseScaleEstimate` (smoothed |G|^2, tr Sigma, B_simple as tensors);
+        None before the optimizer is built. Needs `measure_noise_scale=True`."""
+        self._check_measures_noise_scale()
+        return self._noise_estimate
+
+    @property
+    def noise_scale(self):
+        """B_simple, the gradient noise scale, as a Python float, in the units of
+        the micro-batch weights (samples in `fit`); NaN before the first window of
+        at least two micro-batches. Needs `measure_noise_scale=True`."""
+        self._check_measures_noise_scale()
+        if self._noise_estimate is None:
+            return float("nan")
+        return self._noise_estimate.noise_scale_value()
+
+    def _check_measures_noise_scale(self):
+        if not self.measure_noise_scale:
+            raise AttributeError(
+                "This GradientAccumulator does not measure the gradient noise scale; "
+                "construct it with `measure_noise_scale=True` (and accum_steps >= 2)."
+            )
+
+    # ------------------------------------------------------- between windows
+    def close_partial_window(self, mode=None):
+        """Applies ("apply"), keeps ("carry") or discards ("drop") an open window.
+
+        Call it between training runs or where a custom loop's epoch ends;
+        `fit` calls it with `partial_window` when an epoch and when training
+        ends. Returns the number of micro-batches the window held.
+        """
+        mode = validate_partial_window(mode or self.partial_window, name="mode")
+        if not self._window_built() or self._passthrough:
+            return 0
+        held = int(self._micro_step.numpy())
+        if held == 0 or mode == "carry":
+            return held
+        # Layers pooling statistics per window (AccumBatchNormalization) close theirs too.
+        for layer in self._window_listeners:
+            layer.close_window(apply=mode == "apply")
+        if mode == "drop":
+            self._reset_window(range(len(self._accumulators)))
+            self._micro_step.assign(0)
+            self._seen_in_window = set()
+        else:
+            if self._close_function is None:
+                self._close_function = _tf.make_close_function(self)
+            self._close_function()
+        return held
+
+    def _close_at_training_end(self):
+        """What `finalize_variable_values` does first: close the open window."""
+        held = self.close_partial_window()
+        if held and self.partial_window == "carry":
+            logger.warning(
+                "Training ended with %d micro-batch(es) held in an open window "
+                "(partial_window='carry'); they are applied by the next fit or by "
+                "close_partial_window('apply'), and are not in the weights yet.", held,
+            )
+
+    def set_accum_steps(self, accum_steps):
+        """Changes the window length from the next window on (no retracing)."""
+        accum_steps = validate_accum_steps(accum_steps)
+        if self._passthrough and accum_steps != 1:
+            raise ValueError(
+                "This GradientAccumulator was made with `accum_steps=1` and "
+                "`schedulable=False`, a pass-through without buffers; construct "
+                "it with `schedulable=True` to change `accum_steps` later."
+            )
+        if self._window_built() and int(self._micro_step.numpy()):
+            raise ValueError(
+                "`accum_steps` can change only between windows; close the open "
+                "window first (`close_partial_window`)."
+            )
+        self._accum_steps = accum_steps
+        if self._window_built():
+            self._accum_steps_var.assign(accum_steps)
+        for layer in self._window_listeners:
+            layer.set_accum_steps(accum_steps)
+
+    # ------------------------------------------------------- the update rule
+    def _apply_micro_batch(self, grads, trainable_variables, micro_batch_weight, noted_weight):
+        """One micro-batch of `grads` for `trainable_variables` (built optimizer)."""
+        indices = [self._variable_index(v) for v in trainable_variables]
+        if not grads:
+            return
+        if self._passthrough:
+            # Transparent: the inner optimizer sees exactly what it would alone.
+            self._hand_to_updater(grads, trainable_variables, reduced=False)
+            return
+        if micro_batch_weight is None:
+            micro_batch_weight = 1.0 if noted_weight is None else noted_weight
+        _tf.apply_in_context(self, grads, indices, micro_batch_weight)
+
+    def _variable_index(self, variable):
+        index = self._index_by_id.get(id(variable))
+        if index is None:
+            raise ValueError(
+                f"Unknown variable {getattr(variable, 'path', None) or variable.name}: this "
+                "GradientAccumulator was built for other variables (one optimizer per model; "
+                "call `build` with all the variables it will update)."
+            )
+        return index
+
+    def _accumulate(self, grads, indices, weight=1.0):
+        """Replica-local: adds `weight * grad` into the window's buffers.
+
+        `overwrite_with_gradient` variables keep the window's running maximum.
+        """
+        weight = tf.cast(weight, tf.float32)
+        for grad, index in zip(grads, indices):
+            if grad is None:
+                continue
+            if _tf.executing_eagerly():
+                self._seen_in_window.add(index)
+            if index in self._overwrite_indices:
+                _tf.keep_maximum(self._accumulators[index], grad)
+            else:
+                _tf.add_weighted(self._accumulators[index], grad, weight)
+        self._weight_sum.assign_add(weight)
+        if self._noise_sums:
+            # This replica's micro-batch: R^2 |g|^2, R/w and 1 (R the replicas,
+            # as in the window gradient; see `accumulator.noise_scale`).
+            terms = micro_batch_terms(
+                [g for g, i in zip(grads, indices) if i not in self._overwrite_indices],
+                weight, _tf.replicas_in_sync(),
+            )
+            for total, term in zip(self._noise_sums, terms):
+                total.assign_add(term)
+
+    def _window_is_full(self):
+        return self._micro_step >= self._accum_steps_var
+
+    def _apply_window(self, used, sums, weight_sum, replicas, noise_sums=()):
+        """Replica-local: applies the window's mean gradient, then resets it.
+
+        `used` lists the indices of the variables that had a gradient in the
+        window, `sums` their accumulated (and, under a strategy, reduced)
+        weighted gradients (for `overwrite_with_gradient` variables, their
+        maxima), `weight_sum` the window's weight summed over the `replicas`;
+        the other variables get `None`, as in the large batch. `noise_sums`
+        are the window's (reduced) noise-scale sums when it measures.
+        """
+        weight_sum = weight_sum / replicas
+        grads = [None] * len(self._vars)
+        means = []
+        for i, total in zip(used, sums):
+            variable = self._vars[i]
+            if i in self._overwrite_indices:
+                grads[i] = tf.cast(_tf.maximum_over_replicas(total), variable.dtype)
+            else:
+                mean = total / tf.cast(weight_sum, total.dtype)
+                means.append(mean)
+                grads[i] = tf.cast(mean, variable.dtype)
+        if self._noise_estimate is not None:
+            # The window's size: its weight over the replicas (see accumulator.noise_scale).
+            self._update_noise_scale(noise_sums, means, weight_sum)
+        self._hand_to_updater(grads, self._vars, reduced=True)
+        self._reset_window(used)
+
+    def _update_noise_scale(self, noise_sums, window_means, window_weight):
+        """Folds the closing window into the estimate (before the update changes the loss scale)."""
+        micro_sq_sum, inv_size_sum, micro_count = noise_sums
+        window_sq = squared_norm(window_means)
+        scale = self._window_gradient_scale()
+        if scale is not None:
+            # The window's gradients carry the loss scale (constant in a window).
+            scale = tf.cast(scale, tf.float32)
+            micro_sq_sum = micro_sq_sum / tf.square(scale)
+            window_sq = window_sq / tf.square(scale)
+        self._noise_estimate.update_from_window(
+            micro_sq_sum, inv_size_sum, micro_count, window_sq, window_weight)
+
+    def _reset_window(self, indices):
+        """Empties the buffers at `indices` (the others are empty) and the weight."""
+        for i in indices:
+            accumulator = self._accumulators[i]
+            empty = float("-inf") if i in self._overwrite_indices else 0.0
+            accumulator.assign(tf.fill(tuple(accumulator.shape), tf.constant(empty, accumulator.dtype)))
+        self._weight_sum.assign(0.0)
+        for total in self._noise_sums:
+            total.assign(0.0)
+
+    def _window_config(self):
+        return {
+            "accum_steps": self.accum_steps,
+            "partial_window": self.partial_window,
+            "schedulable": self.schedulable,
+            "measure_noise_scale": self.measure_noise_scale,
+            "noise_scale_smoothing": self.noise_scale_smoothing,
+        }
+
+    # ------------------------------------------------ what each Keras supplies
+    def _new_variable(self, shape, dtype, initial, name):
+        raise NotImplementedError
+
+    def _hand_to_updater(self, grads, variables, reduced):
+        raise NotImplementedError
+
+    def _updates_without_reduction(self):
+        raise NotImplementedError
+
+    def _window_gradient_scale(self):
+        raise NotImplementedError
