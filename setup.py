@@ -11,7 +11,7 @@ setup(
     ),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["accumulator*", "components*", "pipelines*"]),
+    packages=find_packages(include=["accumulator*", "components*", "pipelines*", "GradientAccumulator"]),
     python_requires=">=3.9",
     # Supported = tested by `make test`: the oldest pair (constraints/oldest.txt),
     # the TFX 1.16 stack and the newest pair (constraints/tf-latest.txt).

@@ -128,14 +128,23 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
                 "clipping, weight decay and EMA on the inner optimizer."
             )
         super().__init__(name=name or "GradientAccumulator")
+        # The base class's own update counter: unused (`iterations` is the inner
+        # optimizer's), and left out of `variables`, whose names must be unique (h5).
+        self._untracked(_unused_base_variables=list(super().variables))
         self._updater = optimizer
-        if isinstance(optimizer, _LossScaleOptimizer):
-            self.loss_scale_optimizer = optimizer
-            self.inner_optimizer = optimizer.inner_optimizer
-        else:
-            self.loss_scale_optimizer = None
-            self.inner_optimizer = optimizer
         self._init_window(*window_args)
+
+    @property
+    def inner_optimizer(self):
+        """The optimizer that makes the updates (inside a LossScaleOptimizer, the inner one)."""
+        if isinstance(self._updater, _LossScaleOptimizer):
+            return self._updater.inner_optimizer
+        return self._updater
+
+    @property
+    def loss_scale_optimizer(self):
+        """The given LossScaleOptimizer, or None."""
+        return self._updater if isinstance(self._updater, _LossScaleOptimizer) else None
 
     def build(self, var_list):
         if self._window_built():
@@ -225,7 +234,9 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
     @property
     def variables(self):
         """The wrapper's variables, then the inner optimizer's."""
-        return list(super().variables) + list(self._updater.variables)
+        unused = self._unused_base_variables
+        own = [v for v in super().variables if not any(v is u for u in unused)]
+        return own + list(self._updater.variables)
 
     def set_weights(self, weights):
         """Sets the wrapper's and the inner optimizers' state, in `variables` order."""

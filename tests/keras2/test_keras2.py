@@ -1,0 +1,323 @@
+"""Keras 2 (`tf_keras`, or TF <= 2.15's `tf.keras`): the same exact accumulation.
+
+Run by `make test` on the TFX 1.16 stack (tf_keras 2.16 beside Keras 3), on
+TF 2.15 (Keras 2 built in) and on the newest TF with tf_keras and
+TF_USE_LEGACY_KERAS=1. Every test compares against an independent reference:
+the large-batch `fit` or a hand-written `GradientTape` loop.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import accumulator
+from accumulator import GradientAccumulator, seam
+from accumulator.window import AccumulationWindow
+
+k2 = seam.keras2_module()
+pytestmark = pytest.mark.skipif(k2 is None, reason="no Keras 2 here (tf_keras not installed)")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEVICES = ["/cpu:0", "/cpu:1"]
+
+
+def data(samples=64, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(samples, 5)).astype("float32")
+    y = (x @ rng.normal(size=(5, 1)) + 0.1 * rng.normal(size=(samples, 1))).astype("float32")
+    return x, y
+
+
+def mlp(seed=0, dtype=None):
+    k2.utils.set_random_seed(seed)
+    return k2.Sequential([
+        k2.layers.Dense(8, activation="tanh", input_shape=(5,), dtype=dtype),
+        k2.layers.Dense(1, dtype=dtype if dtype != "mixed_float16" else "float32"),
+    ])
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(p, "float64") - np.asarray(q, "float64")))) for p, q in zip(a, b))
+
+
+def fit_pair(make_inner, accum=4, micro=8, samples=64, epochs=2, loss="mse", sample_weight=None, **fit):
+    """(accumulated model, large-batch model), trained from the same start."""
+    x, y = data(samples)
+    runs = []
+    for optimizer, batch in ((GradientAccumulator(make_inner(), accum_steps=accum), micro),
+                             (make_inner(), micro * accum)):
+        model = mlp()
+        model.compile(optimizer=optimizer, loss=loss)
+        model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
+                  sample_weight=sample_weight, **fit)
+        runs.append(model)
+    return runs
+
+
+# ------------------------------------------------------------------ one name
+def test_one_name_picks_the_keras_2_class_from_the_optimizer():
+    optimizer = GradientAccumulator(k2.optimizers.Adam(), accum_steps=4)
+    assert type(optimizer).__module__ == "accumulator.keras2"
+    assert isinstance(optimizer, k2.optimizers.Optimizer) and isinstance(optimizer, AccumulationWindow)
+    assert optimizer.accum_steps == 4 and optimizer.inner_optimizer.__class__.__name__ == "Adam"
+
+
+def test_the_seed_projects_import_style_keeps_working():
+    from GradientAccumulator.accumulator import GradientAccumulator as SeedName
+
+    wrapped = SeedName(k2.optimizers.Adam(1e-3), accum_steps=4)
+    assert isinstance(wrapped, AccumulationWindow) and wrapped.accum_steps == 4
+
+
+@pytest.mark.skipif(not seam.tf_keras_is_keras2(), reason="tf.keras is Keras 3 here")
+def test_tf_keras_optimizers_and_names_get_the_keras_2_class():
+    assert type(GradientAccumulator(tf.keras.optimizers.SGD(), accum_steps=2)).__module__ == "accumulator.keras2"
+    assert type(GradientAccumulator("adam", accum_steps=2)).__module__ == "accumulator.keras2"
+
+
+def test_legacy_optimizers_are_refused_with_the_class_to_use():
+    with pytest.raises(TypeError, match=r"optimizers\.Adam` instead of .*legacy\.Adam"):
+        GradientAccumulator(k2.optimizers.legacy.Adam(), accum_steps=2)
+
+
+@pytest.mark.parametrize("bad, match", [(0, "accum_steps"), (2.5, "accum_steps")])
+def test_bad_accum_steps_are_refused_naming_the_parameter(bad, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        GradientAccumulator(k2.optimizers.SGD(), accum_steps=bad)
+
+
+def test_keras_own_hooks_are_installed_on_the_keras_2_model():
+    assert {"keras2_fit", "keras2_compute_loss"} <= set(seam.installed_hooks())
+
+
+# ------------------------------------------------------------ exactness, fit
+SCHEDULE = dict(initial_learning_rate=0.05, decay_steps=2, decay_rate=0.5)
+INNERS = {
+    "sgd_momentum": lambda: k2.optimizers.SGD(0.05, momentum=0.9),
+    "adam_schedule": lambda: k2.optimizers.Adam(k2.optimizers.schedules.ExponentialDecay(**SCHEDULE)),
+    "adam_clipnorm": lambda: k2.optimizers.Adam(0.01, clipnorm=0.05),
+    "adam_global_clipnorm": lambda: k2.optimizers.Adam(0.01, global_clipnorm=0.05),
+    "adamw_weight_decay": lambda: k2.optimizers.AdamW(0.01, weight_decay=0.1),
+    "rmsprop_ema": lambda: k2.optimizers.RMSprop(0.01, use_ema=True, ema_momentum=0.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INNERS))
+def test_fit_matches_the_large_batch(name):
+    accumulated, large = fit_pair(INNERS[name])
+    assert int(accumulated.optimizer.iterations.numpy()) == int(large.optimizer.iterations.numpy()) == 4
+    assert max_diff(accumulated.get_weights(), large.get_weights()) < 1e-5
+
+
+def test_uneven_micro_batches_and_sample_weights_are_weighted_exactly():
+    # 60 samples: windows of 8+8+8+8 and 8+8+8+4; the large batch's last batch holds 28.
+    weights = np.random.default_rng(1).uniform(0.2, 2.0, size=60).astype("float32")
+    accumulated, large = fit_pair(lambda: k2.optimizers.SGD(0.1), samples=60, epochs=1, sample_weight=weights)
+    assert int(accumulated.optimizer.iterations.numpy()) == 2
+    assert max_diff(accumulated.get_weights(), large.get_weights()) < 1e-5
+
+
+def test_partial_window_drop_discards_and_carry_holds():
+    x, y = data(40)          # 5 micro-batches of 8 at accum 2: one left over each epoch
+    for mode, updates, held in (("drop", 2, 0), ("carry", 2, 1)):
+        model = mlp()
+        model.compile(GradientAccumulator(k2.optimizers.SGD(0.1), accum_steps=2, partial_window=mode), loss="mse")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        assert int(model.optimizer.iterations.numpy()) == updates
+        assert int(model.optimizer.micro_step.numpy()) == held
+
+
+# -------------------------------------------------------- exactness, custom
+def _tape_reference(model, optimizer, x, y, batch):
+    for start in range(0, len(x), batch):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x[start:start + batch]) - y[start:start + batch]))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+
+def test_custom_tape_loop_matches_a_hand_written_large_batch_loop():
+    x, y = data(64)
+    model, reference = mlp(), mlp()
+    optimizer = GradientAccumulator(k2.optimizers.Adam(0.01), accum_steps=4)
+
+    @tf.function
+    def micro_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb) - yb))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    for start in range(0, 64, 4):
+        micro_step(x[start:start + 4], y[start:start + 4])
+    _tape_reference(reference, k2.optimizers.Adam(0.01), x, y, 16)
+    assert int(optimizer.iterations.numpy()) == 4
+    assert max_diff(model.get_weights(), reference.get_weights()) < 1e-5
+
+
+def test_none_and_sparse_gradients():
+    # An embedding (IndexedSlices gradients) and a variable no loss touches (None).
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 20, size=(32, 3))
+    targets = rng.normal(size=(32, 1)).astype("float32")
+
+    def make():
+        k2.utils.set_random_seed(0)
+        embedding = k2.layers.Embedding(20, 4)
+        dense = k2.layers.Dense(1)
+        unused = k2.layers.Dense(1)
+        embedding.build((None, 3))
+        dense.build((None, 4))
+        unused.build((None, 2))
+        return embedding, dense, unused
+
+    results = []
+    for micro, accum in ((4, 4), (16, 1)):
+        embedding, dense, unused = make()
+        variables = embedding.trainable_variables + dense.trainable_variables + unused.trainable_variables
+        inner = k2.optimizers.Adam(0.05)
+        optimizer = GradientAccumulator(inner, accum_steps=accum) if accum > 1 else inner
+        for start in range(0, 32, micro):
+            with tf.GradientTape() as tape:
+                out = dense(tf.reduce_mean(embedding(ids[start:start + micro]), axis=1))
+                loss = tf.reduce_mean(tf.square(out - targets[start:start + micro]))
+            grads = tape.gradient(loss, variables)
+            assert isinstance(grads[0], tf.IndexedSlices) and grads[-1] is None
+            optimizer.apply_gradients(zip(grads, variables))
+        results.append([v.numpy() for v in variables])
+    assert max_diff(*results) < 1e-5
+
+
+# ------------------------------------------------------------ mixed precision
+def test_mixed_float16_keeps_loss_scaling_inside_the_window():
+    x, y = data(64)
+    k2.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        runs = []
+        for accumulate in (True, False):
+            model = mlp()
+            inner = k2.mixed_precision.LossScaleOptimizer(k2.optimizers.SGD(0.05), initial_scale=256.0)
+            optimizer = GradientAccumulator(inner, accum_steps=4) if accumulate else inner
+            model.compile(optimizer, loss="mse")
+            # Keras 2's compile wraps any optimizer that is not a LossScaleOptimizer: not ours.
+            assert model.optimizer is optimizer
+            model.fit(x, y, batch_size=8 if accumulate else 32, epochs=1, shuffle=False, verbose=0)
+            runs.append(model)
+    finally:
+        k2.mixed_precision.set_global_policy("float32")
+    assert isinstance(runs[0].optimizer, k2.mixed_precision.LossScaleOptimizer)
+    assert int(runs[0].optimizer.iterations.numpy()) == 2
+    assert max_diff(runs[0].get_weights(), runs[1].get_weights()) < 2e-3
+
+
+def test_a_non_finite_micro_batch_skips_its_whole_window_once():
+    model = mlp()
+    inner = k2.mixed_precision.LossScaleOptimizer(k2.optimizers.SGD(0.1), initial_scale=1024.0)
+    optimizer = GradientAccumulator(inner, accum_steps=2)
+    x, y = data(8)
+    variables = model.trainable_variables
+    before = [v.numpy() for v in variables]
+    for poison in (False, True):             # one window: a finite and an infinite micro-batch
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x[:4]) - y[:4]))
+            scaled = optimizer.get_scaled_loss(loss * (np.inf if poison else 1.0))
+        grads = optimizer.get_unscaled_gradients(tape.gradient(scaled, variables))
+        optimizer.apply_gradients(zip(grads, variables))
+    assert max_diff(before, [v.numpy() for v in variables]) == 0.0
+    assert float(optimizer.loss_scale.numpy()) == 512.0       # halved once, for the window
+    assert int(optimizer.micro_step.numpy()) == 0
+
+
+# ------------------------------------------------------------- tf.distribute
+class CountingReduction(tf.distribute.ReductionToOneDevice):
+    def __init__(self):
+        super().__init__()
+        with tf.init_scope():
+            self.count = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        self.count.assign_add(1)
+        return super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
+
+
+def test_mirrored_fit_matches_one_device_with_one_reduction_per_window():
+    x, y = data(64)
+    counter = CountingReduction()
+    strategy = tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=counter)
+    with strategy.scope():
+        model = mlp()
+        model.compile(GradientAccumulator(k2.optimizers.Adam(0.01, global_clipnorm=0.5), accum_steps=4),
+                      loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)   # global micro-batch 8
+    reference = mlp()
+    reference.compile(k2.optimizers.Adam(0.01, global_clipnorm=0.5), loss="mse")
+    reference.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 2
+    assert int(counter.count.numpy()) == 2          # one batched all-reduce per window
+    assert max_diff(model.get_weights(), reference.get_weights()) < 1e-5
+
+
+# ------------------------------------------------------------------- saving
+def _trained(accum=4, steps=6):
+    x, y = data(64)
+    model = mlp()
+    model.compile(GradientAccumulator(k2.optimizers.Adam(0.01), accum_steps=accum, partial_window="carry"),
+                  loss="mse")
+    model.fit(x[:8 * steps], y[:8 * steps], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    return model
+
+
+@pytest.mark.parametrize("fmt", ["savedmodel", "h5", "keras"])
+def test_saved_models_load_without_custom_objects(tmp_path, fmt):
+    if fmt == "keras" and seam.version_tuple(k2.__version__) < (2, 13):
+        pytest.skip("the .keras format needs Keras >= 2.13")
+    model = _trained()
+    path = str(tmp_path / {"savedmodel": "model", "h5": "model.h5", "keras": "model.keras"}[fmt])
+    model.save(path)
+    loaded = k2.models.load_model(path)
+    assert isinstance(loaded.optimizer, AccumulationWindow) and loaded.optimizer.accum_steps == 4
+    assert max_diff(model.get_weights(), loaded.get_weights()) == 0.0
+    x, y = data(16)
+    assert np.allclose(model.predict(x, verbose=0), loaded.predict(x, verbose=0))
+
+
+def test_checkpoint_resumes_mid_window_exactly(tmp_path):
+    x, y = data(64)
+    uninterrupted = _trained(steps=8)                  # 8 micro-batches: 2 windows
+    first = _trained(steps=6)                          # 6: one window and a half
+    assert int(first.optimizer.micro_step.numpy()) == 2
+    tf.train.Checkpoint(model=first, optimizer=first.optimizer).write(str(tmp_path / "ckpt"))
+    resumed = mlp()
+    resumed.compile(GradientAccumulator(k2.optimizers.Adam(0.01), accum_steps=4, partial_window="carry"),
+                    loss="mse")
+    resumed.optimizer.build(resumed.trainable_variables)
+    tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).read(str(tmp_path / "ckpt")).assert_consumed()
+    assert int(resumed.optimizer.micro_step.numpy()) == 2
+    resumed.fit(x[48:64], y[48:64], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert int(resumed.optimizer.iterations.numpy()) == 2
+    assert max_diff(uninterrupted.get_weights(), resumed.get_weights()) < 1e-6
+
+
+# -------------------------------------------------------------- noise scale
+def test_noise_scale_is_measured_and_logged_in_fit():
+    x, y = data(256)
+    model = mlp()
+    model.compile(GradientAccumulator(k2.optimizers.SGD(0.01), accum_steps=4, measure_noise_scale=True),
+                  loss="mse")
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    logged = history.history["noise_scale"]
+    assert len(logged) == 2 and all(np.isfinite(logged)) and logged[-1] == model.optimizer.noise_scale > 0
+
+
+def test_import_accumulator_under_tf_use_legacy_keras_in_a_fresh_process():
+    code = ("import tensorflow as tf, accumulator;"
+            "o = accumulator.GradientAccumulator(tf.keras.optimizers.Adam(), accum_steps=2);"
+            "print(type(o).__module__)")
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "accumulator.keras2"
