@@ -4,17 +4,21 @@ PYTHON ?= python3
 VENV := .venv
 LATEST := .venv-tf-latest
 OLDEST := .venv-oldest
+KERAS2_TF215 := .venv-keras2-tf215
+KERAS2_LATEST := .venv-keras2-latest
 PYTEST_ARGS ?=
 
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export KERAS_BACKEND := tensorflow
 export PYTHONUNBUFFERED := 1
 
-.PHONY: bench demo test test-tfx test-latest test-oldest setup setup-latest setup-oldest clean
+.PHONY: bench demo test test-tfx test-latest test-oldest test-keras2-tf215 test-keras2-latest \
+	setup setup-latest setup-oldest setup-keras2 clean
 
 setup: $(VENV)/.installed
 setup-latest: $(LATEST)/.installed
 setup-oldest: $(OLDEST)/.installed
+setup-keras2: $(KERAS2_TF215)/.installed $(KERAS2_LATEST)/.installed
 
 # The TFX 1.16 stack. tfx's metadata says Python < 3.11 while its libraries ship
 # 3.11 wheels, hence --ignore-requires-python; the constraints keep pip from
@@ -42,6 +46,22 @@ $(OLDEST)/.installed: setup.py constraints/oldest.txt
 	$(OLDEST)/bin/pip install -q --no-deps -e .
 	touch $@
 
+# Keras 2 where it is built in: TF 2.15's tf.keras.
+$(KERAS2_TF215)/.installed: setup.py constraints/keras2-tf215.txt
+	$(PYTHON) -m venv $(KERAS2_TF215)
+	$(KERAS2_TF215)/bin/pip install -q --upgrade pip
+	$(KERAS2_TF215)/bin/pip install -q -r constraints/keras2-tf215.txt pytest pytest-timeout portpicker
+	$(KERAS2_TF215)/bin/pip install -q --no-deps -e .
+	touch $@
+
+# Keras 2 on the newest TensorFlow: tf_keras, with TF_USE_LEGACY_KERAS=1 for the tests.
+$(KERAS2_LATEST)/.installed: setup.py constraints/keras2-latest.txt
+	$(PYTHON) -m venv $(KERAS2_LATEST)
+	$(KERAS2_LATEST)/bin/pip install -q --upgrade pip
+	$(KERAS2_LATEST)/bin/pip install -q -r constraints/keras2-latest.txt pytest pytest-timeout portpicker
+	$(KERAS2_LATEST)/bin/pip install -q --no-deps -e .
+	touch $@
+
 # The main job: the digits pipeline, locally on the Beam DirectRunner. Run it
 # again and the cached components are reused.
 demo: $(VENV)/.installed
@@ -51,7 +71,7 @@ demo: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(VENV)/bin/python -m benchmarks.run
 
-test: test-tfx test-latest test-oldest
+test: test-tfx test-latest test-oldest test-keras2-tf215 test-keras2-latest
 
 test-tfx: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
@@ -62,5 +82,11 @@ test-latest: $(LATEST)/.installed
 test-oldest: $(OLDEST)/.installed
 	$(OLDEST)/bin/python -m pytest tests/accumulator $(PYTEST_ARGS)
 
+test-keras2-tf215: $(KERAS2_TF215)/.installed
+	$(KERAS2_TF215)/bin/python -m pytest tests/keras2 $(PYTEST_ARGS)
+
+test-keras2-latest: $(KERAS2_LATEST)/.installed
+	TF_USE_LEGACY_KERAS=1 $(KERAS2_LATEST)/bin/python -m pytest tests/keras2 $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) $(LATEST) $(OLDEST) *.egg-info
+	rm -rf $(VENV) $(LATEST) $(OLDEST) $(KERAS2_TF215) $(KERAS2_LATEST) *.egg-info

@@ -2,21 +2,29 @@
 
 from setuptools import find_packages, setup
 
+# Supported = tested by `make test`. Keras 3: the oldest pair (constraints/oldest.txt,
+# TF 2.16 + Keras 3.8), the TFX 1.16 stack and the newest pair (constraints/tf-latest.txt).
+# Keras 2: TF 2.15's built-in Keras 2.15 (constraints/keras2-tf215.txt) and tf_keras on
+# the newest TF (constraints/keras2-latest.txt). Keras 3.0-3.7 train differently under
+# tf.distribute and mixed precision, hence excluded.
+OLDEST_KERAS_3 = (3, 8)
+KERAS = "keras>=2.15," + ",".join(f"!=3.{minor}.*" for minor in range(OLDEST_KERAS_3[1])) + ",<3.16"
+
 setup(
     name="tfx-gradient-accumulator",
-    version="0.1.0",
+    version="0.3.0",
     description=(
-        "Exact gradient accumulation for TensorFlow 2 / Keras 3, "
+        "Exact gradient accumulation for TensorFlow 2 / Keras 3 and Keras 2, "
         "packaged as a TFX Trainer component."
     ),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["accumulator*", "components*", "pipelines*", "GradientAccumulator"]),
     python_requires=">=3.9",
-    # Supported = tested by `make test`: the oldest pair (constraints/oldest.txt),
-    # the TFX 1.16 stack and the newest pair (constraints/tf-latest.txt).
-    install_requires=["tensorflow>=2.16,<2.22", "keras>=3.8,<3.16"],
+    install_requires=["tensorflow>=2.15,<2.22", KERAS],
     extras_require={
+        # Keras 2 on TF >= 2.16 (TF 2.15's tf.keras is Keras 2 already).
+        "keras2": ["tf_keras>=2.16,<2.22"],
         # The TFX 1.16 stack; install with constraints/tfx-1.16.txt (see README).
         "tfx": ["tfx==1.16.0", "kfp-pipeline-spec==0.7.0", "scikit-learn"],
         "test": ["pytest>=7", "pytest-timeout", "portpicker"],

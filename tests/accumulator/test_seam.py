@@ -20,7 +20,12 @@ PRIVATE_MODULES = re.compile(r"keras\.src\b|tensorflow\.python\b|__internal__|fr
 # TFX's executor API for subclasses (not Keras or TensorFlow), and namedtuple's.
 ALLOWED_FOREIGN = {"_log_startup", "_GetFnArgs", "_GetExecutorClass", "_replace"}
 # `_maybe_symbolic_build` (fixed by "symbolic_build") arrived in Keras 3.5.
-EXPECTED_HOOKS = sorted(h for h in seam.HOOKS if h != "symbolic_build" or next(n for n in seam.PRIVATE_NAMES if n.path.endswith("_maybe_symbolic_build")).expected())
+# The Keras 2 hooks exist where tf_keras is installed.
+EXPECTED_HOOKS = sorted(
+    h for h in seam.HOOKS
+    if (h != "symbolic_build" or next(n for n in seam.PRIVATE_NAMES if n.path.endswith("_maybe_symbolic_build")).expected())
+    and (not h.startswith("keras2_") or seam.keras2_module() is not None)
+)
 
 
 def _own_private_names(sources):
@@ -199,12 +204,42 @@ def test_an_unsupported_keras_is_refused_with_the_range(monkeypatch):
         GradientAccumulator(keras.optimizers.SGD(), 2)
 
 
+def _setup_requirements():
+    """install_requires as setup.py computes it (setup() itself not run)."""
+    import setuptools
+
+    captured = {}
+    source = (ROOT / "setup.py").read_text().replace('open("README.md", encoding="utf-8").read()', '""')
+    original = setuptools.setup
+    setuptools.setup = lambda **kwargs: captured.update(kwargs)
+    try:
+        exec(compile(source, "setup.py", "exec"), {"__name__": "setup_probe"})
+    finally:
+        setuptools.setup = original
+    return captured
+
+
 def test_setup_declares_the_range_make_test_runs():
-    setup = (ROOT / "setup.py").read_text()
-    oldest = (ROOT / "constraints" / "oldest.txt").read_text()
-    keras_floor = re.search(r"^keras==(\d+\.\d+)", oldest, re.M).group(1)
-    tf_floor = re.search(r"^tensorflow-cpu==(\d+\.\d+)", oldest, re.M).group(1)
-    assert f'"keras>={keras_floor},' in setup and f'"tensorflow>={tf_floor},' in setup
+    from packaging.requirements import Requirement
+
+    setup = _setup_requirements()
+    requirements = {Requirement(r).name: Requirement(r).specifier for r in setup["install_requires"]}
+    pins = {}
+    for name in ("oldest", "tf-latest", "keras2-tf215", "keras2-latest", "tfx-1.16"):
+        text = (ROOT / "constraints" / f"{name}.txt").read_text()
+        pins[name] = {m.group(1): m.group(2) for m in re.finditer(r"^([\w-]+)==([\d.]+)", text, re.M)}
+    # Every tested pin is declared; the versions just outside the tested range are not.
+    for name, pinned in pins.items():
+        tf_version = pinned.get("tensorflow-cpu") or pinned.get("tensorflow")
+        if tf_version:
+            assert tf_version in requirements["tensorflow"], (name, tf_version)
+        if "keras" in pinned:
+            assert pinned["keras"] in requirements["keras"], (name, pinned["keras"])
+    assert "2.15.0" in requirements["keras"] and "2.15.1" in requirements["tensorflow"]
+    for outside in ("3.7.0", "3.16.0", "2.14.0"):
+        assert outside not in requirements["keras"], outside
     from accumulator.optimizer import OLDEST_KERAS
-    assert ".".join(map(str, OLDEST_KERAS)) == keras_floor
-    assert "test-oldest" in (ROOT / "Makefile").read_text().split("\ntest:")[1].splitlines()[0]
+    assert ".".join(map(str, OLDEST_KERAS)) == pins["oldest"]["keras"].rsplit(".", 1)[0]
+    test_line = (ROOT / "Makefile").read_text().split("\ntest:")[1].splitlines()[0]
+    for target in ("test-tfx", "test-latest", "test-oldest", "test-keras2-tf215", "test-keras2-latest"):
+        assert target in test_line, target

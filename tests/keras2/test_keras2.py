@@ -6,6 +6,7 @@ TF_USE_LEGACY_KERAS=1. Every test compares against an independent reference:
 the large-batch `fit` or a hand-written `GradientTape` loop.
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -313,6 +314,8 @@ def test_noise_scale_is_measured_and_logged_in_fit():
     assert len(logged) == 2 and all(np.isfinite(logged)) and logged[-1] == model.optimizer.noise_scale > 0
 
 
+@pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None,
+                    reason="TF <= 2.15: tf.keras is Keras 2 without TF_USE_LEGACY_KERAS")
 def test_import_accumulator_under_tf_use_legacy_keras_in_a_fresh_process():
     code = ("import tensorflow as tf, accumulator;"
             "o = accumulator.GradientAccumulator(tf.keras.optimizers.Adam(), accum_steps=2);"
