@@ -4,11 +4,13 @@
 this library changes Keras for a while (the TFX executor and the KerasTuner
 helpers use it; `accumulator.seam` holds the mechanics):
 
-* `keras.Model.compile` wraps every optimizer it is given in
+* `keras.Model.compile`, and Keras 2's (`tf_keras.Model.compile`) where
+  tf_keras is installed, wrap every optimizer they are given in
   `GradientAccumulator` (for a mixed_float16 model, around a
   `LossScaleOptimizer`, with Keras' own loss-scale wrapping turned off), so an
-  unchanged training function trains with accumulation; the model's
-  AccumBatchNormalization layers get the same `accum_steps`;
+  unchanged training function trains with accumulation, whichever Keras it
+  compiles with; the model's AccumBatchNormalization layers get the same
+  `accum_steps`;
 * with a `schedule`, the wrappers carry it, and `fit` follows it;
 * with a `strategy`, every `tf.distribute.Strategy.scope()` the training
   function opens maps onto that strategy (and the body runs in its scope).
@@ -25,6 +27,7 @@ import tensorflow as tf
 from accumulator import seam
 from accumulator.batch_norm import configure_batch_norm
 from accumulator.optimizer import GradientAccumulator
+from accumulator.window import AccumulationWindow
 
 logger = logging.getLogger(__name__)
 
@@ -56,17 +59,22 @@ def accumulating_compile(accum_steps, schedule=None, partial_window="apply", str
         return compile
 
     def _wrap(model, optimizer, kwargs):
-        if isinstance(optimizer, GradientAccumulator):
+        if isinstance(optimizer, AccumulationWindow):
             logger.warning(
                 "run_fn compiled with its own GradientAccumulator (accum_steps=%d); "
                 "it is kept, and the component's accum_steps=%d is not applied.",
                 optimizer.accum_steps, accum_steps,
             )
             return optimizer
-        inner = keras.optimizers.get(optimizer)
+        keras2 = seam.is_keras2_object(model)
+        package = seam.keras_package_of(model) if keras2 else keras
+        inner = package.optimizers.get(optimizer)
         policy = getattr(model, "dtype_policy", None)
-        if policy is not None and policy.name == "mixed_float16" and \
-                kwargs.get("auto_scale_loss", True) and \
+        mixed_float16 = policy is not None and policy.name == "mixed_float16"
+        if keras2 and mixed_float16 and not isinstance(inner, package.mixed_precision.LossScaleOptimizer):
+            # Keras 2's compile would put one around the accumulator; put it inside.
+            inner = package.mixed_precision.LossScaleOptimizer(inner)
+        elif not keras2 and mixed_float16 and kwargs.get("auto_scale_loss", True) and \
                 not isinstance(inner, keras.optimizers.LossScaleOptimizer):
             inner = keras.optimizers.LossScaleOptimizer(inner)
             kwargs["auto_scale_loss"] = False
@@ -74,12 +82,16 @@ def accumulating_compile(accum_steps, schedule=None, partial_window="apply", str
             inner, accum_steps, partial_window=partial_window, schedulable=schedule is not None
         )
         wrapper.epoch_schedule = schedule
-        configure_batch_norm(model, accum_steps, wrapper)
+        if not keras2:
+            configure_batch_norm(model, accum_steps, wrapper)
         logger.info("Wrapped %s in GradientAccumulator(accum_steps=%d).", type(inner).__name__, accum_steps)
         return wrapper
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(seam.swapped(keras.Model, "compile", wrapping_compile))
+        keras2 = seam.keras2_module()
+        if keras2 is not None and keras2.Model is not keras.Model:
+            stack.enter_context(seam.swapped(keras2.Model, "compile", wrapping_compile))
         if strategy is not None and (strategy is not tf.distribute.get_strategy() or tf.distribute.has_strategy()):
             stack.enter_context(strategy.scope())
             stack.enter_context(seam.strategy_scopes_map_onto(strategy))

@@ -235,6 +235,13 @@ class AccumulationWindow:
         return list(self._accumulators)
 
     @property
+    def held_micro_batches(self):
+        """Micro-batches in the open window, as an int (0 before the optimizer is built)."""
+        if not self._window_built() or self._passthrough:
+            return 0
+        return int(self._micro_step.numpy())
+
+    @property
     def noise_scale_estimate(self):
         """The `NoiseScaleEstimate` (smoothed |G|^2, tr Sigma, B_simple as tensors);
         None before the optimizer is built. Needs `measure_noise_scale=True`."""

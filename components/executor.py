@@ -84,13 +84,12 @@ class Executor(tfx_trainer_executor.GenericExecutor):
         if not optimizers:
             raise RuntimeError(
                 "AccumulatingTrainer wrapped no optimizer: the run_fn never called "
-                "`keras.Model.compile(optimizer=...)` on a Keras 3 model, so nothing was "
-                "accumulated and no accumulation is recorded. A run_fn that trains a "
-                "tf_keras (Keras 2, TF_USE_LEGACY_KERAS=1) model or a custom loop must "
-                "wrap its optimizer itself (accumulator.GradientAccumulator) and use the "
-                "stock Trainer."
+                "`Model.compile(optimizer=...)` on a Keras 3 or Keras 2 (tf_keras) model, "
+                "so nothing was accumulated and no accumulation is recorded. A run_fn "
+                "with a custom training loop must wrap its optimizer itself "
+                "(accumulator.GradientAccumulator) and use the stock Trainer."
             )
-        open_windows = sum(int(o.micro_step.numpy()) for o in optimizers if o.built and not o.is_passthrough)
+        open_windows = sum(o.held_micro_batches for o in optimizers)
         updates = max((int(o.iterations.numpy()) for o in optimizers), default=0)
         self._record(output_dict, fn_args.model_run_dir, settings, updates, strategy, open_windows)
         logging.info(

@@ -120,3 +120,26 @@ def test_accumulation_schedule_parameter_reaches_the_optimizer(examples, tmp_pat
     )
     # Epoch 0 of the schedule: accum 3 (the schedule replaces accum_steps).
     assert (seen["accum_steps"], seen["train_steps"], seen["iterations"]) == (3, 6, 2)
+
+
+KERAS2_MODULE = os.path.join(fixtures.TESTDATA, "keras2_regression_module.py")
+
+
+def test_keras_2_module_trains_like_the_stock_trainer_with_the_big_batch(examples, tmp_path):
+    """A tf_keras (TF_USE_LEGACY_KERAS=1) penguin-style module, unchanged: stock Trainer at
+    batch 32 against AccumulatingTrainer(accum_steps=4) in micro-batches of 8."""
+    pytest.importorskip("tf_keras")
+    outputs_stock, stock_seen, stock_weights = fixtures.run_executor(
+        tmp_path / "stock", examples, num_steps=6, stock=True, module=KERAS2_MODULE)
+    outputs, seen, weights = fixtures.run_executor(
+        tmp_path / "ours", examples, num_steps=6, accum_steps=4, effective_batch_size=32, module=KERAS2_MODULE)
+    assert stock_seen["keras"].startswith("2.") and stock_seen["iterations"] == 6
+    assert (seen["optimizer_module"], seen["accum_steps"], seen["train_batch"]) == ("accumulator.keras2", 4, 8)
+    # A quarter of the stock Trainer's updates at the micro-batch (24 micro-steps, 6 updates)...
+    assert (seen["train_steps"], seen["iterations"]) == (24, 6)
+    # ...with the stock Trainer's weights at the 4x batch.
+    assert max_abs_diff(weights, stock_weights) <= 1e-5
+    for artifact in (outputs["model"][0], outputs["model_run"][0]):
+        assert artifact.get_int_custom_property("optimizer_updates") == 6
+        assert artifact.get_int_custom_property("accum_steps") == 4
+    assert os.path.exists(os.path.join(outputs["model"][0].uri, "Format-Serving", "saved_model.pb"))

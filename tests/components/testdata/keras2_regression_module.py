@@ -1,0 +1,73 @@
+"""A Keras 2 module file written for the stock TFX Trainer (TFX's penguin style), used unchanged.
+
+It is what a TFX user running `TF_USE_LEGACY_KERAS=1` trains: `tf.keras` is then
+`tf_keras`, imported here by that name so the test needs no process-wide switch.
+Besides training and exporting, run_fn writes what it saw and the final weights
+into model_run_dir for the tests.
+"""
+
+import json
+import os
+
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+from tfx import v1 as tfx
+from tfx_bsl.public import tfxio
+
+FEATURES = ["x0", "x1", "x2", "x3"]
+LABEL = "y"
+BATCH_SIZE = 32
+EVAL_BATCH_SIZE = 16
+
+
+def _schema():
+    from tensorflow_transform.tf_metadata import schema_utils
+    spec = {k: tf.io.FixedLenFeature([1], tf.float32) for k in FEATURES + [LABEL]}
+    return schema_utils.schema_from_feature_spec(spec)
+
+
+def _input_fn(file_pattern, data_accessor, batch_size):
+    return data_accessor.tf_dataset_factory(
+        file_pattern,
+        tfxio.TensorFlowDatasetOptions(batch_size=batch_size, label_key=LABEL, shuffle=False),
+        _schema(),
+    ).repeat()
+
+
+def _make_keras_model():
+    keras.utils.set_random_seed(0)
+    inputs = [keras.layers.Input(shape=(1,), name=k) for k in FEATURES]
+    x = keras.layers.Concatenate()(inputs)
+    x = keras.layers.Dense(8, activation="tanh")(x)
+    outputs = keras.layers.Dense(1)(x)
+    model = keras.Model(inputs, outputs)
+    model.compile(
+        optimizer=keras.optimizers.Adam(
+            keras.optimizers.schedules.ExponentialDecay(1e-2, 2, 0.7), clipnorm=0.5
+        ),
+        loss="mse",
+    )
+    return model
+
+
+def run_fn(fn_args: tfx.components.FnArgs):
+    train = _input_fn(fn_args.train_files, fn_args.data_accessor, BATCH_SIZE)
+    evaluation = _input_fn(fn_args.eval_files, fn_args.data_accessor, EVAL_BATCH_SIZE)
+    model = _make_keras_model()
+    model.fit(train, steps_per_epoch=fn_args.train_steps,
+              validation_data=evaluation, validation_steps=fn_args.eval_steps, verbose=0)
+    seen = {
+        "keras": keras.__version__,
+        "train_steps": fn_args.train_steps,
+        "train_batch": int(next(iter(train))[1].shape[0]),
+        "optimizer": type(model.optimizer).__name__,
+        "optimizer_module": type(model.optimizer).__module__,
+        "accum_steps": getattr(model.optimizer, "accum_steps", None),
+        "iterations": int(model.optimizer.iterations.numpy()),
+    }
+    os.makedirs(fn_args.model_run_dir, exist_ok=True)
+    with open(os.path.join(fn_args.model_run_dir, "seen.json"), "w") as f:
+        json.dump(seen, f)
+    np.savez(os.path.join(fn_args.model_run_dir, "weights.npz"), *model.get_weights())
+    model.save(fn_args.serving_model_dir, save_format="tf")
