@@ -1,6 +1,6 @@
 """Plots the gradient noise scale over the training of the demo's digits model.
 
-    python -m benchmarks.noise_scale_plot            # ~4 minutes on 2 CPU cores
+    python -m benchmarks.noise_scale_plot            # ~2 minutes on 2 CPU cores
 
 Trains `pipelines.digits.model.build_model` (the demo's CNN, learning rate
 1e-2 as its run_fn defaults to) on the shipped digits, the demo's training
