@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from accumulator import seam
 from accumulator.batch_norm import configure_batch_norm
+from accumulator.noise_scale import DEFAULT_SMOOTHING
 from accumulator.optimizer import GradientAccumulator
 from accumulator.window import AccumulationWindow
 
@@ -33,13 +34,16 @@ logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def accumulating_compile(accum_steps, schedule=None, partial_window="apply", strategy=None):
+def accumulating_compile(accum_steps, schedule=None, partial_window="apply", strategy=None,
+                         measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING):
     """Wraps the optimizers `keras.Model.compile` is given; yields the wrappers made.
 
     `schedule` ({epoch: accum_steps}) makes the wrappers schedulable and makes
     every `fit` of a model compiled here follow it (`AccumulationSchedule`).
     `partial_window` is the wrappers' (see `GradientAccumulator`). `strategy`:
     the body runs under it, and strategy scopes opened inside map onto it.
+    `measure_noise_scale`, `noise_scale_smoothing`: the wrappers' (see
+    `GradientAccumulator`; measuring needs `accum_steps >= 2` or a `schedule`).
     """
     from accumulator.callbacks import accum_steps_at, validate_schedule
 
@@ -79,7 +83,8 @@ def accumulating_compile(accum_steps, schedule=None, partial_window="apply", str
             inner = keras.optimizers.LossScaleOptimizer(inner)
             kwargs["auto_scale_loss"] = False
         wrapper = GradientAccumulator(
-            inner, accum_steps, partial_window=partial_window, schedulable=schedule is not None
+            inner, accum_steps, partial_window=partial_window, schedulable=schedule is not None,
+            measure_noise_scale=measure_noise_scale, noise_scale_smoothing=noise_scale_smoothing,
         )
         wrapper.epoch_schedule = schedule
         if not keras2:

@@ -10,13 +10,34 @@ reach `AccumulatingTrainer` through `hyperparameters=tuner.outputs[...]`.
 `steps_per_epoch` given to `search`/`fit` counts optimizer updates, as
 `TrainArgs.num_steps` does, so trials with different `accum_steps` make the
 same number of updates.
+
+Centring the search on the gradient noise scale: `probe_noise_scale(...)`
+trains a fresh model briefly with `GradientAccumulator(measure_noise_scale=True)`
+and returns B_simple, the critical batch of McCandlish et al. (2018), as a
+`NoiseScaleProbe`; `effective_batch_sizes_around(B)` and
+`accumulation_choices_around(B, micro_batch_size)` turn it into choices that
+`declare_accumulation` and `AccumulatingHyperModel` accept. Tuning the
+effective batch around B_simple rather than over a blind grid: at a fixed
+effective batch, `accum_steps` changes memory and speed, not the training
+(the accumulation is exact).
 """
 
+import dataclasses
+import logging
+import math
+import numbers
+from typing import Optional, Tuple
+
+import keras
 import keras_tuner
+import numpy as np
 import tensorflow as tf
 
 from accumulator.autowrap import accumulating_compile
+from accumulator.noise_scale import validate_smoothing
 from accumulator.validation import integer_at_least
+
+logger = logging.getLogger(__name__)
 
 ACCUM_STEPS = "accum_steps"
 EFFECTIVE_BATCH_SIZE = "effective_batch_size"
@@ -74,3 +95,283 @@ class AccumulatingHyperModel(keras_tuner.HyperModel):
         if steps_per_epoch is not None:
             steps_per_epoch = steps_per_epoch * accum
         return model.fit(x, y, *args, steps_per_epoch=steps_per_epoch, batch_size=batch_size, **kwargs)
+
+
+# --------------------------------------------------------- the noise scale
+
+@dataclasses.dataclass(frozen=True)
+class NoiseScaleProbe:
+    """What `probe_noise_scale` measured.
+
+    Attributes:
+        noise_scale: B_simple in samples when the probe ended (the smoothed
+            estimate); NaN when no window closed, and possibly negative or
+            infinite when the smoothed |G|^2 is not resolved from 0 (see
+            `resolved`).
+        windows: the windows (of `accum_steps` micro-batches) it came from.
+        micro_batch_size, accum_steps, updates: how the probe trained.
+        smoothing: the decay of the moving averages over windows.
+        gradient_sq_norm, trace: the smoothed |G|^2 and tr(Sigma) (per-sample
+            gradients of the mean loss), whose ratio is `noise_scale`.
+        history: `((update, noise_scale), ...)` after every update: how the
+            estimate moved during the probe.
+    """
+
+    noise_scale: float
+    windows: int
+    micro_batch_size: int
+    accum_steps: int
+    updates: int
+    smoothing: float
+    gradient_sq_norm: float
+    trace: float
+    history: Tuple[Tuple[int, float], ...] = ()
+
+    @property
+    def resolved(self) -> bool:
+        """True when `noise_scale` is a finite, positive estimate."""
+        return math.isfinite(self.noise_scale) and self.noise_scale > 0
+
+    @property
+    def effective_batch_size(self) -> int:
+        """The probe's own effective batch, micro_batch_size x accum_steps."""
+        return self.micro_batch_size * self.accum_steps
+
+    @property
+    def accum_steps_for_noise_scale(self) -> Optional[int]:
+        """The accum_steps that brings `micro_batch_size x accum_steps` nearest the
+        estimate (`accum_steps_for_noise_scale`); None when not `resolved`."""
+        if not self.resolved:
+            return None
+        return accum_steps_for_noise_scale(self.noise_scale, self.micro_batch_size)
+
+
+def _noise_scale_value(noise_scale, name="noise_scale"):
+    if isinstance(noise_scale, NoiseScaleProbe):
+        if not noise_scale.resolved:
+            raise ValueError(
+                f"`{name}` is a NoiseScaleProbe without a usable estimate (noise_scale="
+                f"{noise_scale.noise_scale!r} from {noise_scale.windows} window(s)); probe "
+                "with more `updates`, or a larger `accum_steps`."
+            )
+        return float(noise_scale.noise_scale)
+    if isinstance(noise_scale, bool) or not isinstance(noise_scale, numbers.Real) \
+            or not math.isfinite(noise_scale) or noise_scale <= 0:
+        raise ValueError(
+            f"`{name}` must be a finite, positive number (B_simple in samples) or a resolved "
+            f"NoiseScaleProbe; received {noise_scale!r}."
+        )
+    return float(noise_scale)
+
+
+def _nearest_count(ratio):
+    """The positive integer nearest `ratio` on a log scale (at least 1)."""
+    if ratio <= 1:
+        return 1
+    low = math.floor(ratio)
+    high = low + 1
+    # log-nearest: ratio below the geometric mean sqrt(low * high) rounds down.
+    return low if ratio * ratio <= low * high else high
+
+
+def accum_steps_for_noise_scale(noise_scale, micro_batch_size):
+    """The accum_steps that makes `micro_batch_size x accum_steps` nearest `noise_scale`.
+
+    "Nearest" on a log scale (the estimate is a scale, and the critical batch a
+    soft threshold): 3.4 micro-batches round to 3, 3.5 to 4 (sqrt(12) = 3.46);
+    at least 1. `noise_scale` may be a resolved `NoiseScaleProbe`.
+    """
+    value = _noise_scale_value(noise_scale)
+    micro_batch_size = integer_at_least(micro_batch_size, "micro_batch_size")
+    return _nearest_count(value / micro_batch_size)
+
+
+def _factors(factors):
+    factors = list(factors) if isinstance(factors, (list, tuple)) else None
+    if not factors:
+        raise ValueError(f"`factors` must be a non-empty list of positive numbers; received {factors!r}.")
+    for i, factor in enumerate(factors):
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real) \
+                or not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"`factors[{i}]` must be a finite, positive number; received {factor!r}.")
+    return [float(f) for f in factors]
+
+
+def effective_batch_sizes_around(noise_scale, accum_steps=(1, 2, 4, 8), factors=(0.5, 1.0, 2.0), replicas=1):
+    """Effective-batch choices centred on the noise scale, valid with every `accum_steps` choice.
+
+    Each choice is the multiple of `replicas x lcm(accum_steps)` nearest (on a
+    log scale) to `factor x noise_scale`, for each of `factors`: so every one
+    divides evenly into every `accum_steps` choice, as `declare_accumulation`
+    and `AccumulatingHyperModel` require (and, with `replicas`, into
+    `accum_steps x replicas`, as `AccumulatingTrainer` does). Sorted, without
+    repeats (a coarse unit can merge neighbours, so there may be fewer choices
+    than factors).
+
+    Args:
+        noise_scale: B_simple in samples, or a resolved `NoiseScaleProbe`.
+        accum_steps: the `accum_steps` choices the search will use.
+        factors: multiples of the noise scale to try (default half, once, twice).
+        replicas: the replicas the Trainer will train on (1 for the Tuner).
+    """
+    value = _noise_scale_value(noise_scale)
+    if not isinstance(accum_steps, (list, tuple)) or not accum_steps:
+        raise ValueError(f"`accum_steps` must be a non-empty list of positive integers; received {accum_steps!r}.")
+    accum = [integer_at_least(a, f"accum_steps[{i}]") for i, a in enumerate(accum_steps)]
+    replicas = integer_at_least(replicas, "replicas")
+    unit = replicas * math.lcm(*accum)
+    return tuple(sorted({unit * _nearest_count(f * value / unit) for f in _factors(factors)}))
+
+
+def accumulation_choices_around(noise_scale, micro_batch_size, factors=(0.5, 1.0, 2.0), replicas=1):
+    """`AccumulatingHyperModel` choices centred on the noise scale, every trial within memory.
+
+    Returns `{"accum_steps": (a,), "effective_batch_sizes": (...)}`
+    (`AccumulatingHyperModel(build_model, **choices)`): the effective batches
+    of `effective_batch_sizes_around(noise_scale, (a,), factors, replicas)`
+    and the smallest `a` for which every trial's micro-batch per replica,
+    effective / (a x replicas), is at most `micro_batch_size` (the largest
+    that fits one device; the probe's, say). One accum_steps: with exact
+    accumulation, trials that differ only in accum_steps train alike.
+    """
+    value = _noise_scale_value(noise_scale)
+    micro_batch_size = integer_at_least(micro_batch_size, "micro_batch_size")
+    replicas = integer_at_least(replicas, "replicas")
+    factors = _factors(factors)
+    # Below this, the largest choice rounds to more than micro_batch_size + 1 micro-batches.
+    accum = max(1, math.floor(max(factors) * value / (replicas * (micro_batch_size + 1))))
+    while True:
+        sizes = effective_batch_sizes_around(value, (accum,), factors, replicas)
+        if max(sizes) <= accum * replicas * micro_batch_size:
+            return {"accum_steps": (accum,), "effective_batch_sizes": sizes}
+        accum += 1
+
+
+def _probe_dataset(x, y, micro_batch_size, shuffle, shuffle_buffer, seed):
+    """Endless micro-batches of `micro_batch_size` samples (full ones only)."""
+    if isinstance(x, tf.data.Dataset):
+        if y is not None:
+            raise ValueError("`y` must be None when `x` is a tf.data.Dataset (it yields (features, labels)).")
+        data = x.unbatch()   # batched at any size, as AccumulatingHyperModel takes it
+        if shuffle:
+            data = data.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
+        return data.repeat().batch(micro_batch_size, drop_remainder=True)
+    if y is None:
+        raise ValueError("`y` (the labels) is needed when `x` holds arrays; or pass a tf.data.Dataset as `x`.")
+    if isinstance(x, list):
+        x = tuple(x)
+    samples = len(np.asarray(y))
+    if micro_batch_size > samples:
+        raise ValueError(
+            f"`micro_batch_size` ({micro_batch_size}) is larger than the data ({samples} samples)."
+        )
+    data = tf.data.Dataset.from_tensor_slices((x, y))
+    if shuffle:
+        data = data.shuffle(samples, seed=seed, reshuffle_each_iteration=True)
+    return data.repeat().batch(micro_batch_size, drop_remainder=True)
+
+
+def probe_noise_scale(build_model, x, y=None, *, micro_batch_size, accum_steps=8, updates=100,
+                      hyperparameters=None, noise_scale_smoothing=None, shuffle=True,
+                      shuffle_buffer=10_000, seed=None):
+    """Trains a fresh model briefly and measures its gradient noise scale.
+
+    `build_model()` (or `build_model(hyperparameters)` when given, as for
+    `AccumulatingHyperModel`) builds and compiles the model with a plain
+    optimizer; it trains for `updates` optimizer updates of `accum_steps`
+    micro-batches of `micro_batch_size` samples with
+    `GradientAccumulator(measure_noise_scale=True)`, and the smoothed B_simple
+    it ends with is returned in a `NoiseScaleProbe`, with
+    `accum_steps_for_noise_scale` (the accum_steps that makes
+    `micro_batch_size x accum_steps` reach it).
+
+    What it measures is the noise scale *of the probe's stretch of training*:
+    B_simple typically grows as the loss falls, so a probe of a fresh model
+    reads the early value, usually lower than later in training; probe a
+    trained model (let `build_model` load its weights) to read the later one.
+    It is the *critical* batch (where larger batches stop saving steps), not
+    the batch of the best final accuracy.
+
+    Args:
+        build_model: returns a compiled `keras.Model` (plain optimizer).
+        x, y: arrays (or dicts/tuples of arrays) and labels; or `x` a
+            `tf.data.Dataset` of `(features, labels)` batched at any size (it is
+            re-batched at `micro_batch_size`) and `y` None.
+        micro_batch_size: samples per micro-batch (what fits the device).
+        accum_steps: micro-batches per window, at least 2 (the estimator
+            compares each micro-batch's gradient with its window's); larger
+            windows resolve |G|^2 better when the noise scale is large.
+        updates: optimizer updates (windows) to train and measure.
+        hyperparameters: passed to `build_model` when not None.
+        noise_scale_smoothing: the decay of the moving averages over windows;
+            None: 1 - 1/updates (at most 0.999), which weighs the whole probe.
+        shuffle: shuffle the samples (arrays: all of them, every pass;
+            datasets: in a buffer of `shuffle_buffer`): the estimator assumes
+            the micro-batches are independent samples.
+        seed: seeds Keras (the model's initial weights) and the shuffling.
+    """
+    if not callable(build_model):
+        raise TypeError(f"`build_model` must be callable (returning a compiled keras.Model); received {build_model!r}.")
+    micro_batch_size = integer_at_least(micro_batch_size, "micro_batch_size")
+    accum_steps = integer_at_least(accum_steps, "accum_steps", minimum=2)
+    updates = integer_at_least(updates, "updates")
+    shuffle_buffer = integer_at_least(shuffle_buffer, "shuffle_buffer")
+    if seed is not None:
+        seed = integer_at_least(seed, "seed", minimum=0)
+    if noise_scale_smoothing is None:
+        noise_scale_smoothing = min(1.0 - 1.0 / updates, 0.999)
+    noise_scale_smoothing = validate_smoothing(noise_scale_smoothing, "noise_scale_smoothing")
+    data = _probe_dataset(x, y, micro_batch_size, shuffle, shuffle_buffer, seed)
+    if not isinstance(x, tf.data.Dataset) and micro_batch_size * accum_steps > len(np.asarray(y)):
+        logger.warning(
+            "A window of %d x %d samples is larger than the data (%d samples): micro-batches of a "
+            "window repeat samples, and the estimate is biased low.",
+            accum_steps, micro_batch_size, len(np.asarray(y)),
+        )
+
+    if seed is not None:
+        keras.utils.set_random_seed(seed)
+    with accumulating_compile(accum_steps, measure_noise_scale=True,
+                              noise_scale_smoothing=noise_scale_smoothing) as made:
+        model = build_model() if hyperparameters is None else build_model(hyperparameters)
+    optimizer = getattr(model, "optimizer", None)
+    if not made or optimizer is not made[-1]:
+        raise ValueError(
+            "`build_model` must compile the model it returns with a plain Keras optimizer "
+            "(it is wrapped to accumulate and measure); "
+            + ("it compiled none." if not made else "it returned a model compiled otherwise.")
+        )
+    if not optimizer.measure_noise_scale:
+        raise ValueError(
+            "`build_model` compiled its own GradientAccumulator, which does not measure the noise "
+            "scale; compile with the plain optimizer inside it."
+        )
+
+    history = []
+
+    class _Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            update = int(optimizer.iterations.numpy())
+            if not history or history[-1][0] != update:
+                history.append((update, float(optimizer.noise_scale)))
+
+    model.fit(data, steps_per_epoch=updates * accum_steps, epochs=1, shuffle=False, verbose=0,
+              callbacks=[_Record()])
+    estimate = optimizer.noise_scale_estimate
+    probe = NoiseScaleProbe(
+        noise_scale=float(optimizer.noise_scale),
+        windows=int(estimate.window_count.numpy()),
+        micro_batch_size=micro_batch_size,
+        accum_steps=accum_steps,
+        updates=int(optimizer.iterations.numpy()),
+        smoothing=noise_scale_smoothing,
+        gradient_sq_norm=float(estimate.gradient_sq_norm.numpy()),
+        trace=float(estimate.trace.numpy()),
+        history=tuple((u, v) for u, v in history if u > 0),
+    )
+    if not probe.resolved:
+        logger.warning(
+            "The noise-scale probe has no usable estimate (%r from %d windows): probe with more "
+            "`updates` or a larger `accum_steps`.", probe.noise_scale, probe.windows,
+        )
+    return probe

@@ -2,7 +2,7 @@
 
 `component.py` declares it, `executor.py` runs it, `fn_args_utils.py` builds
 what the user's run_fn sees, `settings.py` resolves accumulation settings and
-`tuning.py` makes them KerasTuner hyperparameters.
+`noise_scale.py` records the gradient noise scale a run measured.
 """
 
 from components.component import AccumulatingTrainer

@@ -2,7 +2,7 @@
 
 Same inputs, same outputs (`model`, `model_run`), same run_fn contract as the
 stock Trainer, plus the accumulation's parameters (`accum_steps`, `effective_batch_size`,
-`strategy`, `accum_schedule`, `partial_window`). Change the class name in a pipeline and it trains with
+`strategy`, `accum_schedule`, `partial_window`, `measure_noise_scale`). Change the class name in a pipeline and it trains with
 accumulation; feed `hyperparameters=tuner.outputs["best_hyperparameters"]` and
 the tuned values win over the parameters.
 """
@@ -37,6 +37,9 @@ class AccumulatingTrainerSpec(standard_component_specs.TrainerSpec):
         executor.STRATEGY_KEY: ExecutionParameter(type=str, optional=True),
         executor.ACCUM_SCHEDULE_KEY: ExecutionParameter(type=str, optional=True),
         executor.PARTIAL_WINDOW_KEY: ExecutionParameter(type=str, optional=True),
+        # 0/1, as SchemaGen's infer_feature_shape: bools travel as ints everywhere.
+        executor.MEASURE_NOISE_SCALE_KEY: ExecutionParameter(type=int, optional=True),
+        executor.NOISE_SCALE_SMOOTHING_KEY: ExecutionParameter(type=float, optional=True),
     }
 
 
@@ -57,6 +60,16 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             micro-batch stays fixed.
         partial_window: "apply" (the default), "carry" or "drop": what the end
             of an epoch and of training does with a window still open.
+        measure_noise_scale: estimate the gradient noise scale B_simple (the
+            critical batch, in samples) from the accumulation windows
+            (`GradientAccumulator(measure_noise_scale=True)`), and record the
+            final estimate on the `model` and `model_run` artifacts
+            (`noise_scale`, `noise_scale_windows`, `noise_scale_status`) and in
+            TensorBoard. Needs windows of 2 or more micro-batches (`accum_steps`
+            >= 2 or a schedule reaching it). The `hyperparameters` input's
+            `measure_noise_scale` wins.
+        noise_scale_smoothing: the decay, in [0, 1), of the estimate's moving
+            averages over windows (default 0.99, about 100 windows).
 
     `TrainArgs.num_steps` counts optimizer updates: the run_fn sees
     `fn_args.train_steps = num_steps * accum_steps` micro-steps.
@@ -83,6 +96,8 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
         strategy: Optional[str] = "auto",
         accum_schedule: Optional[Dict[int, int]] = None,
         partial_window: str = "apply",
+        measure_noise_scale: Union[bool, data_types.RuntimeParameter] = False,
+        noise_scale_smoothing: Optional[Union[float, data_types.RuntimeParameter]] = None,
     ):
         if [bool(module_file), bool(run_fn)].count(True) != 1:
             raise ValueError("Exactly one of 'module_file', or 'run_fn' must be supplied.")
@@ -97,10 +112,15 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
         def static(value):
             return None if isinstance(value, data_types.RuntimeParameter) else value
 
+        # Whether measuring has windows depends on tuned values, when there are any.
+        measure = None if hyperparameters is not None else static(measure_noise_scale)
         settings_lib.resolve(None, static(accum_steps), static(effective_batch_size), replicas=1,
-                             partial_window=partial_window)
+                             partial_window=partial_window, schedule=accum_schedule if measure else None,
+                             measure_noise_scale=measure, noise_scale_smoothing=static(noise_scale_smoothing))
         if accum_schedule is not None:
             accum_schedule = json.dumps(validate_schedule(accum_schedule))
+        if isinstance(measure_noise_scale, bool):
+            measure_noise_scale = int(measure_noise_scale)
         if strategy not in STRATEGY_CHOICES:
             raise ValueError(f"`strategy` must be one of {STRATEGY_CHOICES}; received {strategy!r}.")
 
@@ -121,6 +141,8 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             strategy=strategy,
             accum_schedule=accum_schedule,
             partial_window=partial_window,
+            measure_noise_scale=measure_noise_scale,
+            noise_scale_smoothing=noise_scale_smoothing,
             model=types.Channel(type=standard_artifacts.Model),
             model_run=types.Channel(type=standard_artifacts.ModelRun),
         )

@@ -21,13 +21,15 @@ from tfx.types import standard_component_specs
 
 from accumulator.autowrap import accumulating_compile
 from accumulator.distribute import strategy_from_environment
-from components import fn_args_utils, settings as settings_lib
+from components import fn_args_utils, noise_scale, settings as settings_lib
 
 ACCUM_STEPS_KEY = "accum_steps"
 EFFECTIVE_BATCH_SIZE_KEY = "effective_batch_size"
 STRATEGY_KEY = "strategy"
 ACCUM_SCHEDULE_KEY = "accum_schedule"
 PARTIAL_WINDOW_KEY = "partial_window"
+MEASURE_NOISE_SCALE_KEY = "measure_noise_scale"
+NOISE_SCALE_SMOOTHING_KEY = "noise_scale_smoothing"
 TENSORBOARD_SUBDIR = "accumulation"
 
 
@@ -41,6 +43,10 @@ def _load_run_fn(exec_properties):
             f"AccumulatingTrainer needs a `run_fn(fn_args)` to train with; none was "
             f"found in {source!r} ({err})."
         ) from None
+
+
+def _as_bool(value):
+    return bool(value) if isinstance(value, int) and value in (0, 1) else value
 
 
 class Executor(tfx_trainer_executor.GenericExecutor):
@@ -63,6 +69,9 @@ class Executor(tfx_trainer_executor.GenericExecutor):
             strategy.num_replicas_in_sync,
             json.loads(exec_properties[ACCUM_SCHEDULE_KEY]) if exec_properties.get(ACCUM_SCHEDULE_KEY) else None,
             exec_properties.get(PARTIAL_WINDOW_KEY),
+            # Stored as an int (0/1) in the pipeline, as SchemaGen's infer_feature_shape.
+            _as_bool(exec_properties.get(MEASURE_NOISE_SCALE_KEY)),
+            exec_properties.get(NOISE_SCALE_SMOOTHING_KEY),
         )
         logging.info(
             "Accumulation: accum_steps=%d (%s), effective batch %s (%s), global micro-batch %s, "
@@ -76,7 +85,9 @@ class Executor(tfx_trainer_executor.GenericExecutor):
         user_fn_args = fn_args_utils.for_accumulation(fn_args, settings)
 
         with accumulating_compile(settings.accum_steps, settings.schedule,
-                                  settings.partial_window, strategy=strategy) as optimizers:
+                                  settings.partial_window, strategy=strategy,
+                                  measure_noise_scale=settings.measure_noise_scale,
+                                  noise_scale_smoothing=settings.noise_scale_smoothing) as optimizers:
             run_fn(user_fn_args)
 
         if not fileio.exists(fn_args.serving_model_dir):
@@ -91,14 +102,17 @@ class Executor(tfx_trainer_executor.GenericExecutor):
             )
         open_windows = sum(o.held_micro_batches for o in optimizers)
         updates = max((int(o.iterations.numpy()) for o in optimizers), default=0)
-        self._record(output_dict, fn_args.model_run_dir, settings, updates, strategy, open_windows)
+        reading = noise_scale.read(optimizers, settings.measure_noise_scale)
+        self._record(output_dict, fn_args.model_run_dir, settings, updates, strategy, open_windows, reading)
+        if reading is not None:
+            logging.info("%s", noise_scale.describe(reading, settings.effective_batch_size))
         logging.info(
             "Training complete: %d optimizer updates. Model written to %s. ModelRun written to %s",
             updates, fn_args.serving_model_dir, fn_args.model_run_dir,
         )
 
     @staticmethod
-    def _record(output_dict, model_run_dir, settings, updates, strategy, open_windows):
+    def _record(output_dict, model_run_dir, settings, updates, strategy, open_windows, reading=None):
         # `unapplied_micro_batches`: held in a window left open (partial_window="carry").
         properties = {**settings.as_properties(), "optimizer_updates": updates,
                       "unapplied_micro_batches": open_windows}
@@ -108,10 +122,12 @@ class Executor(tfx_trainer_executor.GenericExecutor):
                     artifact.set_int_custom_property(name, int(value))
                 artifact.set_string_custom_property("distribution_strategy", type(strategy).__name__)
                 artifact.set_string_custom_property("partial_window", settings.partial_window)
+            noise_scale.record(output_dict.get(key, []), reading)
         writer = tf.summary.create_file_writer(os.path.join(model_run_dir, TENSORBOARD_SUBDIR))
         with writer.as_default():
             for name, value in properties.items():
                 tf.summary.scalar(f"accumulation/{name}", value, step=0)
+            noise_scale.write_summaries(reading, step=updates)
             tf.summary.text("accumulation/settings", json.dumps(
                 {**properties, "strategy": type(strategy).__name__, "partial_window": settings.partial_window,
                  "sources": settings.sources},

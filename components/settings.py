@@ -10,11 +10,14 @@ import dataclasses
 from typing import Any, Dict, Optional
 
 from accumulator import validate_accum_steps
-from accumulator.optimizer import validate_partial_window
+from accumulator.noise_scale import DEFAULT_SMOOTHING, validate_smoothing
+from accumulator.optimizer import validate_measure_noise_scale, validate_partial_window
 from accumulator.validation import integer_at_least
 
 ACCUM_STEPS = "accum_steps"
 EFFECTIVE_BATCH_SIZE = "effective_batch_size"
+MEASURE_NOISE_SCALE = "measure_noise_scale"
+NOISE_SCALE_SMOOTHING = "noise_scale_smoothing"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +30,8 @@ class AccumulationSettings:
     schedule: Optional[Dict[int, int]] = None
     partial_window: str = "apply"
     sources: Dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
+    measure_noise_scale: bool = False
+    noise_scale_smoothing: float = DEFAULT_SMOOTHING
 
     @property
     def micro_batch(self) -> Optional[int]:
@@ -46,6 +51,7 @@ class AccumulationSettings:
             "micro_batch_size": self.micro_batch or 0,
             "replicas": self.replicas,
             "effective_batch_size": self.effective_batch_size or 0,
+            "measure_noise_scale": int(self.measure_noise_scale),
         }
 
 
@@ -65,6 +71,8 @@ def resolve(
     replicas: int,
     schedule: Optional[Dict[Any, int]] = None,
     partial_window: Optional[str] = None,
+    measure_noise_scale: Optional[bool] = None,
+    noise_scale_smoothing: Optional[float] = None,
 ) -> AccumulationSettings:
     """Resolves and validates the settings of one run.
 
@@ -72,6 +80,10 @@ def resolve(
     value at epoch 0, the micro-batch stays fixed, and the effective batch is
     that of epoch 0. `partial_window` (default "apply") is what epoch and
     training ends do with an open window (see `GradientAccumulator`).
+    `measure_noise_scale` (default False) and `noise_scale_smoothing` (default
+    0.99) follow the same precedence as `accum_steps`; measuring needs windows
+    of two or more micro-batches: `accum_steps >= 2`, or a schedule that
+    reaches 2.
     """
     partial_window = validate_partial_window(partial_window or "apply")
     values = hyperparameter_values(hyperparameters)
@@ -106,4 +118,18 @@ def resolve(
             )
     if schedule is not None:
         sources[ACCUM_STEPS] = "schedule"
-    return AccumulationSettings(accum, effective, replicas, schedule, partial_window, sources)
+    measure = validate_measure_noise_scale(
+        pick(MEASURE_NOISE_SCALE, measure_noise_scale, False), name=MEASURE_NOISE_SCALE)
+    smoothing = validate_smoothing(
+        pick(NOISE_SCALE_SMOOTHING, noise_scale_smoothing, DEFAULT_SMOOTHING), name=NOISE_SCALE_SMOOTHING)
+    if measure and max(schedule.values() if schedule else [accum]) < 2:
+        where = ("`accum_schedule` never goes above 1" if schedule else
+                 f"`{ACCUM_STEPS}` is 1 (from {sources[ACCUM_STEPS]})")
+        raise ValueError(
+            f"`{MEASURE_NOISE_SCALE}=True` (from {sources[MEASURE_NOISE_SCALE]}) needs windows of "
+            f"two or more micro-batches, but {where}: the noise scale compares each "
+            f"micro-batch's gradient with its window's. Set `{ACCUM_STEPS}` >= 2 (or a schedule "
+            f"that reaches it), or leave `{MEASURE_NOISE_SCALE}` off."
+        )
+    return AccumulationSettings(accum, effective, replicas, schedule, partial_window, sources,
+                                measure, smoothing)

@@ -3,8 +3,8 @@
     python -m pipelines.run_local --output_dir=work/digits
 
 Writes the shipped data as CSV, runs the pipeline (a second run reuses cached
-results), and prints the chosen hyperparameters, the evaluation and where the
-pushed model is.
+results), and prints the chosen hyperparameters, the Trainer's record (with the
+gradient noise scale it measured), the evaluation and where the pushed model is.
 """
 
 import json
@@ -17,6 +17,8 @@ TRAIN_UPDATES = flags.DEFINE_integer("train_updates", 400, "Optimizer updates of
 TUNER_UPDATES = flags.DEFINE_integer("tuner_updates", 60, "Optimizer updates of each tuning trial.")
 MAX_TRIALS = flags.DEFINE_integer("max_trials", 4, "Tuning trials.")
 THRESHOLD = flags.DEFINE_float("accuracy_threshold", 0.8, "Evaluator's accuracy lower bound for blessing.")
+MEASURE = flags.DEFINE_boolean("measure_noise_scale", True,
+                               "The Trainer measures the gradient noise scale (the critical batch).")
 
 
 def summarize(metadata_path, pipeline_name):
@@ -39,8 +41,8 @@ def summarize(metadata_path, pipeline_name):
     model = latest("Model")
     if model:
         summary["trainer"] = {
-            k: v.int_value if v.HasField("int_value") else v.string_value
-            for k, v in model.custom_properties.items() if v.HasField("int_value") or v.HasField("string_value")
+            k: getattr(v, v.WhichOneof("value")) for k, v in model.custom_properties.items()
+            if v.WhichOneof("value") in ("int_value", "string_value", "double_value")
         }
     evaluation = latest("ModelEvaluation")
     if evaluation:
@@ -56,6 +58,18 @@ def summarize(metadata_path, pipeline_name):
         summary["pushed"] = bool(pushed.custom_properties["pushed"].int_value)
         summary["pushed_to"] = pushed.custom_properties["pushed_destination"].string_value
     return summary
+
+
+def noise_scale_line(trainer):
+    """What the Trainer's record says about the gradient noise scale; None if it did not measure."""
+    if "noise_scale_status" not in trainer:
+        return None
+    if "noise_scale" not in trainer:
+        return f"gradient noise scale: none recorded ({trainer['noise_scale_status']})"
+    return (f"gradient noise scale: B_simple = {trainer['noise_scale']:.1f} samples "
+            f"(from {trainer['noise_scale_windows']} windows; the effective batch was "
+            f"{trainer.get('effective_batch_size')}): larger batches than this would save "
+            "few updates")
 
 
 def main(argv):
@@ -81,12 +95,16 @@ def main(argv):
         tuner_updates=TUNER_UPDATES.value,
         max_trials=MAX_TRIALS.value,
         accuracy_threshold=THRESHOLD.value,
+        measure_noise_scale=MEASURE.value,
     )
     BeamDagRunner().run(pipeline)
     summary = summarize(metadata_path, name)
     print("\n=== digits pipeline ===")
     print("best hyperparameters:", json.dumps(summary.get("best_hyperparameters"), sort_keys=True))
     print("trainer:", json.dumps(summary.get("trainer"), sort_keys=True))
+    noise = noise_scale_line(summary.get("trainer") or {})
+    if noise:
+        print(noise)
     print("evaluation:", json.dumps(summary.get("evaluation"), sort_keys=True))
     print("blessed:", summary.get("blessed"), "| pushed:", summary.get("pushed"))
     print("pushed model:", summary.get("pushed_to"))

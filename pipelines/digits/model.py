@@ -107,12 +107,16 @@ def run_fn(fn_args: tfx.components.FnArgs) -> None:
 
 
 def tuner_fn(fn_args: tfx.components.FnArgs) -> tfx.components.TunerFnResult:
-    """Searches accum_steps, the effective batch and the learning rate."""
+    """Searches accum_steps, the effective batch and the learning rate.
+
+    accum_steps from 2: the Trainer measures the gradient noise scale, which
+    needs windows of two or more micro-batches.
+    """
     hp = keras_tuner.HyperParameters()
     hp.Choice("learning_rate", [3e-3, 1e-2])
     max_trials = int((fn_args.custom_config or {}).get("max_trials", 4))
     tuner = keras_tuner.RandomSearch(
-        AccumulatingHyperModel(build_model, accum_steps=(1, 2, 4), effective_batch_sizes=(32, 64)),
+        AccumulatingHyperModel(build_model, accum_steps=(2, 4), effective_batch_sizes=(32, 64)),
         hyperparameters=hp,
         max_trials=max_trials,
         objective=keras_tuner.Objective("val_sparse_categorical_accuracy", "max"),

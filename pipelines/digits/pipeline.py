@@ -55,10 +55,12 @@ def create_pipeline(
     module_file: str = MODULE_FILE,
     trainer_class=AccumulatingTrainer,
     trainer_custom_config=None,
+    measure_noise_scale: bool = False,
 ) -> tfx.dsl.Pipeline:
     """Builds the pipeline. `accum_steps`/`effective_batch_size` are the Trainer's
 
-    defaults; the Tuner's best values replace them.
+    defaults; the Tuner's best values replace them. `measure_noise_scale`: the
+    Trainer estimates the gradient noise scale and records it on its model.
     """
     example_gen = tfx.components.CsvExampleGen(input_base=data_root)
     statistics_gen = tfx.components.StatisticsGen(examples=example_gen.outputs["examples"])
@@ -84,6 +86,7 @@ def create_pipeline(
         accum_steps=accum_steps,
         effective_batch_size=effective_batch_size,
         strategy=strategy,
+        measure_noise_scale=measure_noise_scale,
     )
     evaluator = tfx.components.Evaluator(
         examples=example_gen.outputs["examples"],

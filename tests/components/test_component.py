@@ -47,6 +47,11 @@ def test_hyperparameters_channel_is_accepted():
         ({"accum_steps": 3, "effective_batch_size": 64}, ValueError, "divide evenly"),
         ({"strategy": "gpu"}, ValueError, "strategy"),
         ({"partial_window": "keep"}, ValueError, "partial_window"),
+        ({"measure_noise_scale": True}, ValueError, r"measure_noise_scale=True.*`accum_steps` is 1"),
+        ({"measure_noise_scale": True, "accum_schedule": {0: 1}}, ValueError, "`accum_schedule` never goes above 1"),
+        ({"measure_noise_scale": "yes", "accum_steps": 2}, ValueError, "`measure_noise_scale` must be True or False"),
+        ({"measure_noise_scale": True, "accum_steps": 2, "noise_scale_smoothing": 1.5}, ValueError,
+         "noise_scale_smoothing"),
     ],
 )
 def test_bad_parameters_fail_when_the_pipeline_is_defined(extra, error, message):
@@ -66,3 +71,15 @@ def test_accum_schedule_is_validated_and_stored_as_json():
     assert trainer.exec_properties["accum_schedule"] == '{"0": 2, "3": 8}'
     with pytest.raises(ValueError, match="schedule"):
         AccumulatingTrainer(**_kwargs(accum_schedule={0: 0}))
+
+
+def test_measure_noise_scale_is_stored_as_an_int_and_checked_against_tuned_values_at_run_time():
+    trainer = AccumulatingTrainer(**_kwargs(accum_steps=2, measure_noise_scale=True, noise_scale_smoothing=0.9))
+    assert (trainer.exec_properties["measure_noise_scale"], trainer.exec_properties["noise_scale_smoothing"]) == (1, 0.9)
+    assert AccumulatingTrainer(**_kwargs()).exec_properties["measure_noise_scale"] == 0
+    # With tuned values to come, accum_steps is not known yet: the executor checks it.
+    hp = channel_utils.as_channel([standard_artifacts.HyperParameters()])
+    assert AccumulatingTrainer(**_kwargs(hyperparameters=hp, measure_noise_scale=True)) \
+        .exec_properties["measure_noise_scale"] == 1
+    # A schedule that reaches 2 is enough.
+    AccumulatingTrainer(**_kwargs(accum_schedule={0: 1, 2: 4}, measure_noise_scale=True))

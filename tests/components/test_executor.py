@@ -1,12 +1,15 @@
 """AccumulatingTrainer's executor against the stock TFX Trainer executor."""
 
 import glob
+import importlib.util
+import math
 import os
 
 import keras
 import pytest
 import tensorflow as tf
 
+from accumulator import GradientAccumulator
 from tests.accumulator.reference import max_abs_diff
 from tests.components import fixtures
 
@@ -83,6 +86,11 @@ def test_run_fn_with_its_own_strategy_scope_keeps_working(examples, tmp_path):
         ({"effective_batch_size": -4}, "effective_batch_size"),
         ({"strategy": "tpu"}, "kind"),
         ({"partial_window": "flush"}, "partial_window"),
+        ({"measure_noise_scale": 1}, r"`measure_noise_scale=True` \(from component parameter\) needs windows"
+                                     r".*`accum_steps` is 1 \(from default\)"),
+        ({"measure_noise_scale": 1, "accum_schedule": '{"0": 1, "2": 1}'}, "`accum_schedule` never goes above 1"),
+        ({"measure_noise_scale": 2, "accum_steps": 2}, "`measure_noise_scale` must be True or False"),
+        ({"measure_noise_scale": 1, "accum_steps": 2, "noise_scale_smoothing": 1.0}, "`noise_scale_smoothing`"),
     ],
 )
 def test_bad_settings_fail_before_training(examples, tmp_path, properties, message):
@@ -143,3 +151,101 @@ def test_keras_2_module_trains_like_the_stock_trainer_with_the_big_batch(example
         assert artifact.get_int_custom_property("optimizer_updates") == 6
         assert artifact.get_int_custom_property("accum_steps") == 4
     assert os.path.exists(os.path.join(outputs["model"][0].uri, "Format-Serving", "saved_model.pb"))
+
+# ------------------------------------------------------------ the noise scale
+
+def _tensorboard_scalars(model_run_uri, tag):
+    """{step: value} of scalar `tag` in the executor's TensorBoard logs."""
+    values = {}
+    for path in glob.glob(os.path.join(model_run_uri, "accumulation", "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                if value.tag == tag and value.metadata.plugin_data.plugin_name == "scalars":
+                    values[event.step] = float(tf.make_ndarray(value.tensor))
+    return values
+
+
+def _hand_built_noise_scale(examples, updates, accum_steps, micro_batch, smoothing):
+    """The module's model trained by hand, outside TFX, with a GradientAccumulator built
+    here: the same micro-batches in the same order (the module reads unshuffled)."""
+    spec = importlib.util.spec_from_file_location("regression_module_reference", fixtures.MODULE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    feature_spec = {k: tf.io.FixedLenFeature([1], tf.float32) for k in module.FEATURES + [module.LABEL]}
+
+    def parse(record):
+        features = tf.io.parse_single_example(record, feature_spec)
+        label = features.pop(module.LABEL)
+        return features, label
+
+    files = sorted(glob.glob(os.path.join(examples.uri, "Split-train", "*")))
+    data = tf.data.TFRecordDataset(files, compression_type="GZIP").map(parse).batch(micro_batch).repeat()
+    model = module._make_keras_model()
+    optimizer = GradientAccumulator(model.optimizer, accum_steps, measure_noise_scale=True,
+                                    noise_scale_smoothing=smoothing)
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(data, steps_per_epoch=updates * accum_steps, verbose=0)
+    return optimizer.noise_scale, int(optimizer.noise_scale_estimate.window_count)
+
+
+def test_noise_scale_is_measured_and_recorded_as_the_optimizer_had_it(examples, tmp_path):
+    """24 updates of 4 micro-batches of 8: the estimate the run's optimizer ended with is
+    on both artifacts and in TensorBoard, and equals a hand-built accumulator's on the
+    same micro-batches."""
+    outputs, seen, _ = fixtures.run_executor(
+        tmp_path, examples, num_steps=24, accum_steps=4, effective_batch_size=32,
+        measure_noise_scale=1, noise_scale_smoothing=0.9,   # the int the pipeline stores
+    )
+    value = seen["noise_scale"]
+    assert math.isfinite(value) and value > 0
+    assert seen["logged_noise_scale"] == pytest.approx(value, rel=1e-12)   # fit's History agrees
+    assert (seen["noise_scale_windows"], seen["noise_scale_smoothing"]) == (24, 0.9)
+    for artifact in (outputs["model"][0], outputs["model_run"][0]):
+        assert artifact.get_float_custom_property("noise_scale") == value
+        assert artifact.get_int_custom_property("noise_scale_windows") == 24
+        assert artifact.get_float_custom_property("noise_scale_smoothing") == 0.9
+        assert artifact.get_string_custom_property("noise_scale_status") == "measured"
+        assert artifact.get_int_custom_property("measure_noise_scale") == 1
+    run_uri = outputs["model_run"][0].uri
+    assert _tensorboard_scalars(run_uri, "accumulation/noise_scale") == {24: pytest.approx(value, rel=1e-6)}
+    assert _tensorboard_scalars(run_uri, "accumulation/noise_scale_windows") == {24: 24.0}
+
+    reference, windows = _hand_built_noise_scale(examples, 24, 4, 8, 0.9)
+    print("executor", value, "hand-built", reference)
+    assert windows == 24
+    assert value == pytest.approx(reference, rel=1e-6)
+
+
+def test_measure_noise_scale_and_smoothing_can_come_from_the_hyperparameters(examples, tmp_path):
+    hp = fixtures.hyperparameters_artifact(
+        str(tmp_path / "hp"), {"accum_steps": 2, "measure_noise_scale": True, "noise_scale_smoothing": 0.5})
+    outputs, seen, _ = fixtures.run_executor(tmp_path / "run", examples, num_steps=3, hyperparameters=hp)
+    assert (seen["noise_scale_windows"], seen["noise_scale_smoothing"]) == (3, 0.5)
+    model = outputs["model"][0]
+    assert model.get_int_custom_property("noise_scale_windows") == 3
+    assert model.get_string_custom_property("noise_scale_status") == "measured"
+    # No effective batch: the run_fn's batch of 32 is the micro-batch.
+    reference, _ = _hand_built_noise_scale(examples, 3, 2, 32, 0.5)
+    assert model.get_float_custom_property("noise_scale") == pytest.approx(reference, rel=1e-6)
+
+
+def test_no_window_of_two_micro_batches_records_no_noise_scale(examples, tmp_path):
+    """A schedule at accum_steps 1 until epoch 3, and one epoch of training: every window
+    holds 1 micro-batch, so there is no estimate, and none is recorded."""
+    outputs, seen, _ = fixtures.run_executor(
+        tmp_path, examples, num_steps=4, accum_schedule='{"0": 1, "3": 4}', measure_noise_scale=1)
+    assert math.isnan(seen["noise_scale"]) and seen["noise_scale_windows"] == 0
+    for artifact in (outputs["model"][0], outputs["model_run"][0]):
+        assert not artifact.has_custom_property("noise_scale")
+        assert artifact.get_int_custom_property("noise_scale_windows") == 0
+        assert artifact.get_string_custom_property("noise_scale_status").startswith("no estimate")
+    assert _tensorboard_scalars(outputs["model_run"][0].uri, "accumulation/noise_scale") == {}
+
+
+def test_not_measuring_is_the_default_and_records_no_noise_scale(examples, tmp_path):
+    outputs, seen, _ = fixtures.run_executor(tmp_path, examples, num_steps=2, accum_steps=2)
+    assert "noise_scale" not in seen
+    model = outputs["model"][0]
+    assert model.get_int_custom_property("measure_noise_scale") == 0
+    assert not any(model.has_custom_property(k) for k in ("noise_scale", "noise_scale_status",
+                                                          "noise_scale_windows"))

@@ -8,15 +8,19 @@ from components.settings import resolve
 def test_defaults():
     s = resolve(None, None, None, replicas=1)
     assert (s.accum_steps, s.effective_batch_size, s.micro_batch, s.partial_window) == (1, None, None, "apply")
-    assert s.sources == {"accum_steps": "default", "effective_batch_size": "default"}
+    assert (s.measure_noise_scale, s.noise_scale_smoothing) == (False, 0.99)
+    assert s.sources == {"accum_steps": "default", "effective_batch_size": "default",
+                         "measure_noise_scale": "default", "noise_scale_smoothing": "default"}
 
 
 def test_precedence():
     hp = {"space": [], "values": {"accum_steps": 8, "learning_rate": 0.1}}
     s = resolve(hp, 2, 64, replicas=2)
     assert (s.accum_steps, s.effective_batch_size, s.micro_batch, s.micro_batch_per_replica) == (8, 64, 8, 4)
-    assert s.sources == {"accum_steps": "hyperparameters", "effective_batch_size": "component parameter"}
-    assert s.as_properties() == {"accum_steps": 8, "micro_batch_size": 8, "replicas": 2, "effective_batch_size": 64}
+    assert s.sources == {"accum_steps": "hyperparameters", "effective_batch_size": "component parameter",
+                         "measure_noise_scale": "default", "noise_scale_smoothing": "default"}
+    assert s.as_properties() == {"accum_steps": 8, "micro_batch_size": 8, "replicas": 2, "effective_batch_size": 64,
+                                 "measure_noise_scale": 0}
 
 
 @pytest.mark.parametrize(
@@ -38,3 +42,42 @@ def test_partial_window_is_one_of_the_modes():
     assert resolve(None, 2, None, replicas=1, partial_window="drop").partial_window == "drop"
     with pytest.raises(ValueError, match=r"`partial_window` must be one of \('apply', 'carry', 'drop'\)"):
         resolve(None, 2, None, replicas=1, partial_window="flush")
+
+
+def test_measure_noise_scale_follows_the_same_precedence():
+    hp = {"values": {"measure_noise_scale": True, "noise_scale_smoothing": 0.9}}
+    s = resolve(hp, 4, None, replicas=1, measure_noise_scale=False, noise_scale_smoothing=0.5)
+    assert (s.measure_noise_scale, s.noise_scale_smoothing) == (True, 0.9)
+    assert s.sources["measure_noise_scale"] == s.sources["noise_scale_smoothing"] == "hyperparameters"
+    assert s.as_properties()["measure_noise_scale"] == 1
+    s = resolve(None, 2, None, replicas=1, measure_noise_scale=True, noise_scale_smoothing=0.5)
+    assert (s.measure_noise_scale, s.noise_scale_smoothing) == (True, 0.5)
+    assert s.sources["measure_noise_scale"] == "component parameter"
+
+
+def test_measuring_needs_windows_of_two():
+    # A schedule that reaches 2 later is enough (the first windows give no estimate).
+    assert resolve(None, None, None, replicas=1, schedule={0: 1, 3: 2}, measure_noise_scale=True).measure_noise_scale
+    with pytest.raises(ValueError, match=r"`measure_noise_scale=True` \(from component parameter\).*"
+                                         r"`accum_steps` is 1 \(from hyperparameters\)"):
+        resolve({"values": {"accum_steps": 1}}, 4, None, replicas=1, measure_noise_scale=True)
+    with pytest.raises(ValueError, match=r"\(from hyperparameters\).*`accum_steps` is 1 \(from default\)"):
+        resolve({"values": {"measure_noise_scale": True}}, None, None, replicas=1)
+    with pytest.raises(ValueError, match="`accum_schedule` never goes above 1"):
+        resolve(None, None, None, replicas=1, schedule={0: 1, 5: 1}, measure_noise_scale=True)
+    # Not measuring: accum_steps 1 is fine.
+    assert resolve(None, 1, None, replicas=1, measure_noise_scale=False).accum_steps == 1
+
+
+@pytest.mark.parametrize(
+    "measure, smoothing, message",
+    [
+        ("yes", None, "`measure_noise_scale` must be True or False; received 'yes'"),
+        (1, None, "`measure_noise_scale` must be True or False; received 1"),
+        (True, 1.0, r"`noise_scale_smoothing` must be a float in \[0, 1\)"),
+        (True, -0.1, "`noise_scale_smoothing`"),
+    ],
+)
+def test_bad_noise_scale_settings_name_the_parameter(measure, smoothing, message):
+    with pytest.raises(ValueError, match=message):
+        resolve(None, 4, None, replicas=1, measure_noise_scale=measure, noise_scale_smoothing=smoothing)

@@ -1,15 +1,30 @@
 """End to end: the digits pipeline on the Beam DirectRunner, then again from cache."""
 
+import glob
+import math
 import os
 
 import ml_metadata as mlmd
+import pytest
+import tensorflow as tf
 from ml_metadata.proto import metadata_store_pb2
 from tfx import v1 as tfx
 from tfx.orchestration.beam.beam_dag_runner import BeamDagRunner
 
 from pipelines.digits.data import write_digits_csv
 from pipelines.digits.pipeline import create_pipeline
-from pipelines.run_local import summarize
+from pipelines.run_local import noise_scale_line, summarize
+
+
+def _tensorboard_noise_scale(model_run_uri):
+    """{step: value} of the executor's `accumulation/noise_scale` scalar."""
+    values = {}
+    for path in glob.glob(os.path.join(model_run_uri, "accumulation", "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                if value.tag == "accumulation/noise_scale":
+                    values[event.step] = float(tf.make_ndarray(value.tensor))
+    return values
 
 
 def test_digits_pipeline_runs_end_to_end_and_reuses_its_cache(tmp_path):
@@ -23,23 +38,32 @@ def test_digits_pipeline_runs_end_to_end_and_reuses_its_cache(tmp_path):
             pipeline_name="digits_test", pipeline_root=str(tmp_path / "root"), data_root=data_root,
             serving_model_dir=serving, metadata_path=metadata_path, train_updates=120,
             tuner_updates=8, eval_steps=2, max_trials=2, accuracy_threshold=0.3,
+            measure_noise_scale=True,
         ))
 
     run()
     summary = summarize(metadata_path, "digits_test")
     best = summary["best_hyperparameters"]
-    assert best["accum_steps"] in (1, 2, 4) and best["effective_batch_size"] in (32, 64)
+    assert best["accum_steps"] in (2, 4) and best["effective_batch_size"] in (32, 64)
     trainer = summary["trainer"]
     assert trainer["accum_steps"] == best["accum_steps"]
     assert trainer["effective_batch_size"] == best["effective_batch_size"]
     assert trainer["micro_batch_size"] == best["effective_batch_size"] // best["accum_steps"]
     assert trainer["optimizer_updates"] == 120
     assert (trainer["partial_window"], trainer["distribution_strategy"]) == ("apply", "_DefaultDistributionStrategy")
+    # The gradient noise scale, measured over the 120 windows and recorded as a float.
+    assert (trainer["measure_noise_scale"], trainer["noise_scale_windows"]) == (1, 120)
+    assert trainer["noise_scale_status"] == "measured"
+    assert isinstance(trainer["noise_scale"], float) and math.isfinite(trainer["noise_scale"])
+    assert trainer["noise_scale"] > 0
+    assert "B_simple = " in noise_scale_line(trainer)
+    store = mlmd.MetadataStore(tfx.orchestration.metadata.sqlite_metadata_connection_config(metadata_path))
+    (model_run,) = store.get_artifacts_by_type("ModelRun")
+    assert _tensorboard_noise_scale(model_run.uri) == {120: pytest.approx(trainer["noise_scale"], rel=1e-6)}
     assert summary["evaluation"]["sparse_categorical_accuracy"] > 0.3
     assert summary["blessed"] and summary["pushed"]
     assert os.path.exists(os.path.join(summary["pushed_to"], "saved_model.pb"))
 
-    store = mlmd.MetadataStore(tfx.orchestration.metadata.sqlite_metadata_connection_config(metadata_path))
     first = len(store.get_executions())
     run()
     again = sorted(store.get_executions(), key=lambda e: e.id)[first:]

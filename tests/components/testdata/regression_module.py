@@ -59,8 +59,8 @@ def run_fn(fn_args: tfx.components.FnArgs):
     else:
         model = _make_keras_model()
     extra = (fn_args.custom_config or {}).get("extra_micro_steps", 0)   # for the tests
-    model.fit(train, steps_per_epoch=fn_args.train_steps + extra,
-              validation_data=evaluation, validation_steps=fn_args.eval_steps, verbose=0)
+    history = model.fit(train, steps_per_epoch=fn_args.train_steps + extra,
+                        validation_data=evaluation, validation_steps=fn_args.eval_steps, verbose=0)
     seen = {
         "train_steps": fn_args.train_steps,
         "train_batch": int(next(iter(train))[1].shape[0]),
@@ -71,6 +71,14 @@ def run_fn(fn_args: tfx.components.FnArgs):
         "iterations": int(model.optimizer.iterations.numpy()),
         "strategy": type(model.distribute_strategy).__name__,
     }
+    if getattr(model.optimizer, "measure_noise_scale", False):
+        # What the optimizer holds, and what `fit` logged at the epoch's end.
+        seen.update(
+            noise_scale=model.optimizer.noise_scale,
+            noise_scale_windows=int(model.optimizer.noise_scale_estimate.window_count),
+            noise_scale_smoothing=model.optimizer.noise_scale_smoothing,
+            logged_noise_scale=history.history["noise_scale"][-1],
+        )
     os.makedirs(fn_args.model_run_dir, exist_ok=True)
     with open(os.path.join(fn_args.model_run_dir, "seen.json"), "w") as f:
         json.dump(seen, f)

@@ -1,0 +1,132 @@
+"""The gradient noise scale a run measured: read from its optimizers, recorded honestly.
+
+With `measure_noise_scale=True`, `AccumulatingTrainer` makes the wrapped
+optimizers estimate B_simple (`accumulator.noise_scale`) and, after training,
+records the final estimate: on the `model` and `model_run` artifacts (ML
+Metadata) and in the run's TensorBoard logs. What is recorded:
+
+* `noise_scale` (float): B_simple in samples (the micro-batch weights of
+  `fit`), the smoothed estimate when training ended. Only when there is one
+  that means something: a finite, positive number. Never a placeholder.
+* `noise_scale_windows` (int): the windows of two or more micro-batches it
+  was estimated from (0: none closed, so no estimate).
+* `noise_scale_smoothing` (float): the EMA decay over windows.
+* `noise_scale_status` (string): "measured", or why there is no
+  `noise_scale` (no window of two or more micro-batches; the smoothed |G|^2
+  not resolved from 0; the run_fn's own accumulator does not measure).
+"""
+
+import dataclasses
+import json
+import math
+from typing import Optional, Sequence
+
+MEASURED = "measured"
+
+
+@dataclasses.dataclass(frozen=True)
+class NoiseScaleReading:
+    """The final estimate of one run (see the module docstring)."""
+
+    status: str
+    noise_scale: float = float("nan")
+    windows: int = 0
+    smoothing: Optional[float] = None
+    gradient_sq_norm: float = float("nan")
+    trace: float = float("nan")
+
+    @property
+    def measured(self) -> bool:
+        """True when `noise_scale` is a finite, positive estimate."""
+        return self.status == MEASURED
+
+    def as_dict(self):
+        """JSON-ready: NaN and infinities become None."""
+        def clean(value):
+            return value if isinstance(value, (int, str)) or value is None or math.isfinite(value) else None
+
+        return {
+            "noise_scale": clean(self.noise_scale) if self.measured else None,
+            "noise_scale_windows": self.windows,
+            "noise_scale_smoothing": self.smoothing,
+            "noise_scale_status": self.status,
+            "noise_scale_gradient_sq_norm": clean(self.gradient_sq_norm),
+            "noise_scale_trace": clean(self.trace),
+        }
+
+
+def read(optimizers: Sequence, measure: bool) -> Optional[NoiseScaleReading]:
+    """The estimate of the optimizer that measured the most windows; None when not measuring.
+
+    `optimizers` are the `GradientAccumulator`s the run made (one per compiled
+    model, usually one); on a tie the last one made wins (the model trained last).
+    """
+    if not measure:
+        return None
+    measuring = [o for o in optimizers if getattr(o, "measure_noise_scale", False)]
+    if not measuring:
+        return NoiseScaleReading(
+            "not measured: the run_fn compiled its own GradientAccumulator without "
+            "measure_noise_scale=True, which the component keeps as it is")
+    best, best_windows = None, -1
+    for optimizer in measuring:
+        estimate = optimizer.noise_scale_estimate
+        windows = 0 if estimate is None else int(estimate.window_count.numpy())
+        if windows >= best_windows:
+            best, best_windows = optimizer, windows
+    smoothing = float(best.noise_scale_smoothing)
+    if best_windows == 0:
+        return NoiseScaleReading(
+            "no estimate: no window of two or more micro-batches closed", smoothing=smoothing)
+    estimate = best.noise_scale_estimate
+    value = float(best.noise_scale)
+    g2, trace = float(estimate.gradient_sq_norm.numpy()), float(estimate.trace.numpy())
+    if math.isfinite(value) and value > 0:
+        status = MEASURED
+    else:
+        status = (
+            f"unresolved: after {best_windows} window(s) the smoothed |G|^2 ({g2:.3g}) and "
+            f"tr(Sigma) ({trace:.3g}) give no positive ratio (windows far below the noise "
+            "scale; train longer or raise noise_scale_smoothing)")
+    return NoiseScaleReading(status, value, best_windows, smoothing, g2, trace)
+
+
+def record(artifacts, reading: Optional[NoiseScaleReading]) -> None:
+    """Sets the custom properties of the module docstring on every artifact."""
+    if reading is None:
+        return
+    for artifact in artifacts:
+        artifact.set_string_custom_property("noise_scale_status", reading.status)
+        artifact.set_int_custom_property("noise_scale_windows", reading.windows)
+        if reading.smoothing is not None:
+            artifact.set_float_custom_property("noise_scale_smoothing", reading.smoothing)
+        if reading.measured:
+            artifact.set_float_custom_property("noise_scale", reading.noise_scale)
+
+
+def write_summaries(reading: Optional[NoiseScaleReading], step: int) -> None:
+    """TensorBoard, inside the caller's default writer: `accumulation/noise_scale` (only
+    when measured) and `accumulation/noise_scale_windows` at `step` (the optimizer
+    updates), and the reading as JSON text."""
+    import tensorflow as tf
+
+    if reading is None:
+        return
+    if reading.measured:
+        tf.summary.scalar("accumulation/noise_scale", reading.noise_scale, step=step)
+    tf.summary.scalar("accumulation/noise_scale_windows", reading.windows, step=step)
+    tf.summary.text("accumulation/noise_scale_reading", json.dumps(reading.as_dict(), indent=1, sort_keys=True),
+                    step=step)
+
+
+def describe(reading: Optional[NoiseScaleReading], effective_batch_size=None) -> Optional[str]:
+    """One log line for the reading; None when not measuring."""
+    if reading is None:
+        return None
+    if not reading.measured:
+        return f"Gradient noise scale: {reading.status}."
+    line = (f"Gradient noise scale B_simple = {reading.noise_scale:.4g} samples, from "
+            f"{reading.windows} window(s) (smoothing {reading.smoothing})")
+    if effective_batch_size:
+        line += f"; the effective batch was {effective_batch_size}"
+    return line + "."
