@@ -34,6 +34,11 @@ Private names (`PRIVATE_NAMES` lists them for the test):
 Run-time changes to Keras (the README lists them under "What the library changes
 in Keras"):
 
+Keras 2 (`tf_keras`, or TF 2.15's `keras`) needs no private name: its
+optimizers take a public `skip_gradients_aggregation=True` (`accumulator.keras2`).
+`keras2_module()` finds it; `keras_package_of()` tells which Keras an object
+belongs to (public `__module__` and `__version__` only).
+
 1. **At `import accumulator`**, `install()` wraps three Keras functions, once:
    `keras.Model.fit` (a model compiled with a `GradientAccumulator` gets the
    `EpochWindows` callback first in its list, so windows close at epoch ends;
@@ -43,12 +48,14 @@ in Keras"):
    micro-batch weight; see `accumulator.weighting`), and, for
    `MultiWorkerMirroredStrategy`, the two multi-worker fixes above (each a
    no-op under any other strategy). Models compiled with any other optimizer
-   are left alone. `uninstall()` restores the originals; setting the
+   are left alone. Where Keras 2 is installed, its `Model.fit` and
+   `Model.compute_loss` get the same two wrappers ("keras2_fit",
+   "keras2_compute_loss"). `uninstall()` restores the originals; setting the
    environment variable `ACCUMULATOR_KERAS_HOOKS=0` before the import skips
    the installation.
 2. **While `accumulator.autowrap.accumulating_compile` is open** (the TFX
-   executor and the KerasTuner helpers), `keras.Model.compile` wraps the
-   optimizers it is given, and, when given a strategy,
+   executor and the KerasTuner helpers), `keras.Model.compile` (and Keras 2's,
+   where installed) wraps the optimizers it is given, and, when given a strategy,
    `tf.distribute.Strategy.scope` maps every strategy's scope onto it. Both are
    restored when the context closes (`swapped`).
 """

@@ -29,6 +29,7 @@ def main():
     parser.add_argument("--partial-window", default="apply")
     parser.add_argument("--backup", default="")
     parser.add_argument("--save-freq", type=int, default=0)
+    parser.add_argument("--keras2", action="store_true", help="a Keras 2 (tf_keras) model and optimizer")
     parser.add_argument("--die-at", type=int, default=-1, help="SIGKILL self after this global micro-step")
     args = parser.parse_args()
 
@@ -45,8 +46,10 @@ def main():
     strategy = strategy_from_environment()
     assert isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy), strategy
     x, y = ref.regression_data(args.micro * args.steps_per_epoch)
+    if args.keras2:
+        keras = seam.keras2_module()
     with strategy.scope():
-        model = ref.mlp()
+        model = keras2_mlp(keras, x.shape[1]) if args.keras2 else ref.mlp()
         optimizer = keras.optimizers.AdamW(
             keras.optimizers.schedules.ExponentialDecay(1e-2, 4, 0.5), weight_decay=0.05, global_clipnorm=0.05
         )
@@ -82,6 +85,13 @@ def main():
     result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
     result["iterations"] = np.array(int(optimizer.iterations.numpy()))
     np.savez(f"{args.out}.{task['index']}.npz", **result)
+
+
+def keras2_mlp(keras2, features):
+    """The Keras 2 model of the Keras 2 multi-worker test (tests/keras2)."""
+    keras2.utils.set_random_seed(0)
+    return keras2.Sequential([
+        keras2.layers.Dense(8, activation="tanh", input_shape=(features,)), keras2.layers.Dense(1)])
 
 
 if __name__ == "__main__":

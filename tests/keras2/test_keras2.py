@@ -324,3 +324,23 @@ def test_import_accumulator_under_tf_use_legacy_keras_in_a_fresh_process():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "accumulator.keras2"
+
+
+def test_two_worker_fit_matches_one_device_large_batch(tmp_path):
+    """MultiWorkerMirroredStrategy, 2 worker processes on 127.0.0.1, global micro-batch 16,
+    accum 4, AdamW with a schedule, weight decay and global clipping."""
+    from tests.accumulator import multiworker, reference
+    from tests.accumulator.multiworker_worker import keras2_mlp
+
+    micro, accum, steps = 16, 4, 32
+    codes, output, result = multiworker.run_cluster(
+        tmp_path / "result", "--keras2", "--micro", micro, "--accum", accum, "--steps-per-epoch", steps)
+    assert codes == [0, 0], output[-3000:]
+    weights, iterations = result
+    x, y = reference.regression_data(micro * steps)
+    model = keras2_mlp(k2, x.shape[1])
+    model.compile(k2.optimizers.AdamW(k2.optimizers.schedules.ExponentialDecay(1e-2, 4, 0.5),
+                                      weight_decay=0.05, global_clipnorm=0.05), loss="mse")
+    model.fit(x, y, batch_size=micro * accum, epochs=1, shuffle=False, verbose=0)
+    assert iterations == steps // accum == int(model.optimizer.iterations.numpy())
+    assert max_diff(weights, model.get_weights()) < 1e-5
