@@ -15,6 +15,16 @@ export PYTHONUNBUFFERED := 1
 .PHONY: bench demo test test-tfx test-latest test-oldest test-keras2-tf215 test-keras2-latest \
 	setup setup-latest setup-oldest setup-keras2 clean
 
+# $(call core_venv,DIR,CONSTRAINTS): a venv with pinned TensorFlow/Keras, the test
+# tools and the library (no TFX).
+define core_venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/pip install -q --upgrade pip
+	$(1)/bin/pip install -q -r $(2) pytest pytest-timeout portpicker
+	$(1)/bin/pip install -q --no-deps -e .
+	touch $(1)/.installed
+endef
+
 setup: $(VENV)/.installed
 setup-latest: $(LATEST)/.installed
 setup-oldest: $(OLDEST)/.installed
@@ -32,35 +42,19 @@ $(VENV)/.installed: setup.py constraints/tfx-1.16.txt
 
 # The core library alone on the newest TensorFlow and Keras.
 $(LATEST)/.installed: setup.py constraints/tf-latest.txt
-	$(PYTHON) -m venv $(LATEST)
-	$(LATEST)/bin/pip install -q --upgrade pip
-	$(LATEST)/bin/pip install -q -r constraints/tf-latest.txt pytest pytest-timeout portpicker
-	$(LATEST)/bin/pip install -q --no-deps -e .
-	touch $@
+	$(call core_venv,$(LATEST),constraints/tf-latest.txt)
 
 # The core library alone on the oldest supported TensorFlow and Keras.
 $(OLDEST)/.installed: setup.py constraints/oldest.txt
-	$(PYTHON) -m venv $(OLDEST)
-	$(OLDEST)/bin/pip install -q --upgrade pip
-	$(OLDEST)/bin/pip install -q -r constraints/oldest.txt pytest pytest-timeout portpicker
-	$(OLDEST)/bin/pip install -q --no-deps -e .
-	touch $@
+	$(call core_venv,$(OLDEST),constraints/oldest.txt)
 
 # Keras 2 where it is built in: TF 2.15's tf.keras.
 $(KERAS2_TF215)/.installed: setup.py constraints/keras2-tf215.txt
-	$(PYTHON) -m venv $(KERAS2_TF215)
-	$(KERAS2_TF215)/bin/pip install -q --upgrade pip
-	$(KERAS2_TF215)/bin/pip install -q -r constraints/keras2-tf215.txt pytest pytest-timeout portpicker
-	$(KERAS2_TF215)/bin/pip install -q --no-deps -e .
-	touch $@
+	$(call core_venv,$(KERAS2_TF215),constraints/keras2-tf215.txt)
 
 # Keras 2 on the newest TensorFlow: tf_keras, with TF_USE_LEGACY_KERAS=1 for the tests.
 $(KERAS2_LATEST)/.installed: setup.py constraints/keras2-latest.txt
-	$(PYTHON) -m venv $(KERAS2_LATEST)
-	$(KERAS2_LATEST)/bin/pip install -q --upgrade pip
-	$(KERAS2_LATEST)/bin/pip install -q -r constraints/keras2-latest.txt pytest pytest-timeout portpicker
-	$(KERAS2_LATEST)/bin/pip install -q --no-deps -e .
-	touch $@
+	$(call core_venv,$(KERAS2_LATEST),constraints/keras2-latest.txt)
 
 # The main job: the digits pipeline, locally on the Beam DirectRunner. Run it
 # again and the cached components are reused.
