@@ -157,8 +157,9 @@ def is_keras2_object(obj):
 
 
 def tf_keras_is_keras2():
-    """Whether `tf.keras` is Keras 2 (TF <= 2.15, or TF_USE_LEGACY_KERAS=1 with tf_keras)."""
-    return not keras_is_3() or os.environ.get("TF_USE_LEGACY_KERAS", "0").strip().lower() in ("1", "true")
+    """Whether `tf.keras` is Keras 2 (TF <= 2.15, or TF >= 2.16 imported with
+    TF_USE_LEGACY_KERAS=1 and tf_keras installed): what TensorFlow decided at import."""
+    return not keras_is_3() or str(getattr(tf.keras, "__version__", "3")).startswith("2.")
 
 
 def missing_private_names():
