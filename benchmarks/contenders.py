@@ -85,6 +85,7 @@ class Contender:
     def __init__(self, name, model, run, micro_steps_per_step=1):
         self.name, self.model, self._run = name, model, run
         self.micro_steps_per_step = micro_steps_per_step
+        self.callbacks = []         # more `fit` callbacks (the memory probe)
 
     def run(self, micro_steps):
         if micro_steps % self.micro_steps_per_step:
@@ -100,10 +101,12 @@ def _fit_contender(name, model, optimizer, x, y, batch, micro_steps_per_step=1, 
 
     def run(steps):
         timer = _Timer(warm_steps - 1, warm_steps - 1 + steps)
-        model.fit(data, steps_per_epoch=warm_steps + steps, epochs=1, verbose=0, callbacks=[timer])
+        model.fit(data, steps_per_epoch=warm_steps + steps, epochs=1, verbose=0,
+                  callbacks=[timer, *contender.callbacks])
         return timer.marks[1] - timer.marks[0]
 
-    return Contender(name, model, run, micro_steps_per_step)
+    contender = Contender(name, model, run, micro_steps_per_step)
+    return contender
 
 
 def _timed_loop(step):

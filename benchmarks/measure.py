@@ -22,12 +22,13 @@ MODE = flags.DEFINE_enum("mode", "throughput", ["throughput", "memory", "leak", 
                          "What to measure.")
 WORKLOAD = flags.DEFINE_string("workload", "transformer", "A model of benchmarks/models.py.")
 SIZE = flags.DEFINE_enum("size", None, ["cpu", "gpu"], "Model size; default: gpu when TensorFlow sees a GPU.")
-ACCUMS = flags.DEFINE_list("accums", ["2", "4", "8"], "N values (throughput: all in one process, interleaved).")
+ACCUMS = flags.DEFINE_list("accums", ["2", "8"], "N values (throughput: all in one process, interleaved).")
 CONTENDERS = flags.DEFINE_list("contenders", None, "Throughput contenders (default: all).")
 CONTENDER = flags.DEFINE_string("contender", "accumulator", "For --mode=memory.")
 ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved rounds.")
 SEGMENT_SECONDS = flags.DEFINE_float("segment_seconds", 0.8, "Aimed length of one timed segment.")
 SEED = flags.DEFINE_integer("seed", 0, "Seed of the round orders.")
+INTER_OP = flags.DEFINE_integer("inter_op_threads", 0, "TensorFlow inter-op threads (0: its default).")
 
 
 def _rss_mb(field="VmRSS"):
@@ -100,7 +101,7 @@ def throughput():
     # The step time of plain b sizes the segments.
     reference = built.get(("plain_b", accums[0])) or next(iter(built.values()))
     step = min(reference.run(lcm) for _ in range(2)) / lcm
-    segment = lcm * max(1, math.ceil(SEGMENT_SECONDS.value / step / lcm))
+    segment = lcm * max(1, round(SEGMENT_SECONDS.value / step / lcm))
 
     seconds = {f"{name}@{n}": [] for name, n in built}
     loads = []
@@ -132,11 +133,13 @@ def memory():
 
     The baseline is the process's resident memory once the model (weights), its
     data and the compiled model exist, before the first step; the high-water
-    mark is reset there and read after 2 windows of training (3 `fit` calls:
-    warm step, timed steps). The growth is everything training adds: the
-    optimizer's state, gradients, window buffers and other temporaries, and the
-    traced graphs. On a GPU the accelerator's peak over its baseline too.
+    mark (VmHWM) is reset there and read after one `fit` call (warm steps, then
+    2 windows), and also batch by batch (`per_batch_growth_mb`: where the peak
+    happens). The growth is everything training adds: the optimizer's state,
+    gradients, window buffers and other temporaries, and the traced graphs. On
+    a GPU, the accelerator's peak over its baseline too.
     """
+    import keras
     import numpy as np
     import tensorflow as tf
     from benchmarks import contenders as c
@@ -150,23 +153,45 @@ def memory():
     gpu = bool(tf.config.list_physical_devices("GPU"))
     contender = c.build(CONTENDER.value, workload, size, accum, x, y)
     model = contender.model
-    if gpu:
-        tf.config.experimental.reset_memory_stats("GPU:0")
-        gpu_before = tf.config.experimental.get_memory_info("GPU:0")["current"]
+    device = "GPU:0" if gpu else "CPU:0"
+
+    def allocated(key):         # bytes held by TensorFlow's allocator on `device`
+        return tf.config.experimental.get_memory_info(device)[key] / 2**20
+
+    tf.config.experimental.reset_memory_stats(device)
+    tensors_before = allocated("current")
     before = _rss_mb()
     reset = _peak_reset()
+    # Where the peak happens: the peaks of each batch (reset at its start),
+    # over the baseline; a window closes at every accum-th micro-step.
+    per_batch, per_batch_rss, outside = [], [], {"tensors": tensors_before, "rss": before}
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            outside["tensors"] = max(outside["tensors"], allocated("peak"))
+            outside["rss"] = max(outside["rss"], _rss_mb("VmHWM"))
+            tf.config.experimental.reset_memory_stats(device)
+            _peak_reset()
+
+        def on_train_batch_end(self, batch, logs=None):
+            per_batch.append(round(allocated("peak") - tensors_before, 1))
+            per_batch_rss.append(round(_rss_mb("VmHWM") - before, 1))
+            tf.config.experimental.reset_memory_stats(device)
+            _peak_reset()
+
+    contender.callbacks.append(Probe())
     contender.run(2 * accum)
-    peak = _rss_mb("VmHWM")
+    tensors_peak = max(outside["tensors"], allocated("peak"), tensors_before + max(per_batch))
+    peak = max(outside["rss"], _rss_mb("VmHWM"), before + max(per_batch_rss))
     after = _rss_mb()
-    gpu_growth = None
-    if gpu:
-        gpu_growth = (tf.config.experimental.get_memory_info("GPU:0")["peak"] - gpu_before) / 2**20
     state = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.optimizer.variables)
     return {"contender": CONTENDER.value, "workload": workload, "size": size, "accum": accum, "micro": micro,
-            "before_mb": before, "peak_mb": peak, "after_mb": after, "growth_mb": peak - before,
-            "peak_reset": reset, "param_mb": models.parameter_bytes(model) / 2**20,
-            "optimizer_state_mb": state / 2**20, "gpu_growth_mb": gpu_growth,
-            "load_start": load_start, "load_end": load()}
+            "device": device, "tensors_before_mb": tensors_before, "tensors_peak_mb": tensors_peak,
+            "tensor_growth_mb": tensors_peak - tensors_before, "per_batch_tensor_growth_mb": per_batch,
+            "rss_before_mb": before, "rss_peak_mb": peak, "rss_after_mb": after, "rss_growth_mb": peak - before,
+            "per_batch_rss_growth_mb": per_batch_rss, "peak_reset": reset,
+            "param_mb": models.parameter_bytes(model) / 2**20, "optimizer_state_mb": state / 2**20,
+            "inter_op_threads": INTER_OP.value, "load_start": load_start, "load_end": load()}
 
 
 def leak():
@@ -213,6 +238,9 @@ def multiworker():
 
 def main(argv):
     del argv
+    if INTER_OP.value:
+        import tensorflow as tf
+        tf.config.threading.set_inter_op_parallelism_threads(INTER_OP.value)
     result = {"throughput": throughput, "memory": memory, "leak": leak, "mirrored": mirrored,
               "multiworker": multiworker}[MODE.value]()
     print(json.dumps(result))
