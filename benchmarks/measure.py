@@ -86,12 +86,12 @@ def throughput():
             if name in c.N_INDEPENDENT:
                 if name not in shared:
                     shared[name] = c.build(name, workload, size, 1, x, y)
-                    shared[name].run(lcm)       # trace, warm up
+                    shared[name].run(1)         # trace, warm up
                 built[(name, n)] = shared[name]
                 continue
             try:
                 contender = c.build(name, workload, size, n, x, y)
-                contender.run(lcm)              # trace, warm up
+                contender.run(n)                # trace, warm up
             except tf.errors.ResourceExhaustedError:
                 did_not_fit.append([name, n])
                 continue

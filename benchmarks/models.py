@@ -27,7 +27,7 @@ CONFIGS = {
         "gpu": dict(vocab=32768, sequence=256, width=512, heads=8, ff=2048, layers=6, micro=32),
     },
     "resnet": {
-        "cpu": dict(widths=(16, 32, 64), blocks=2, micro=32),
+        "cpu": dict(widths=(24, 48, 96), blocks=2, micro=32),
         "gpu": dict(widths=(64, 128, 256), blocks=3, micro=128),
     },
     "wide_mlp": {

@@ -226,7 +226,9 @@ def _plots(results, folder):
             plain = stats.summary([r["tensor_growth_mb"] for r in memory["runs"]["plain_b"]])["median"]
             ax.axhline(plain + TARGETS["memory_params"] * memory["param_mb"], color="red", ls="--",
                        label="target: plain b + 1.2 × params (allocator)")
-        ax.legend(fontsize=8)
+        top = max(r[k] for n in names for r in memory["runs"][n] for k in ("tensor_growth_mb", "rss_growth_mb"))
+        ax.set_ylim(0, top * 1.35)
+        ax.legend(fontsize=8, loc="upper left")
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels([LABELS[n] for n in names], fontsize=8)
         ax.set(title=f"{memory['workload']} ({memory['param_mb']:.0f} MB params), N={memory['accum']}: "
@@ -376,7 +378,9 @@ def _report(results, folder):
                   "**Allocator peak** (the target's measure): the peak of the bytes TensorFlow's allocator holds "
                   "(`tf.config.experimental.get_memory_info`, reset at the baseline) minus the bytes it held at the "
                   "baseline: every tensor training adds (optimizer state, gradients, window buffers, temporaries), "
-                  "exactly, without the C allocator's fragmentation. **RSS**: the growth of the process's resident "
+                  "exactly, without the C allocator's fragmentation. TensorFlow runs independent ops one at a time "
+                  "here (1 inter-op thread): with its default 2, which ops overlap changes from process to process, "
+                  "and so does the peak (the accumulator's by up to ~1× the parameters in trials). **RSS**: the growth of the process's resident "
                   "high-water mark (VmHWM, reset at the baseline) over its resident memory: what the OS sees, "
                   "traced graphs and fragmentation included; it moves by tens of MB from process to process "
                   "(zero-filled pages count only once written, and freed blocks stay resident or not depending on "
@@ -458,9 +462,10 @@ SANITY_NOTE = ("A flag here means the rounds did not see the same machine: other
                "error.")
 # Why a target can be missed: the mechanism, for the table (shown only where not met).
 REASONS = {
-    "memory_params": ("when a window closes, `_apply_window` (accumulator/optimizer.py) forms the mean "
-                      "gradient of every variable at once (`total / weight_sum`) before the inner optimizer's "
-                      "`apply`: a second parameter-sized copy next to the buffers (1×)"),
+    "memory_params": ("the peak is at the window-closing micro-steps (see the memory table): there "
+                      "`_apply_window` (accumulator/optimizer.py) forms the mean gradient of every variable at "
+                      "once (`total / weight_sum`) before the inner optimizer's `apply`, a second "
+                      "parameter-sized copy next to the buffers (1×)"),
     "acc_vs_plain_b": ("per micro-step the accumulator adds a weighted add into a parameter-sized buffer per "
                        "variable (dense, also for the embedding's sparse gradient), per window the mean and the "
                        "reset; see the overhead section for its fixed cost"),
@@ -520,7 +525,7 @@ def _run_memory(results):
     for _ in range(repeats):
         for name in MEMORY_CONTENDERS:      # interleaved: one process each
             runs[name].append(_measure("--mode=memory", "--workload=wide_mlp", f"--accums={MEMORY_ACCUM.value}",
-                                       f"--contender={name}"))
+                                       f"--contender={name}", "--inter_op_threads=1"))
     first = runs["plain_b"][0]
     results["memory"] = {"workload": "wide_mlp", "description": models.describe("wide_mlp", first["size"]),
                          "param_mb": first["param_mb"], "accum": first["accum"], "micro": first["micro"],
