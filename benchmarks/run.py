@@ -11,6 +11,9 @@ the library's memory use):
   measuring the noise scale, Keras' built-in) and custom loops (plain b, the
   seeds' tape loop, GradientAccumulator). One process per model, every
   (contender, N) cell in every round, interleaved; ratios per round.
+* ``noise_scale``: GradientAccumulator with `measure_noise_scale=True` against
+  the same without, on the throughput models at N = 4: only those two, in 21
+  rounds, for a ratio as tight as this machine allows to judge against 0.98.
 * ``overhead``: the same contenders on a tiny model (a few ms per step): the
   fixed cost per micro-step, in microseconds.
 * ``memory``: peak training memory on a ~100 MB MLP, one fresh process per
@@ -39,7 +42,7 @@ if ROOT not in sys.path:
 
 from benchmarks import stats  # noqa: E402  (pure Python)
 
-PARTS = ["throughput", "overhead", "memory", "distributed", "leak"]
+PARTS = ["throughput", "noise_scale", "overhead", "memory", "distributed", "leak"]
 
 OUT = flags.DEFINE_string("out", "docs/benchmarks", "Folder for results (a subfolder per device).")
 PARTS_FLAG = flags.DEFINE_list("parts", PARTS, f"Parts to run, of {PARTS}.")
@@ -48,6 +51,7 @@ ACCUMS = flags.DEFINE_list("accums", ["2", "8"], "N values for throughput (each 
 ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved rounds (throughput, overhead, distributed).")
 MEMORY_REPEATS = flags.DEFINE_integer("memory_repeats", 3, "Fresh processes per memory contender.")
 MEMORY_ACCUM = flags.DEFINE_integer("memory_accum", 4, "N for the memory measurement.")
+NOISE_ROUNDS = flags.DEFINE_integer("noise_rounds", 21, "Rounds of the noise-scale cost (2 contenders, N = 4).")
 QUICK = flags.DEFINE_bool("quick", False, "A smoke run: 2 rounds, short segments, N in {2, 4}, 1 memory repeat.")
 REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Rewrite report, plots and README from results.json.")
 
@@ -324,10 +328,12 @@ def _report(results, folder):
                 lines.append(f"| {n} | " + " | ".join(
                     _cell(ratios[s[0]][n], 3) if n in ratios.get(s[0], {}) else "–" for s in specs) + " |")
             lines.append("")
-            for key, label in (("acc_vs_plain_b", "fit: accumulator ≥ 0.97× plain b"),
-                               ("acc_vs_builtin", "fit: accumulator ≥ 1.0× Keras built-in"),
-                               ("acc_loop_vs_seeds", "loop: accumulator ≥ 0.97× seeds' loop"),
-                               ("noise_scale", "fit: noise scale on ≥ 0.98× off")):
+            judged = [("acc_vs_plain_b", "fit: accumulator ≥ 0.97× plain b"),
+                      ("acc_vs_builtin", "fit: accumulator ≥ 1.0× Keras built-in"),
+                      ("acc_loop_vs_seeds", "loop: accumulator ≥ 0.97× seeds' loop")]
+            if not results.get("noise_scale"):      # else judged on its own, tighter, measurement
+                judged.append(("noise_scale", "fit: noise scale on ≥ 0.98× off"))
+            for key, label in judged:
                 for n in sorted(ratios.get(key, {})):
                     r = ratios[key][n]
                     targets.append((f"{workload} N={n}: {label}", _cell(r, 3),
@@ -346,6 +352,28 @@ def _report(results, folder):
         lines += flagged or ["Nothing flagged."]
         if flagged:
             lines += ["", results.get("sanity_note", SANITY_NOTE)]
+        lines.append("")
+
+    noise = results.get("noise_scale")
+    if noise:
+        lines += ["## Noise-scale cost", "",
+                  "`GradientAccumulator(..., measure_noise_scale=True)` against the same without, in `fit`: only "
+                  "these two contenders, alternating in a random order in every round, so that the per-round "
+                  "ratio is tight enough to judge against 0.98. Throughput in samples/s; the ratio is per round "
+                  "(on / off), with its min–max and interquartile range.", "",
+                  "| model | N | rounds | off | on | on / off: median [min–max] | interquartile range |",
+                  "|---|---|---|---|---|---|---|"]
+        for workload, measured in noise.items():
+            rates = _rates(measured)
+            for n in sorted(rates):
+                cells = rates[n]
+                ratio = stats.ratio_summary(cells["accumulator_noise_scale"], cells["accumulator"])
+                lines.append(f"| {workload} | {n} | {len(cells['accumulator'])} | "
+                             f"{_cell(stats.summary(cells['accumulator']))} | "
+                             f"{_cell(stats.summary(cells['accumulator_noise_scale']))} | {_cell(ratio, 3)} | "
+                             f"{ratio['q1']:.3f}–{ratio['q3']:.3f} |")
+                targets.append((f"{workload} N={n}: fit: noise scale on ≥ 0.98× off", _cell(ratio, 3),
+                                stats.verdict(ratio, TARGETS["noise_scale"]), "noise_scale"))
         lines.append("")
 
     overhead = results.get("overhead")
@@ -403,6 +431,8 @@ def _report(results, folder):
                          for r in runs[name]]
                 closing_text, other_text = _cell(stats.summary(closing), 1), _cell(stats.summary(other), 1)
                 if name == "accumulator":
+                    close_cost = stats.summary([(a - b) / memory["param_mb"] for a, b in zip(closing, other)])
+                if name == "accumulator":
                     targets.append((f"memory: accumulator ≤ plain b + {TARGETS['memory_params']}× parameter bytes",
                                     f"+{over_text}× params", stats.verdict(over, TARGETS["memory_params"], False),
                                     "memory_params"))
@@ -411,6 +441,14 @@ def _report(results, folder):
             lines.append(f"| {LABELS[name]} | {_cell(stats.summary(growth), 1)} | {closing_text} | {other_text} | "
                          f"{_cell(stats.summary([r['rss_growth_mb'] for r in runs[name]]), 1)} | {state:.1f} | "
                          f"{extra_text} | {over_text} |")
+        if "accumulator" in runs:
+            lines += ["", f"The accumulator's micro-steps that close a window peak {_cell(close_cost, 2)}× the "
+                      "parameter bytes above its other micro-steps (per repeat)."]
+            if close_cost["median"] > 0.5:
+                lines[-1] += (" There `_apply_window` (accumulator/optimizer.py) forms the window's mean gradient "
+                              "of every variable at once before the inner optimizer's `apply`: a parameter-sized "
+                              "copy next to the buffers. Plain b's peak holds its gradients where the accumulator's "
+                              "holds that mean, so the accumulator's peak is about its buffers (1×) above plain b's.")
         lines += ["", f"Measured on {runs['plain_b'][0]['device'] if 'plain_b' in runs else '?'}; "
                   "`python -m benchmarks.run --parts=memory` (or `make bench BENCH_ARGS=--parts=memory`) "
                   "re-runs this part alone.", "", "![memory](memory.png)", ""]
@@ -448,7 +486,7 @@ def _report(results, folder):
     reasons = results.get("reasons", {})
     lines += ["## Targets", "", "| target | measured | verdict | why, where not met |", "|---|---|---|---|"]
     for label, value, verdict, key in targets:
-        why = "" if verdict == "met" else reasons.get(key, REASONS.get(key, ""))
+        why = {"met": "", "within noise": WITHIN_NOISE}.get(verdict, reasons.get(key, REASONS.get(key, "")))
         lines.append(f"| {label} | {value} | {_verdict_text(verdict)} | {why} |")
     lines.append("")
     with open(os.path.join(folder, "results.md"), "w") as f:
@@ -460,7 +498,9 @@ SANITY_NOTE = ("A flag here means the rounds did not see the same machine: other
                "during some N blocks and not others (see the load averages in `results.json`); ratios are "
                "per round, so both of their sides saw the same conditions, but absolute samples/s carry this "
                "error.")
-# Why a target can be missed: the mechanism, for the table (shown only where not met).
+WITHIN_NOISE = ("the rounds straddle the target (median below, some rounds above): the difference is "
+                "smaller than this machine's round-to-round noise, so not resolved here")
+# Why a target can be missed: the mechanism, for the table (shown where every round missed).
 REASONS = {
     "memory_params": ("the peak is at the window-closing micro-steps (see the memory table): there "
                       "`_apply_window` (accumulator/optimizer.py) forms the mean gradient of every variable at "
@@ -510,6 +550,15 @@ def _run_throughput(results):
     for workload in WORKLOADS.value:
         results["throughput"][workload] = _measure(
             "--mode=throughput", f"--workload={workload}", f"--accums={','.join(accums)}", *_quick([]))
+
+
+def _run_noise_scale(results):
+    results["noise_scale"] = {}
+    for workload in WORKLOADS.value:
+        results["noise_scale"][workload] = _measure(
+            "--mode=throughput", f"--workload={workload}", "--accums=4",
+            "--contenders=accumulator,accumulator_noise_scale", "--segment_seconds=0.6",
+            f"--rounds={3 if QUICK.value else NOISE_ROUNDS.value}")
 
 
 def _run_overhead(results):
