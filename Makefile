@@ -47,7 +47,7 @@ $(OLDEST)/.installed: setup.py constraints/oldest.txt
 demo: $(VENV)/.installed
 	$(VENV)/bin/python -m pipelines.run_local --output_dir=work/digits
 
-# Benchmarks (about 15 minutes on 2 cores): tables and plots under docs/benchmarks/.
+# Benchmarks (about 14 minutes on 2 cores): tables and plots under docs/benchmarks/.
 # BENCH_ARGS=--parts=memory re-runs one part alone (parts: benchmarks/run.py).
 BENCH_ARGS ?=
 bench: $(VENV)/.installed
