@@ -61,9 +61,11 @@ $(KERAS2_LATEST)/.installed: setup.py constraints/keras2-latest.txt
 demo: $(VENV)/.installed
 	$(VENV)/bin/python -m pipelines.run_local --output_dir=work/digits
 
-# Benchmarks (about 15 minutes on 2 cores): tables and plots under docs/benchmarks/.
+# Benchmarks (about 14 minutes on 2 cores): tables and plots under docs/benchmarks/.
+# BENCH_ARGS=--parts=memory re-runs one part alone (parts: benchmarks/run.py).
+BENCH_ARGS ?=
 bench: $(VENV)/.installed
-	$(VENV)/bin/python -m benchmarks.run
+	$(VENV)/bin/python -m benchmarks.run $(BENCH_ARGS)
 
 test: test-tfx test-latest test-oldest test-keras2-tf215 test-keras2-latest
 

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from accumulator import GradientAccumulator
 from benchmarks import contenders as c
+from benchmarks import models
 
 
 def count_batch_reductions(strategy):
@@ -46,10 +47,10 @@ def _replica_gradients(model, xb, yb, global_batch):
 def _accumulator(strategy, model_name, micro, accum, x, y):
     """The same custom loop as the seeds', with the accumulator doing the work."""
     with strategy.scope():
-        model = c.MODELS[model_name]()
+        model = models.build(model_name)
         optimizer = GradientAccumulator(keras.optimizers.Adam(1e-3), accum)
         optimizer.build(model.trainable_variables)
-    iterator = iter(strategy.experimental_distribute_dataset(c._dataset(x, y, micro)))
+    iterator = iter(strategy.experimental_distribute_dataset(c.dataset(x, y, micro)))
 
     @tf.function
     def micro_step():
@@ -67,11 +68,11 @@ def _accumulator(strategy, model_name, micro, accum, x, y):
 
 def _seeds_pattern(strategy, model_name, micro, accum, x, y):
     with strategy.scope():
-        model = c.MODELS[model_name]()
+        model = models.build(model_name)
         optimizer = keras.optimizers.Adam(1e-3)
         optimizer.build(model.trainable_variables)
         buffers = [tf.Variable(tf.zeros_like(v), trainable=False) for v in model.trainable_variables]
-    iterator = iter(strategy.experimental_distribute_dataset(c._dataset(x, y, micro)))
+    iterator = iter(strategy.experimental_distribute_dataset(c.dataset(x, y, micro)))
 
     @tf.function
     def micro_step():
@@ -102,7 +103,7 @@ def _seeds_pattern(strategy, model_name, micro, accum, x, y):
 def compare(strategy, model_name, micro, accum, updates, rounds):
     """Time per update and reductions per update of both patterns under `strategy`."""
     counter = count_batch_reductions(strategy)
-    x, y = c.data(model_name, micro * accum * 8)
+    x, y = models.data(model_name, "cpu", micro * accum * 8)
     built = {"accumulator": _accumulator(strategy, model_name, micro, accum, x, y),
              "seeds_reduce_every_micro_step": _seeds_pattern(strategy, model_name, micro, accum, x, y)}
     for train in built.values():
@@ -118,6 +119,7 @@ def compare(strategy, model_name, micro, accum, updates, rounds):
             times[name].append(time.perf_counter() - start)
             reductions[name] = (int(counter.numpy()) - before) / updates
     return {name: {"seconds_per_update": statistics.median(t) / updates,
+                   "seconds_per_update_by_round": [v / updates for v in t],
                    "reductions_per_update": reductions[name]} for name, t in times.items()}
 
 
