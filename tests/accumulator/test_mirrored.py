@@ -14,21 +14,8 @@ ACCUM = 4
 UPDATES = 8
 
 
-class CountingReduction(tf.distribute.ReductionToOneDevice):
-    """Counts executed batched cross-replica reductions (graph or eager)."""
-
-    def __init__(self):
-        super().__init__()
-        with tf.init_scope():
-            self.count = tf.Variable(0, dtype=tf.int64, trainable=False)
-
-    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
-        self.count.assign_add(1)
-        return super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
-
-
 def _strategy():
-    counter = CountingReduction()
+    counter = ref.CountingReduction()
     return tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=counter), counter
 
 

@@ -20,7 +20,7 @@ import tensorflow as tf
 from accumulator import GradientAccumulator
 from tests.accumulator import reference as ref
 from tests.accumulator import test_noise_scale_estimator as est
-from tests.accumulator.test_mirrored import CountingReduction
+from tests.accumulator.reference import CountingReduction
 
 DEVICES = ["/cpu:0", "/cpu:1"]
 

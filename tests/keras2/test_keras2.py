@@ -234,19 +234,10 @@ def test_a_non_finite_micro_batch_skips_its_whole_window_once():
 
 
 # ------------------------------------------------------------- tf.distribute
-class CountingReduction(tf.distribute.ReductionToOneDevice):
-    def __init__(self):
-        super().__init__()
-        with tf.init_scope():
-            self.count = tf.Variable(0, dtype=tf.int64, trainable=False)
-
-    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
-        self.count.assign_add(1)
-        return super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
-
-
 def test_mirrored_fit_matches_one_device_with_one_reduction_per_window():
     x, y = data(64)
+    from tests.accumulator.reference import CountingReduction
+
     counter = CountingReduction()
     strategy = tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=counter)
     with strategy.scope():
