@@ -61,6 +61,57 @@ def add_weighted(accumulator, grad, weight):
         )
 
 
+def divide_in_place(totals, divisor):
+    """The window's means: each of `totals` divided by `divisor`.
+
+    A total held in a local buffer (a `tf.Variable`: no strategy) is divided
+    where it lies, and its new value is returned: dividing into fresh tensors
+    would hold a second gradient-sized copy of every variable at once, next
+    to the buffers, while the inner optimizer runs. TensorFlow has no in-place
+    scaling of a dense variable (`v.assign(v / d)` makes one temporary of
+    `v`'s size), so the divisions run one after another: at most one such
+    temporary exists at a time, the largest variable's. Totals that are
+    already tensors (the all-reduced sums under a strategy) are divided as
+    tensors; TensorFlow reuses a tensor's buffer for the quotient when
+    nothing else holds it.
+    """
+    means, previous = [], []
+    for total in totals:
+        if isinstance(total, tf.Variable):
+            with tf.control_dependencies(previous):
+                op = total.assign(total / tf.cast(divisor, total.dtype), read_value=False)
+            previous = [op] if op is not None else []
+            # Automatic control dependencies order this read after the division.
+            means.append(total.value())
+        else:
+            means.append(total / tf.cast(divisor, total.dtype))
+    return means
+
+
+def fill_one_after_another(variables, values, after=()):
+    """`variable[...] = value` for each pair, one after another, after `after`.
+
+    The new contents are made by `Empty`, which TensorFlow marks stateful so
+    that Grappler never folds it: a `tf.fill` of constants is folded into a
+    graph constant, and a graph constant stays allocated for as long as the
+    traced function lives (measured on a 96 MB model: up to 144 MB held
+    between steps, which `Empty` brings to 0). Each refill allocates the new
+    buffer before the old one is released; chained, at most one variable's
+    worth of overlap exists at a time. `after` (reads of the variables the
+    update wrote) holds the refills until the inner optimizer has used the
+    window's means, whose buffers they replace.
+    """
+    previous = [a for a in after if a is not None]
+    for variable, value in zip(variables, values):
+        variable = backing_variable(variable)
+        with tf.control_dependencies(previous):
+            contents = tf.raw_ops.Empty(shape=tuple(variable.shape), dtype=variable.dtype, init=True)
+            if value != 0:
+                contents = contents + tf.constant(value, variable.dtype)
+            op = variable.assign(contents, read_value=False)
+        previous = [op] if op is not None else []
+
+
 def keep_maximum(accumulator, grad):
     """`accumulator = max(accumulator, grad)` (for `overwrite_with_gradient` variables)."""
     variable = backing_variable(accumulator)

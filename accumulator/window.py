@@ -387,20 +387,22 @@ class AccumulationWindow:
         """
         weight_sum = weight_sum / replicas
         grads = [None] * len(self._vars)
-        means = []
+        summed = [(i, total) for i, total in zip(used, sums) if i not in self._overwrite_indices]
         for i, total in zip(used, sums):
-            variable = self._vars[i]
             if i in self._overwrite_indices:
-                grads[i] = tf.cast(_tf.maximum_over_replicas(total), variable.dtype)
-            else:
-                mean = total / tf.cast(weight_sum, total.dtype)
-                means.append(mean)
-                grads[i] = tf.cast(mean, variable.dtype)
+                grads[i] = tf.cast(_tf.maximum_over_replicas(total), self._vars[i].dtype)
+        # In place where the sums lie in local buffers: no second copy (see _tf.divide_in_place).
+        means = _tf.divide_in_place([total for _, total in summed], weight_sum)
+        for (i, _), mean in zip(summed, means):
+            grads[i] = tf.cast(mean, self._vars[i].dtype)
         if self._noise_estimate is not None:
             # The window's size: its weight over the replicas (see accumulator.noise_scale).
             self._update_noise_scale(noise_sums, means, weight_sum)
         self._hand_to_updater(grads, self._vars, reduced=True)
-        self._reset_window(used)
+        # Refill once the update has read the means: reading the variables it
+        # wrote orders the refill after it (automatic control dependencies).
+        self._reset_window(used, after=[
+            tf.convert_to_tensor(_tf.backing_variable(self._vars[i])) for i, _ in summed])
 
     def _update_noise_scale(self, noise_sums, window_means, window_weight):
         """Folds the closing window into the estimate (before the update changes the loss scale)."""
@@ -415,12 +417,14 @@ class AccumulationWindow:
         self._noise_estimate.update_from_window(
             micro_sq_sum, inv_size_sum, micro_count, window_sq, window_weight)
 
-    def _reset_window(self, indices):
+    def _reset_window(self, indices, after=()):
         """Empties the buffers at `indices` (the others are empty) and the weight."""
-        for i in indices:
-            accumulator = self._accumulators[i]
-            empty = float("-inf") if i in self._overwrite_indices else 0.0
-            accumulator.assign(tf.fill(tuple(accumulator.shape), tf.constant(empty, accumulator.dtype)))
+        indices = list(indices)
+        _tf.fill_one_after_another(
+            [self._accumulators[i] for i in indices],
+            [float("-inf") if i in self._overwrite_indices else 0.0 for i in indices],
+            after=after,
+        )
         self._weight_sum.assign(0.0)
         for total in self._noise_sums:
             total.assign(0.0)

@@ -164,7 +164,8 @@ def memory():
     reset = _peak_reset()
     # Where the peak happens: the peaks of each batch (reset at its start),
     # over the baseline; a window closes at every accum-th micro-step.
-    per_batch, per_batch_rss, outside = [], [], {"tensors": tensors_before, "rss": before}
+    per_batch, per_batch_held, per_batch_rss = [], [], []
+    outside = {"tensors": tensors_before, "rss": before}
 
     class Probe(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
@@ -175,6 +176,8 @@ def memory():
 
         def on_train_batch_end(self, batch, logs=None):
             per_batch.append(round(allocated("peak") - tensors_before, 1))
+            # What stays allocated between steps: the state, and nothing else should.
+            per_batch_held.append(round(allocated("current") - tensors_before, 1))
             per_batch_rss.append(round(_rss_mb("VmHWM") - before, 1))
             tf.config.experimental.reset_memory_stats(device)
             _peak_reset()
@@ -188,6 +191,7 @@ def memory():
     return {"contender": CONTENDER.value, "workload": workload, "size": size, "accum": accum, "micro": micro,
             "device": device, "tensors_before_mb": tensors_before, "tensors_peak_mb": tensors_peak,
             "tensor_growth_mb": tensors_peak - tensors_before, "per_batch_tensor_growth_mb": per_batch,
+            "per_batch_tensor_held_mb": per_batch_held,
             "rss_before_mb": before, "rss_peak_mb": peak, "rss_after_mb": after, "rss_growth_mb": peak - before,
             "per_batch_rss_growth_mb": per_batch_rss, "peak_reset": reset,
             "param_mb": models.parameter_bytes(model) / 2**20, "optimizer_state_mb": state / 2**20,

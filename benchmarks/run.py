@@ -419,13 +419,17 @@ def _report(results, folder):
                   "(zero-filled pages count only once written, and freed blocks stay resident or not depending on "
                   "the C allocator), so it is shown, not judged. Differences are taken per repeat.", "",
                   "| contender | allocator peak (MB) | at window-closing micro-steps | at other micro-steps "
+                  "| held between steps beyond the state (MB) "
                   "| RSS growth (MB) | optimizer state (MB) | allocator peak − plain b (MB) | ÷ parameter bytes |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|"]
         plain = [r["tensor_growth_mb"] for r in runs.get("plain_b", [])]
         accum = memory["accum"]
         for name in [n for n in MEMORY_CONTENDERS if n in runs]:
             growth = [r["tensor_growth_mb"] for r in runs[name]]
             state = runs[name][0]["optimizer_state_mb"]
+            # After the first step (which builds the state), the allocator should hold the state and nothing
+            # more between steps; anything else (a folded graph constant, a cached copy) shows here.
+            held = [max(r.get("per_batch_tensor_held_mb", [float("nan")] * 2)[1:]) - state for r in runs[name]]
             if name != "plain_b" and plain:
                 differences = stats.per_round_differences(growth, plain)
                 extra_text = _cell(stats.summary(differences), 1)
@@ -444,16 +448,21 @@ def _report(results, folder):
             else:
                 extra_text = over_text = closing_text = other_text = "–"
             lines.append(f"| {LABELS[name]} | {_cell(stats.summary(growth), 1)} | {closing_text} | {other_text} | "
+                         f"{_cell(stats.summary(held), 1)} | "
                          f"{_cell(stats.summary([r['rss_growth_mb'] for r in runs[name]]), 1)} | {state:.1f} | "
                          f"{extra_text} | {over_text} |")
         if "accumulator" in runs:
             lines += ["", f"The accumulator's micro-steps that close a window peak {_cell(close_cost, 2)}× the "
                       "parameter bytes above its other micro-steps (per repeat)."]
-            if close_cost["median"] > 0.5:
-                lines[-1] += (" There `_apply_window` (accumulator/optimizer.py) forms the window's mean gradient "
-                              "of every variable at once before the inner optimizer's `apply`: a parameter-sized "
-                              "copy next to the buffers. Plain b's peak holds its gradients where the accumulator's "
-                              "holds that mean, so the accumulator's peak is about its buffers (1×) above plain b's.")
+            lines[-1] += (
+                " Only a closing micro-step runs the inner optimizer, and Adam's update makes temporaries of a "
+                "variable's size (its moment updates, `m * lr`, `sqrt(v)`); the other micro-steps add each "
+                "gradient into its buffer as the backward pass produces it. The window's means take no memory "
+                "of their own: the buffers are divided in place, one variable after another "
+                "(`accumulator/_tf.py: divide_in_place`), so the division costs at most the largest variable's "
+                "bytes for a moment, and the buffers are refilled with zeros the same way. Plain b's peak holds "
+                "all of its gradients at once where the accumulator's holds the buffers, so the accumulator's "
+                "peak is less than its buffers (1×) above plain b's.")
         lines += ["", f"Measured on {runs['plain_b'][0]['device'] if 'plain_b' in runs else '?'}; "
                   "`python -m benchmarks.run --parts=memory` (or `make bench BENCH_ARGS=--parts=memory`) "
                   "re-runs this part alone.", "", "![memory](memory.png)", ""]
@@ -508,16 +517,13 @@ WITHIN_NOISE = {
     None: ("the rounds straddle the target (median on the wrong side, some rounds on the right one): the "
            "difference is smaller than this machine's round-to-round noise, so not resolved here"),
     "memory_params": ("the repeats straddle the target: the allocator's peak at a window close depends on which "
-                      "parameter-sized tensors happen to be alive together (see the table, per repeat). The close "
-                      "itself costs ~1× the parameters over the accumulator's other micro-steps: `_apply_window` "
-                      "(accumulator/optimizer.py) forms the mean gradient of every variable at once"),
+                      "variable-sized temporaries of the inner optimizer's update happen to be alive together "
+                      "(see the table, per repeat)"),
 }
 # Why a target can be missed: the mechanism, for the table (shown where every round missed).
 REASONS = {
-    "memory_params": ("the peak is at the window-closing micro-steps (see the memory table): there "
-                      "`_apply_window` (accumulator/optimizer.py) forms the mean gradient of every variable at "
-                      "once (`total / weight_sum`) before the inner optimizer's `apply`, a second "
-                      "parameter-sized copy next to the buffers (1×)"),
+    "memory_params": ("the peak is at the window-closing micro-steps (see the memory table), where the inner "
+                      "optimizer's update runs next to the window buffers (1×)"),
     "acc_vs_plain_b": ("per micro-step the accumulator adds a weighted add into a parameter-sized buffer per "
                        "variable (dense, also for the embedding's sparse gradient), per window the mean and the "
                        "reset; see the overhead section for its fixed cost"),
