@@ -45,14 +45,15 @@ def max_diff(a, b):
     return max(float(np.max(np.abs(np.asarray(p, "float64") - np.asarray(q, "float64")))) for p, q in zip(a, b))
 
 
-def fit_pair(make_inner, accum=4, micro=8, samples=64, epochs=2, loss="mse", sample_weight=None, **fit):
+def fit_pair(make_inner, accum=4, micro=8, samples=64, epochs=2, loss="mse", sample_weight=None,
+             jit_compile=None, **fit):
     """(accumulated model, large-batch model), trained from the same start."""
     x, y = data(samples)
     runs = []
     for optimizer, batch in ((GradientAccumulator(make_inner(), accum_steps=accum), micro),
                              (make_inner(), micro * accum)):
         model = mlp()
-        model.compile(optimizer=optimizer, loss=loss)
+        model.compile(optimizer=optimizer, loss=loss, jit_compile=jit_compile)
         model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
                   sample_weight=sample_weight, **fit)
         runs.append(model)
@@ -119,6 +120,16 @@ def test_uneven_micro_batches_and_sample_weights_are_weighted_exactly():
     weights = np.random.default_rng(1).uniform(0.2, 2.0, size=60).astype("float32")
     accumulated, large = fit_pair(lambda: k2.optimizers.SGD(0.1), samples=60, epochs=1, sample_weight=weights)
     assert int(accumulated.optimizer.iterations.numpy()) == 2
+    assert max_diff(accumulated.get_weights(), large.get_weights()) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["adam_schedule", "adamw_weight_decay"])
+def test_xla_compiled_fit_matches_the_compiled_large_batch(name):
+    # What a GPU's jit_compile runs; XLA compiles the same ops on CPU. 60 samples:
+    # uneven windows and a short last batch, both sides compiled.
+    accumulated, large = fit_pair(INNERS[name], samples=60, jit_compile=True)
+    assert accumulated.jit_compile is True
+    assert int(accumulated.optimizer.iterations.numpy()) == 4
     assert max_diff(accumulated.get_weights(), large.get_weights()) < 1e-5
 
 
