@@ -238,27 +238,6 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
         own = [v for v in super().variables if not any(v is u for u in unused)]
         return own + list(self._updater.variables)
 
-    def set_weights(self, weights):
-        """Sets the wrapper's and the inner optimizers' state, in `variables` order."""
-        if not self._window_built():
-            raise ValueError("Build the optimizer (or train one step) before `set_weights()`.")
-        variables = self.variables
-        if len(weights) != len(variables):
-            raise ValueError(
-                f"`weights` must hold {len(variables)} arrays (the wrapper's and the inner "
-                f"optimizer's variables, as `get_weights()` returns them); received {len(weights)}."
-            )
-        for variable, weight in zip(variables, weights):
-            if tuple(variable.shape) != tuple(getattr(weight, "shape", ())):
-                raise ValueError(
-                    f"`weights` entry for {variable.name} has shape {tuple(weight.shape)}; "
-                    f"expected {tuple(variable.shape)}."
-                )
-            variable.assign(weight)
-
-    def get_weights(self):
-        return [v.numpy() for v in self.variables]
-
     def exclude_from_weight_decay(self, var_list=None, var_names=None):
         """Forwarded to the optimizers that apply weight decay (the inner ones)."""
         for optimizer in optimizer_chain(self.inner_optimizer):

@@ -17,7 +17,6 @@ import logging
 
 import keras
 import tensorflow as tf
-from keras import ops
 
 from accumulator import seam, weighting
 from accumulator.noise_scale import DEFAULT_SMOOTHING
@@ -229,27 +228,6 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
     @property
     def variables(self):
         return super().variables + self._updater.variables
-
-    def set_weights(self, weights):
-        """Sets the wrapper's and the inner optimizers' state, in `variables` order."""
-        variables = self.variables
-        if not self.built:
-            raise ValueError("Build the optimizer (or train one step) before `set_weights()`.")
-        if len(weights) != len(variables):
-            raise ValueError(
-                f"`weights` must hold {len(variables)} arrays (the wrapper's and the inner "
-                f"optimizer's variables, as `get_weights()` returns them); received {len(weights)}."
-            )
-        for variable, weight in zip(variables, weights):
-            if tuple(variable.shape) != tuple(ops.shape(weight)):
-                raise ValueError(
-                    f"`weights` entry for {variable.name} has shape {tuple(ops.shape(weight))}; "
-                    f"expected {tuple(variable.shape)}."
-                )
-            variable.assign(weight)
-
-    def get_weights(self):
-        return [ops.convert_to_numpy(v) for v in self.variables]
 
     def exclude_from_weight_decay(self, var_list=None, var_names=None):
         """Forwarded to the optimizers that apply weight decay (the inner ones)."""

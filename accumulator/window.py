@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import tensorflow as tf
 
 from accumulator import _tf, seam
@@ -264,6 +265,30 @@ class AccumulationWindow:
                 "This GradientAccumulator does not measure the gradient noise scale; "
                 "construct it with `measure_noise_scale=True` (and accum_steps >= 2)."
             )
+
+    # ---------------------------------------------------------------- state
+    def set_weights(self, weights):
+        """Sets the wrapper's and the inner optimizers' state, in `variables` order."""
+        if not (self._window_built() or getattr(self, "built", False)):
+            raise ValueError("Build the optimizer (or train one step) before `set_weights()`.")
+        variables = self.variables
+        if len(weights) != len(variables):
+            raise ValueError(
+                f"`weights` must hold {len(variables)} arrays (the wrapper's and the inner "
+                f"optimizer's variables, as `get_weights()` returns them); received {len(weights)}."
+            )
+        for variable, weight in zip(variables, weights):
+            shape = tuple(weight.shape) if hasattr(weight, "shape") else tuple(np.shape(weight))
+            if tuple(variable.shape) != shape:
+                raise ValueError(
+                    f"`weights` entry for {variable.name} has shape {shape}; "
+                    f"expected {tuple(variable.shape)}."
+                )
+            variable.assign(weight)
+
+    def get_weights(self):
+        """The wrapper's and the inner optimizers' state as NumPy arrays, in `variables` order."""
+        return [np.asarray(v.numpy()) for v in self.variables]
 
     # ------------------------------------------------------- between windows
     def close_partial_window(self, mode=None):

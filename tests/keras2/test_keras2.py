@@ -288,6 +288,19 @@ def test_saved_models_load_without_custom_objects(tmp_path, fmt):
     assert np.allclose(model.predict(x, verbose=0), loaded.predict(x, verbose=0))
 
 
+def test_set_weights_carries_the_open_window_and_the_inner_state():
+    trained = _trained(steps=6)                        # one update and 2 micro-batches held
+    fresh = mlp()
+    fresh.compile(GradientAccumulator(k2.optimizers.Adam(0.01), accum_steps=4, partial_window="carry"),
+                  loss="mse")
+    fresh.optimizer.build(fresh.trainable_variables)
+    fresh.optimizer.set_weights(trained.optimizer.get_weights())
+    assert int(fresh.optimizer.micro_step.numpy()) == 2 and int(fresh.optimizer.iterations.numpy()) == 1
+    assert max_diff(fresh.optimizer.get_weights(), trained.optimizer.get_weights()) == 0.0
+    with pytest.raises(ValueError, match="must hold"):
+        fresh.optimizer.set_weights(trained.optimizer.get_weights()[:-1])
+
+
 def test_checkpoint_resumes_mid_window_exactly(tmp_path):
     x, y = data(64)
     uninterrupted = _trained(steps=8)                  # 8 micro-batches: 2 windows
