@@ -61,7 +61,7 @@ $(KERAS2_LATEST)/.installed: setup.py constraints/keras2-latest.txt
 demo: $(VENV)/.installed
 	$(VENV)/bin/python -m pipelines.run_local --output_dir=work/digits
 
-# Benchmarks (about 14 minutes on 2 cores): tables and plots under docs/benchmarks/.
+# Benchmarks (14 to 17 minutes on 2 cores): tables and plots under docs/benchmarks/.
 # BENCH_ARGS=--parts=memory re-runs one part alone (parts: benchmarks/run.py).
 BENCH_ARGS ?=
 bench: $(VENV)/.installed

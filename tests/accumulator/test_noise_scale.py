@@ -97,17 +97,24 @@ def test_least_squares_through_fit_matches_the_closed_form():
     counted; the bias correction left out: 13.5%), it lands far outside.
     """
     x, y, weights = _least_squares_data(est.LSQ_WINDOWS, 64)
+    model = _fit_least_squares(weights, "least squares via fit", x, y, batch_size=16, shuffle=False)
+    np.testing.assert_allclose(model.get_weights()[0], weights)      # learning rate 0
+
+
+def _fit_least_squares(weights, label, *data, **fit_kwargs):
+    """Fits the least-squares model at learning rate 0 and checks the estimate
+    against the closed form (tolerances: about 3 sigma over 20 seeds)."""
     model = _least_squares_model(weights)
     optimizer = _accumulator(noise_scale_smoothing=est.LSQ_SMOOTHING)
     model.compile(optimizer, "mse")
-    model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    model.fit(*data, verbose=0, **fit_kwargs)
     assert int(optimizer.noise_scale_estimate.window_count) == est.LSQ_WINDOWS
-    np.testing.assert_allclose(model.get_weights()[0], weights)      # learning rate 0
     got, truth = _readings(optimizer), _lsq_truth()
-    print("least squares via fit", got, "truth", truth)
+    print(label, got, "truth", truth)
     for (name, tol), value, true in zip(
             [("noise_scale", 0.12), ("g2", 0.10), ("trace", 0.06)], got, truth):
         assert abs(value - true) <= tol * true, (name, value, true)
+    return model
 
 
 def test_uneven_micro_batches_through_fit_match_the_closed_form():
@@ -115,20 +122,11 @@ def test_uneven_micro_batches_through_fit_match_the_closed_form():
     h = (3/16 + 1/4) / 4. Spread over 20 seeds (estimator test): std 3.5%,
     2.0%, 4.3%; max 7.5%, 3.1%, 8.4%: the tolerances are about 3 sigma. Taking
     the short micro-batch as a full one (h = K/B) fails them."""
-    windows, window = est.LSQ_WINDOWS, 52
-    x, y, weights = _least_squares_data(windows, window, seed=1)
+    window = 52
+    x, y, weights = _least_squares_data(est.LSQ_WINDOWS, window, seed=1)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(window).flat_map(
         lambda xw, yw: tf.data.Dataset.from_tensor_slices((xw, yw)).batch(16))
-    model = _least_squares_model(weights)
-    optimizer = _accumulator(noise_scale_smoothing=est.LSQ_SMOOTHING)
-    model.compile(optimizer, "mse")
-    model.fit(dataset, verbose=0)
-    assert int(optimizer.noise_scale_estimate.window_count) == windows
-    got, truth = _readings(optimizer), _lsq_truth()
-    print("uneven least squares via fit", got, "truth", truth)
-    for (name, tol), value, true in zip(
-            [("noise_scale", 0.12), ("g2", 0.10), ("trace", 0.06)], got, truth):
-        assert abs(value - true) <= tol * true, (name, value, true)
+    _fit_least_squares(weights, "uneven least squares via fit", dataset)
 
 
 def test_short_last_micro_batch_and_forced_close_are_exact():
