@@ -6,7 +6,9 @@ would be a path no test takes. XLA compiles the same ops on CPU, so each case
 here runs both sides compiled: the accumulator's `fit` (or custom step) and
 the independent reference (the large-batch `fit`, or the seeds' tape loop).
 The tolerance is the same 1e-6 as without XLA (measured with TensorFlow 2.21:
-max |Δw| 0.6–1.3e-7 over the four optimizers), far below what skipping or
+max |Δw| 0.6–1.3e-7 over the four optimizers); 1e-5 for uneven batches, where
+Adam divides small gradients by their small moments (measured 2.1e-6 with
+TensorFlow 2.21, below 1e-6 with 2.16). Both are far below what skipping or
 mis-weighting a micro-batch costs (asserted where it is not obvious).
 """
 
@@ -61,8 +63,8 @@ def test_uneven_batches_and_the_partial_window_under_xla():
 
     assert int(optimizer.iterations.numpy()) == 6
     diff = ref.max_abs_diff(model.get_weights(), expected.get_weights())
-    assert diff <= TOLERANCE
-    assert ref.max_abs_diff(unweighted.get_weights(), expected.get_weights()) > 100 * diff
+    assert diff <= 10 * TOLERANCE
+    assert ref.max_abs_diff(unweighted.get_weights(), expected.get_weights()) > 100 * 10 * TOLERANCE
 
 
 def test_compiled_custom_step_matches_the_tape_loop(data):
