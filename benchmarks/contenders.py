@@ -46,7 +46,10 @@ LABELS = {
     "plain_b_loop": "plain b (loop)",
     "seeds_loop": "seeds' tape loop (loop)",
     "accumulator_loop": "GradientAccumulator (loop)",
+    "plain_b_mirrored": "plain b (fit, MirroredStrategy, 1 device)",
+    "accumulator_mirrored": "GradientAccumulator (fit, MirroredStrategy, 1 device)",
 }
+MIRRORED = "_mirrored"      # suffix: the contender built under a one-device MirroredStrategy
 
 
 def _loss():
@@ -179,7 +182,18 @@ def _seeds_contender(model, x, y, micro, accum):
 
 
 def build(name, workload, size, accum, x, y):
-    """A `Contender` training `workload` at effective batch accum * b."""
+    """A `Contender` training `workload` at effective batch accum * b.
+
+    A name ending in `_mirrored` builds the contender under a MirroredStrategy
+    over one device (the first GPU, else the CPU): the path a TFX Trainer with
+    a strategy takes, where the window's sums go through an all-reduce.
+    """
+    if name.endswith(MIRRORED):
+        device = "/gpu:0" if tf.config.list_logical_devices("GPU") else "/cpu:0"
+        with tf.distribute.MirroredStrategy([device]).scope():
+            contender = build(name[:-len(MIRRORED)], workload, size, accum, x, y)
+        contender.name = name
+        return contender
     micro = models.config(workload, size)["micro"]
     accumulating = name in ("accumulator", "accumulator_noise_scale", "accumulator_loop")
     batch_norm = AccumBatchNormalization if accumulating and workload in models.HAS_BATCH_NORM else None

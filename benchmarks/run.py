@@ -55,7 +55,7 @@ NOISE_ROUNDS = flags.DEFINE_integer("noise_rounds", 21, "Rounds of the noise-sca
 QUICK = flags.DEFINE_bool("quick", False, "A smoke run: 2 rounds, short segments, N in {2, 4}, 1 memory repeat.")
 REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Rewrite report, plots and README from results.json.")
 
-MEMORY_CONTENDERS = ["plain_b", "accumulator", "keras_builtin"]
+MEMORY_CONTENDERS = ["plain_b", "accumulator", "keras_builtin", "plain_b_mirrored", "accumulator_mirrored"]
 OVERHEAD_WORKLOAD, OVERHEAD_ACCUM = "tiny_cnn", 4
 TARGETS = {"acc_vs_plain_b": 0.97, "acc_vs_builtin": 1.0, "acc_loop_vs_seeds": 0.97,
            "noise_scale": 0.98, "memory_params": 1.2, "step_ms": 50.0, "leak_mb": 5.0}
@@ -420,21 +420,23 @@ def _report(results, folder):
                   "the C allocator), so it is shown, not judged. Differences are taken per repeat.", "",
                   "| contender | allocator peak (MB) | at window-closing micro-steps | at other micro-steps "
                   "| held between steps beyond the state (MB) "
-                  "| RSS growth (MB) | optimizer state (MB) | allocator peak − plain b (MB) | ÷ parameter bytes |",
+                  "| RSS growth (MB) | optimizer state (MB) | allocator peak − plain b, same strategy (MB) | ÷ parameter bytes |",
                   "|---|---|---|---|---|---|---|---|---|"]
-        plain = [r["tensor_growth_mb"] for r in runs.get("plain_b", [])]
-        accum = memory["accum"]
+        accum, overs = memory["accum"], {}
         for name in [n for n in MEMORY_CONTENDERS if n in runs]:
+            # Each is compared with plain b trained the same way (under the same strategy).
+            baseline = "plain_b_mirrored" if name.endswith("_mirrored") else "plain_b"
+            plain = [r["tensor_growth_mb"] for r in runs.get(baseline, [])]
             growth = [r["tensor_growth_mb"] for r in runs[name]]
             state = runs[name][0]["optimizer_state_mb"]
             # After the first step (which builds the state), the allocator should hold the state and nothing
             # more between steps; anything else (a folded graph constant, a cached copy) shows here.
             held = [max(r.get("per_batch_tensor_held_mb", [float("nan")] * 2)[1:]) - state for r in runs[name]]
-            if name != "plain_b" and plain:
+            if name != baseline and plain:
                 differences = stats.per_round_differences(growth, plain)
                 extra_text = _cell(stats.summary(differences), 1)
                 over = stats.summary([d / memory["param_mb"] for d in differences])
-                over_text = _cell(over, 2)
+                over_text = overs[name] = _cell(over, 2)
                 closing = [max(r["per_batch_tensor_growth_mb"][accum - 1::accum]) for r in runs[name]]
                 other = [max(v for i, v in enumerate(r["per_batch_tensor_growth_mb"]) if i and (i + 1) % accum)
                          for r in runs[name]]
@@ -476,6 +478,12 @@ def _report(results, folder):
                     "Refilled with `tf.fill`, the buffers' zeros were folded by Grappler into graph constants that "
                     "stayed allocated: up to 1.5× the parameters more between steps, before this was measured "
                     "(DEVELOPERS.md).")
+        if "accumulator_mirrored" in overs:
+            lines += ["", "Under a MirroredStrategy over one device (the path of a Trainer given a strategy: the "
+                      "window's sums go through an all-reduce, and its results are divided as tensors, in "
+                      "their own buffers), the accumulator peaks "
+                      f"{overs['accumulator_mirrored']}× the parameter bytes above plain b under the same "
+                      "strategy."]
         lines += ["", f"Measured on {runs['plain_b'][0]['device'] if 'plain_b' in runs else '?'}; "
                   "`python -m benchmarks.run --parts=memory` (or `make bench BENCH_ARGS=--parts=memory`) "
                   "re-runs this part alone.", "", "![memory](memory.png)", ""]
