@@ -35,7 +35,9 @@ import tensorflow as tf
 
 from accumulator import _tf, seam, weighting
 from accumulator.noise_scale import DEFAULT_SMOOTHING
-from accumulator.window import AccumulationWindow, optimizer_chain, refuse_nested_accumulation
+from accumulator.window import (
+    AccumulationWindow, optimizer_chain, refuse_nested_accumulation, refuse_unknown_arguments,
+)
 
 keras2 = seam.keras2_module()
 if keras2 is None:
@@ -120,13 +122,7 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
             accum_steps, partial_window, schedulable, measure_noise_scale, noise_scale_smoothing)
         optimizer = _resolve_optimizer(optimizer)
         kwargs.pop("is_legacy_optimizer", None)     # in every Keras 2 optimizer config
-        if kwargs:
-            raise ValueError(
-                f"GradientAccumulator got unknown arguments: {sorted(kwargs)}. "
-                "It takes `optimizer`, `accum_steps`, `partial_window`, `schedulable`, "
-                "`measure_noise_scale`, `noise_scale_smoothing` and `name`; set "
-                "clipping, weight decay and EMA on the inner optimizer."
-            )
+        refuse_unknown_arguments(kwargs, "set clipping, weight decay and EMA on the inner optimizer.")
         super().__init__(name=name or "GradientAccumulator")
         # The base class's own update counter: unused (`iterations` is the inner
         # optimizer's), and left out of `variables`, whose names must be unique (h5).

@@ -22,6 +22,7 @@ from accumulator import seam, weighting
 from accumulator.noise_scale import DEFAULT_SMOOTHING
 from accumulator.window import (  # noqa: F401  (validators re-exported: the public names)
     PARTIAL_WINDOW_MODES, AccumulationWindow, optimizer_chain, refuse_nested_accumulation,
+    refuse_unknown_arguments,
     validate_accum_steps, validate_measure_noise_scale, validate_partial_window,
 )
 
@@ -158,12 +159,7 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
                     "the inner optimizer, where it acts once per update."
                 )
         kwargs.pop("learning_rate", None)
-        if kwargs:
-            raise ValueError(
-                f"GradientAccumulator got unknown arguments: {sorted(kwargs)}. "
-                "It takes `optimizer`, `accum_steps`, `partial_window`, `schedulable`, "
-                "`measure_noise_scale`, `noise_scale_smoothing` and `name`."
-            )
+        refuse_unknown_arguments(kwargs)
         if seam.version_tuple(keras.__version__) < OLDEST_KERAS:
             raise RuntimeError(
                 f"GradientAccumulator needs Keras >= {'.'.join(map(str, OLDEST_KERAS))} "

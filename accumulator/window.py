@@ -86,6 +86,16 @@ def optimizer_chain(optimizer):
     return chain
 
 
+def refuse_unknown_arguments(kwargs, advice=""):
+    """Raises naming the constructor arguments left in `kwargs`, if any (both Keras)."""
+    if kwargs:
+        raise ValueError(
+            f"GradientAccumulator got unknown arguments: {sorted(kwargs)}. "
+            "It takes `optimizer`, `accum_steps`, `partial_window`, `schedulable`, "
+            "`measure_noise_scale`, `noise_scale_smoothing` and `name`" + (f"; {advice}" if advice else ".")
+        )
+
+
 def refuse_nested_accumulation(optimizer):
     """Raises if `optimizer` already accumulates (ours, or Keras' own steps)."""
     for inner in optimizer_chain(optimizer):

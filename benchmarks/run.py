@@ -158,6 +158,15 @@ def _load_span(results):
 
 
 # ------------------------------------------------------------------ plots
+def _n_axis(ax, accums):
+    """N on a log axis, ticked at the measured values; grid and legend."""
+    ax.set(xscale="log", xticks=accums)
+    ax.set_xticklabels(accums)
+    ax.minorticks_off()
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
 def _errorbar(ax, xs, summaries, label, offset=0.0, **kwargs):
     medians = [s["median"] for s in summaries]
     low = [s["median"] - s["min"] for s in summaries]
@@ -186,11 +195,8 @@ def _plots(results, folder):
                     _errorbar(ax, ns, [stats.summary(rates[n][name]) for n in ns], LABELS[name],
                               offset=0.03 * (i - 2))
                 ax.set(title=f"{workload}: {'fit' if row == 0 else 'custom loop'}", xlabel="N (micro-batches per update)",
-                       ylabel="samples / s (median, min–max)", xscale="log", xticks=accums)
-                ax.set_xticklabels(accums)
-                ax.minorticks_off()
-                ax.grid(alpha=0.3)
-                ax.legend(fontsize=8)
+                       ylabel="samples / s (median, min–max)")
+                _n_axis(ax, accums)
         fig.tight_layout()
         fig.savefig(os.path.join(folder, "throughput.png"), dpi=100)
         plt.close(fig)
@@ -206,12 +212,8 @@ def _plots(results, folder):
                     _errorbar(ax, ns, [ratios[key][n] for n in ns], label, offset=0.03 * (i - 1.5))
             ax.axhline(1.0, color="grey", lw=0.8)
             ax.axhline(0.97, color="grey", lw=0.8, ls="--")
-            ax.set(title=f"{workload}: per-round ratios (dashed: 0.97)", xlabel="N", ylabel="ratio (median, min–max)",
-                   xscale="log", xticks=accums)
-            ax.set_xticklabels(accums)
-            ax.minorticks_off()
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            ax.set(title=f"{workload}: per-round ratios (dashed: 0.97)", xlabel="N", ylabel="ratio (median, min–max)")
+            _n_axis(ax, accums)
         fig.tight_layout()
         fig.savefig(os.path.join(folder, "ratios.png"), dpi=100)
         plt.close(fig)
