@@ -8,6 +8,20 @@ KERAS2_TF215 := .venv-keras2-tf215
 KERAS2_LATEST := .venv-keras2-latest
 PYTEST_ARGS ?=
 
+# Each core environment runs on its own Python, so every minor version that setup.py
+# admits (python_requires ">=3.9,<3.14") is tested once; the TFX stack needs 3.11.
+# An interpreter is taken from pyenv's versions, else from PATH; override with e.g.
+# `make test PYTHON_LATEST=/usr/bin/python3.13`.
+OLDEST_PY := 3.9
+KERAS2_TF215_PY := 3.10
+KERAS2_LATEST_PY := 3.12
+LATEST_PY := 3.13
+python_for = $(or $(firstword $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/$(1).*/bin/python$(1))),$(shell command -v python$(1) 2>/dev/null))
+PYTHON_OLDEST ?= $(call python_for,$(OLDEST_PY))
+PYTHON_KERAS2_TF215 ?= $(call python_for,$(KERAS2_TF215_PY))
+PYTHON_KERAS2_LATEST ?= $(call python_for,$(KERAS2_LATEST_PY))
+PYTHON_LATEST ?= $(call python_for,$(LATEST_PY))
+
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export KERAS_BACKEND := tensorflow
 export PYTHONUNBUFFERED := 1
@@ -15,20 +29,23 @@ export PYTHONUNBUFFERED := 1
 .PHONY: bench demo test test-tfx test-latest test-oldest test-keras2-tf215 test-keras2-latest \
 	setup setup-latest setup-oldest setup-keras2 clean
 
-# $(call core_venv,DIR,CONSTRAINTS): a venv with pinned TensorFlow/Keras, the test
-# tools and the library (no TFX).
+# $(call core_venv,DIR,CONSTRAINTS,PYTHON,VERSION,VARIABLE): a venv on Python VERSION
+# with pinned TensorFlow/Keras, the test tools and the library (no TFX).
 define core_venv
-	$(PYTHON) -m venv $(1)
+	@test -n "$(3)" || { echo "$(1) needs Python $(4), found neither in pyenv nor as python$(4) on PATH: install it, or set $(5)=/path/to/python$(4)" >&2; exit 1; }
+	@$(3) -c 'import sys; v = "%d.%d" % sys.version_info[:2]; assert v == "$(4)", "$(5)=$(3) is Python " + v + ", $(1) needs $(4)"'
+	rm -rf $(1)
+	$(3) -m venv $(1)
 	$(1)/bin/pip install -q --upgrade pip
 	$(1)/bin/pip install -q -r $(2) pytest pytest-timeout portpicker
 	$(1)/bin/pip install -q --no-deps -e .
-	touch $(1)/.installed
+	touch $(1)/.installed-py$(4)
 endef
 
 setup: $(VENV)/.installed
-setup-latest: $(LATEST)/.installed
-setup-oldest: $(OLDEST)/.installed
-setup-keras2: $(KERAS2_TF215)/.installed $(KERAS2_LATEST)/.installed
+setup-latest: $(LATEST)/.installed-py$(LATEST_PY)
+setup-oldest: $(OLDEST)/.installed-py$(OLDEST_PY)
+setup-keras2: $(KERAS2_TF215)/.installed-py$(KERAS2_TF215_PY) $(KERAS2_LATEST)/.installed-py$(KERAS2_LATEST_PY)
 
 # The TFX 1.16 stack. tfx's metadata says Python < 3.11 while its libraries ship
 # 3.11 wheels, hence --ignore-requires-python; the constraints keep pip from
@@ -41,20 +58,20 @@ $(VENV)/.installed: setup.py constraints/tfx-1.16.txt
 	touch $@
 
 # The core library alone on the newest TensorFlow and Keras.
-$(LATEST)/.installed: setup.py constraints/tf-latest.txt
-	$(call core_venv,$(LATEST),constraints/tf-latest.txt)
+$(LATEST)/.installed-py$(LATEST_PY): setup.py constraints/tf-latest.txt
+	$(call core_venv,$(LATEST),constraints/tf-latest.txt,$(PYTHON_LATEST),$(LATEST_PY),PYTHON_LATEST)
 
 # The core library alone on the oldest supported TensorFlow and Keras.
-$(OLDEST)/.installed: setup.py constraints/oldest.txt
-	$(call core_venv,$(OLDEST),constraints/oldest.txt)
+$(OLDEST)/.installed-py$(OLDEST_PY): setup.py constraints/oldest.txt
+	$(call core_venv,$(OLDEST),constraints/oldest.txt,$(PYTHON_OLDEST),$(OLDEST_PY),PYTHON_OLDEST)
 
 # Keras 2 where it is built in: TF 2.15's tf.keras.
-$(KERAS2_TF215)/.installed: setup.py constraints/keras2-tf215.txt
-	$(call core_venv,$(KERAS2_TF215),constraints/keras2-tf215.txt)
+$(KERAS2_TF215)/.installed-py$(KERAS2_TF215_PY): setup.py constraints/keras2-tf215.txt
+	$(call core_venv,$(KERAS2_TF215),constraints/keras2-tf215.txt,$(PYTHON_KERAS2_TF215),$(KERAS2_TF215_PY),PYTHON_KERAS2_TF215)
 
 # Keras 2 on the newest TensorFlow: tf_keras, with TF_USE_LEGACY_KERAS=1 for the tests.
-$(KERAS2_LATEST)/.installed: setup.py constraints/keras2-latest.txt
-	$(call core_venv,$(KERAS2_LATEST),constraints/keras2-latest.txt)
+$(KERAS2_LATEST)/.installed-py$(KERAS2_LATEST_PY): setup.py constraints/keras2-latest.txt
+	$(call core_venv,$(KERAS2_LATEST),constraints/keras2-latest.txt,$(PYTHON_KERAS2_LATEST),$(KERAS2_LATEST_PY),PYTHON_KERAS2_LATEST)
 
 # The main job: the digits pipeline, locally on the Beam DirectRunner. Run it
 # again and the cached components are reused.
@@ -72,16 +89,16 @@ test: test-tfx test-latest test-oldest test-keras2-tf215 test-keras2-latest
 test-tfx: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
 
-test-latest: $(LATEST)/.installed
+test-latest: $(LATEST)/.installed-py$(LATEST_PY)
 	$(LATEST)/bin/python -m pytest tests/accumulator $(PYTEST_ARGS)
 
-test-oldest: $(OLDEST)/.installed
+test-oldest: $(OLDEST)/.installed-py$(OLDEST_PY)
 	$(OLDEST)/bin/python -m pytest tests/accumulator $(PYTEST_ARGS)
 
-test-keras2-tf215: $(KERAS2_TF215)/.installed
+test-keras2-tf215: $(KERAS2_TF215)/.installed-py$(KERAS2_TF215_PY)
 	$(KERAS2_TF215)/bin/python -m pytest tests/keras2 $(PYTEST_ARGS)
 
-test-keras2-latest: $(KERAS2_LATEST)/.installed
+test-keras2-latest: $(KERAS2_LATEST)/.installed-py$(KERAS2_LATEST_PY)
 	TF_USE_LEGACY_KERAS=1 $(KERAS2_LATEST)/bin/python -m pytest tests/keras2 $(PYTEST_ARGS)
 
 clean:

@@ -20,7 +20,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["accumulator*", "components*", "pipelines*", "GradientAccumulator"]),
-    python_requires=">=3.9",
+    python_requires=">=3.9,<3.14",
     install_requires=["tensorflow>=2.15,<2.22", KERAS],
     extras_require={
         # Keras 2 on TF >= 2.16 (TF 2.15's tf.keras is Keras 2 already).

@@ -2,6 +2,9 @@
 
 The logical CPUs must be configured before TensorFlow initialises its devices,
 which is why it happens here, at import time of the test session.
+
+`--record-deltas=PATH` writes every test's outcome and each max |Δw| it compared
+(see `tests/deltas.py`): the figures a run on new hardware reports.
 """
 
 import os
@@ -18,3 +21,43 @@ try:
     )
 except RuntimeError:  # devices already initialised by an earlier import
     pass
+
+
+# ------------------------------------------------ --record-deltas=PATH (tests/deltas.py)
+_record_path = None     # from --record-deltas
+_outcomes = {}          # {test node id: outcome}, in the order the tests ended
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-deltas", metavar="PATH", default=None,
+                     help="write each test's outcome and every max |Δw| it compared to PATH (JSON), "
+                          "rewritten after each test")
+
+
+def pytest_configure(config):
+    global _record_path
+    _record_path = config.getoption("--record-deltas")
+
+
+def pytest_runtest_logreport(report):
+    if _record_path is None or (report.when != "call" and report.passed):
+        return
+    outcome = "skipped" if report.skipped else report.outcome
+    _outcomes.setdefault(report.nodeid, outcome if report.when == "call" else f"{outcome} in {report.when}")
+    _write_deltas(_record_path)
+
+
+def _write_deltas(path):
+    import json
+    import platform
+
+    from tests import deltas
+
+    record = {"python": platform.python_version(), "tensorflow": tf.__version__,
+              "keras": getattr(tf.keras, "__version__", None),
+              "gpus": [d.name for d in tf.config.list_logical_devices("GPU")],
+              "tests": [{"test": test, "outcome": outcome, "max_abs_dw": deltas.RECORDED.get(test, [])}
+                        for test, outcome in _outcomes.items()]}
+    with open(path + ".partial", "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(path + ".partial", path)

@@ -9,6 +9,8 @@ import numpy as np
 import keras
 import tensorflow as tf
 
+from tests import deltas
+
 FEATURES = 6
 
 
@@ -33,7 +35,8 @@ def mlp(seed=0, dtype=None):
 
 
 def max_abs_diff(weights_a, weights_b):
-    return max(float(np.max(np.abs(a - b))) for a, b in zip(weights_a, weights_b))
+    """The largest absolute difference between two weight lists (noted for --record-deltas)."""
+    return deltas.note(max(float(np.max(np.abs(a - b))) for a, b in zip(weights_a, weights_b)))
 
 
 def fit_large_batch(model, optimizer, x, y, batch_size, epochs=1, loss="mse"):

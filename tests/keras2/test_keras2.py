@@ -18,6 +18,7 @@ import tensorflow as tf
 import accumulator
 from accumulator import GradientAccumulator, seam
 from accumulator.window import AccumulationWindow
+from tests import deltas
 
 k2 = seam.keras2_module()
 pytestmark = pytest.mark.skipif(k2 is None, reason="no Keras 2 here (tf_keras not installed)")
@@ -42,7 +43,8 @@ def mlp(seed=0, dtype=None):
 
 
 def max_diff(a, b):
-    return max(float(np.max(np.abs(np.asarray(p, "float64") - np.asarray(q, "float64")))) for p, q in zip(a, b))
+    return deltas.note(max(float(np.max(np.abs(np.asarray(p, "float64") - np.asarray(q, "float64"))))
+                           for p, q in zip(a, b)))
 
 
 def fit_pair(make_inner, accum=4, micro=8, samples=64, epochs=2, loss="mse", sample_weight=None,
