@@ -33,8 +33,9 @@ case "$mode" in
     # Exactness first: a run stopped by CHECK_SECONDS keeps these.
     files=(test_exactness test_mixed_precision test_xla test_partial_window test_weighting test_schedule
            test_noise_scale test_batch_norm test_saving test_forwarding test_api)
+    files=("${files[@]/#/tests/accumulator/}")
     timeout "${CHECK_SECONDS:-500}" "$python" -m pytest -p no:cacheprovider -o addopts="" -q -ra --timeout=300 \
-      --record-deltas="$OUT/deltas.json" "${files[@]/#/tests/accumulator/}" "$@" 2>&1 | tee -a "$OUT/check.log"
+      --record-deltas="$OUT/deltas.json" "${files[@]/%/.py}" "$@" 2>&1 | tee -a "$OUT/check.log"
     status=${PIPESTATUS[0]}
     [ "$status" = 124 ] && echo "stopped after ${CHECK_SECONDS:-500} s: $OUT/deltas.json holds the tests that ended" \
       | tee -a "$OUT/check.log"

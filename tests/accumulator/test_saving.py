@@ -11,6 +11,7 @@ import keras
 import tensorflow as tf
 
 from accumulator import GradientAccumulator
+from tests import child_pythonpath
 from tests.accumulator import reference as ref
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -58,7 +59,7 @@ model.fit(data['x'], data['y'], batch_size={MICRO}, shuffle=False, verbose=0)
 np.savez({str(tmp_path / 'out.npz')!r}, *model.get_weights())
 print(json.dumps(info))
 """
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=child_pythonpath(ROOT))
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     info = json.loads(out.stdout.strip().splitlines()[-1])

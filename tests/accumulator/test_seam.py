@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 from accumulator import GradientAccumulator, seam
+from tests import child_pythonpath
 from tests.accumulator import reference as ref
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -119,7 +120,7 @@ def test_unknown_hook_name_is_refused():
 
 def _python(code, **env):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), **env))
+                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=child_pythonpath(ROOT), **env))
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
@@ -243,3 +244,16 @@ def test_setup_declares_the_range_make_test_runs():
     test_line = (ROOT / "Makefile").read_text().split("\ntest:")[1].splitlines()[0]
     for target in ("test-tfx", "test-latest", "test-oldest", "test-keras2-tf215", "test-keras2-latest"):
         assert target in test_line, target
+
+
+def test_setup_admits_exactly_the_pythons_make_test_runs():
+    """Every minor Python that python_requires admits has a make test environment, and no other."""
+    from packaging.specifiers import SpecifierSet
+
+    admitted = SpecifierSet(_setup_requirements()["python_requires"])
+    makefile = (ROOT / "Makefile").read_text()
+    tested = set(re.findall(r"^\w+_PY := (3\.\d+)$", makefile, re.M))
+    tfx = re.search(r"sys\.version_info\[:2\] == \(3, (\d+)\)", makefile)
+    tested.add(f"3.{tfx.group(1)}")
+    assert tested == {f"3.{minor}" for minor in range(30) if f"3.{minor}" in admitted}, (tested, admitted)
+    assert f"{sys.version_info[0]}.{sys.version_info[1]}" in tested

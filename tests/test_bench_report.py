@@ -1,0 +1,54 @@
+"""The benchmark report judges a GPU run by its own yardstick (built from synthetic figures, no training)."""
+
+from benchmarks import run
+
+GPU = {"gpu": "NVIDIA H200", "compute_capability": [9, 0], "cuda_build": "12.5.1", "cudnn_build": "9",
+       "driver": "580.159.04", "gpu_memory": "143771 MiB"}
+
+
+def _results(plain_nb_seconds, accelerator=None):
+    """Two rounds at N=2 and N=8; plain b takes 1.0 s per segment, plain N·b `plain_nb_seconds`."""
+    seconds = {}
+    for n in (2, 8):
+        seconds.update({f"plain_b@{n}": [1.0, 1.0], f"plain_Nb@{n}": list(plain_nb_seconds),
+                        f"accumulator@{n}": [1.02, 1.01], f"keras_builtin@{n}": [1.03, 1.04]})
+    throughput = {"workload": "transformer", "size": "gpu", "micro": 32, "accums": [2, 8],
+                  "contenders": ["plain_b", "plain_Nb", "accumulator", "keras_builtin"], "segment_micro_steps": 40,
+                  "warm_step_seconds": 0.025, "param_bytes": 2**20, "description": "a transformer",
+                  "seconds": seconds, "did_not_fit": [], "build_seconds": {}, "load_start": [0.1, 0.1, 0.1],
+                  "load_end": [0.2, 0.2, 0.2], "segment_load_1min": []}
+    return {"date": "2026-11-22", "device": GPU["gpu"] if accelerator else "CPU (2 cores, x86_64)",
+            "versions": {"tensorflow": "2.21.0", "keras": "3.15.1", "python": "3.12.3"}, "cpus": 16,
+            "parts_run": ["throughput"], "part_seconds": {"throughput": 60.0},
+            "part_dates": {"throughput": "2026-11-22"}, "accelerator": accelerator or {},
+            "throughput": {"transformer": throughput}}
+
+
+def _targets(report):
+    return [line for line in report.splitlines() if line.startswith("| transformer")]
+
+
+def test_gpu_report_judges_saturation_and_names_driver_and_build(tmp_path):
+    # Same samples per segment; plain N·b takes 1.25 s: at b the GPU is already full.
+    run._report(_results([1.25, 1.25], GPU), str(tmp_path))
+    report = (tmp_path / "results.md").read_text()
+    assert "driver 580.159.04" in report and "CUDA 12.5.1" in report and "compute capability 9.0" in report
+    saturation = [line for line in _targets(report) if "fills the GPU" in line]
+    assert len(saturation) == 1 and "plain 8·b / plain b" in saturation[0], _targets(report)
+    assert "0.800" in saturation[0] and "**met**" in saturation[0], saturation
+    assert not any("compute-bound micro-step" in line for line in _targets(report))
+
+
+def test_gpu_report_flags_a_micro_batch_that_leaves_the_gpu_idle(tmp_path):
+    # plain N·b twice as fast per sample: b leaves the GPU half idle.
+    run._report(_results([0.5, 0.5], GPU), str(tmp_path))
+    saturation = [line for line in _targets((tmp_path / "results.md").read_text()) if "fills the GPU" in line]
+    assert "2.000" in saturation[0] and "**missed**" in saturation[0], saturation
+
+
+def test_cpu_report_keeps_the_milliseconds_target(tmp_path):
+    run._report(_results([1.0, 1.0]), str(tmp_path))
+    report = (tmp_path / "results.md").read_text()
+    assert any("compute-bound micro-step (≥ 50 ms)" in line for line in _targets(report))
+    assert not any("fills the GPU" in line for line in _targets(report))
+    assert "Other processes share the 16 cores" in report
