@@ -143,14 +143,12 @@ def launch_multiworker(args, workers=2, timeout=900):
 
     import portpicker
 
-    from benchmarks import child_pythonpath
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cluster = {"worker": [f"127.0.0.1:{portpicker.pick_unused_port()}" for _ in range(workers)]}
     procs = [subprocess.Popen(
         [sys.executable, "-m", "benchmarks.measure", "--mode=multiworker", *args],
         cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=dict(os.environ, PYTHONPATH=child_pythonpath(root), TF_CPP_MIN_LOG_LEVEL="3",
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
                  TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})),
     ) for i in range(workers)]
     outputs = [p.communicate(timeout=timeout) for p in procs]

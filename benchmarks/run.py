@@ -40,7 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks import child_pythonpath, stats  # noqa: E402  (pure Python)
+from benchmarks import accelerator_facts, stats  # noqa: E402  (no TensorFlow at import)
 
 PARTS = ["throughput", "noise_scale", "overhead", "memory", "distributed", "leak"]
 
@@ -81,8 +81,7 @@ def _measure(*args, timeout=1800):
     command = [sys.executable, "-m", "benchmarks.measure", *args]
     logging.info("measuring: %s  (load %s)", " ".join(args), _load())
     out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                         env=dict(os.environ, PYTHONPATH=child_pythonpath(ROOT), TF_CPP_MIN_LOG_LEVEL="3",
-                                  KERAS_BACKEND="tensorflow"))
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow"))
     if out.returncode:
         raise RuntimeError(f"{' '.join(args)} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -99,25 +98,6 @@ def _device():
         name = tf.config.experimental.get_device_details(gpus[0]).get("device_name", "gpu")
         return "gpu-" + name.lower().replace(" ", "-"), name
     return "cpu", f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
-
-
-def _accelerator_facts():
-    """Driver, CUDA/cuDNN build and compute capability when TensorFlow sees a GPU (else {})."""
-    import tensorflow as tf
-    gpus = tf.config.list_physical_devices("GPU")
-    if not gpus:
-        return {}
-    details = tf.config.experimental.get_device_details(gpus[0])
-    build = tf.sysconfig.get_build_info()
-    facts = {"gpu": details.get("device_name"), "compute_capability": details.get("compute_capability"),
-             "cuda_build": build.get("cuda_version"), "cudnn_build": build.get("cudnn_version")}
-    try:
-        query = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
-                               capture_output=True, text=True, timeout=60)
-        facts["driver"], facts["gpu_memory"] = [v.strip() for v in query.stdout.splitlines()[0].split(",")]
-    except (OSError, IndexError, ValueError, subprocess.SubprocessError) as error:
-        facts["driver"] = f"not read ({error.__class__.__name__})"
-    return facts
 
 
 def _machine_note(results):
@@ -286,19 +266,16 @@ def _rounds(throughput):
 
 
 def _timing_note(results):
-    parts = results.get("part_seconds", {})
-    note = ""
-    if "full_wall_seconds" in results:
-        note = (f"The last full `make bench` took {results['full_wall_seconds'] / 60:.1f} minutes ("
-                + ", ".join(f"{p} {parts[p] / 60:.1f}" for p in PARTS if p in parts) + ").")
-    if "full_wall_seconds" not in results:
-        dates = results.get("part_dates", {})
-        note = ("Parts run one at a time: " + ", ".join(f"{p} ({dates.get(p, '?')}, {parts[p] / 60:.1f} min)"
-                                                       for p in PARTS if p in parts) + ".")
-    elif set(results["parts_run"]) != set(PARTS):
+    parts, dates = results.get("part_seconds", {}), results.get("part_dates", {})
+    if "full_wall_seconds" not in results:      # e.g. a GPU's parts, one device call each
+        return ("Parts run one at a time: " + ", ".join(f"{p} ({dates.get(p, '?')}, {parts[p] / 60:.1f} min)"
+                                                        for p in PARTS if p in parts) + ".")
+    note = (f"The last full `make bench` took {results['full_wall_seconds'] / 60:.1f} minutes ("
+            + ", ".join(f"{p} {parts[p] / 60:.1f}" for p in PARTS if p in parts) + ").")
+    if set(results["parts_run"]) != set(PARTS):
         note += (f" Re-run alone since: {', '.join(results['parts_run'])} "
-                 f"({', '.join(results.get('part_dates', {}).get(p, '?') for p in results['parts_run'])}).")
-    return note.strip()
+                 f"({', '.join(dates.get(p, '?') for p in results['parts_run'])}).")
+    return note
 
 
 def _cell(summary, digits=0, scale=1.0):
@@ -716,7 +693,7 @@ def main(argv):
                         "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
                                      "python": platform.python_version()},
                         "cpus": os.cpu_count(), "parts_run": parts, "load_at_start": _load(),
-                        "accelerator": _accelerator_facts()})
+                        "accelerator": accelerator_facts()})
         for part in PARTS:
             if part in parts:
                 part_started = time.perf_counter()

@@ -1,7 +1,8 @@
-"""What a GPU user's default path is, measured: run first by `tools/gpu_session.sh check`.
+"""What a GPU user's default path is, measured: run first by `tools/gpu_session.sh check`
+(`python -m tools.gpu_probe` from the repository's root).
 
-Prints one JSON object (and writes it to --out): TensorFlow's build and devices,
-the GPU's driver, what Keras resolves `jit_compile="auto"` to for a model compiled
+Prints one JSON object (and writes it to --out): the GPU, its driver and what
+TensorFlow was built for (`benchmarks.accelerator_facts`), what Keras resolves `jit_compile="auto"` to for a model compiled
 with `GradientAccumulator` (on one GPU: XLA; under a strategy: not), and how long
 the first `fit` call takes (trace, XLA compile, and on a GPU whose architecture
 TensorFlow ships only PTX for, the driver's JIT of its kernels) against the next.
@@ -11,7 +12,6 @@ import contextlib
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
@@ -20,15 +20,6 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 from absl import app, flags  # noqa: E402
 
 OUT = flags.DEFINE_string("out", None, "Also write the JSON here.")
-
-
-def _nvidia_smi():
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=60)
-        return out.stdout.strip() or out.stderr.strip()
-    except (OSError, subprocess.SubprocessError) as error:
-        return f"not run: {error}"
 
 
 def _first_and_next_fit(make_optimizer, strategy=None):
@@ -60,15 +51,16 @@ def main(argv):
     import tensorflow as tf
     from accumulator import GradientAccumulator
 
-    gpus = tf.config.list_physical_devices("GPU")
+    from benchmarks import accelerator_facts
+
+    accelerator = accelerator_facts()
     facts = {"python": platform.python_version(), "tensorflow": tf.__version__, "keras": keras.__version__,
-             "build": {k: v for k, v in tf.sysconfig.get_build_info().items() if "cuda" in k or "cudnn" in k},
-             "gpus": [tf.config.experimental.get_device_details(g) for g in gpus],
-             "nvidia_smi": _nvidia_smi(), "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "CUDA_CACHE_MAXSIZE")}}
+             "accelerator": accelerator,
+             "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "CUDA_CACHE_MAXSIZE")}}
     accumulating = lambda: GradientAccumulator(keras.optimizers.Adam(1e-3), accum_steps=4)  # noqa: E731
     facts["default_fit"] = {"plain Adam": _first_and_next_fit(lambda: keras.optimizers.Adam(1e-3)),
                             "GradientAccumulator(Adam, 4)": _first_and_next_fit(accumulating)}
-    if gpus:
+    if accelerator:
         strategy = tf.distribute.MirroredStrategy(["/gpu:0"])
         facts["default_fit"]["GradientAccumulator(Adam, 4), one-GPU MirroredStrategy"] = _first_and_next_fit(
             accumulating, strategy)
@@ -77,7 +69,7 @@ def main(argv):
     if OUT.value:
         with open(OUT.value, "w") as f:
             f.write(text)
-    if not gpus:
+    if not accelerator:
         print("no GPU seen by TensorFlow: its log above says which library it could not load", file=sys.stderr)
 
 

@@ -8,8 +8,6 @@ import sys
 import numpy as np
 import portpicker
 
-from tests import child_pythonpath
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKERS = 2
 
@@ -21,7 +19,6 @@ def start_cluster(out, *args):
     for index in range(WORKERS):
         env = dict(
             os.environ,
-            PYTHONPATH=child_pythonpath(ROOT),
             TF_CPP_MIN_LOG_LEVEL="3",
             TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
         )

@@ -11,7 +11,6 @@ import keras
 import tensorflow as tf
 
 from accumulator import GradientAccumulator
-from tests import child_pythonpath
 from tests.accumulator import reference as ref
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,8 +58,7 @@ model.fit(data['x'], data['y'], batch_size={MICRO}, shuffle=False, verbose=0)
 np.savez({str(tmp_path / 'out.npz')!r}, *model.get_weights())
 print(json.dumps(info))
 """
-    env = dict(os.environ, PYTHONPATH=child_pythonpath(ROOT))
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     info = json.loads(out.stdout.strip().splitlines()[-1])
     assert info == dict(cls="GradientAccumulator", accum=ACCUM, micro=2, inner=0.2, acc_nonzero=True)

@@ -12,7 +12,6 @@ import pytest
 import tensorflow as tf
 
 from accumulator import GradientAccumulator, seam
-from tests import child_pythonpath
 from tests.accumulator import reference as ref
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -120,7 +119,7 @@ def test_unknown_hook_name_is_refused():
 
 def _python(code, **env):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=child_pythonpath(ROOT), **env))
+                         cwd=ROOT, env=dict(os.environ, **env))
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 

@@ -18,7 +18,7 @@ import tensorflow as tf
 import accumulator
 from accumulator import GradientAccumulator, seam
 from accumulator.window import AccumulationWindow
-from tests import child_pythonpath, deltas
+from tests import deltas
 
 k2 = seam.keras2_module()
 pytestmark = pytest.mark.skipif(k2 is None, reason="no Keras 2 here (tf_keras not installed)")
@@ -337,8 +337,9 @@ def test_import_accumulator_under_tf_use_legacy_keras_in_a_fresh_process():
     code = ("import tensorflow as tf, accumulator;"
             "o = accumulator.GradientAccumulator(tf.keras.optimizers.Adam(), accum_steps=2);"
             "print(type(o).__module__)")
-    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", PYTHONPATH=child_pythonpath(ROOT))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "accumulator.keras2"
 
