@@ -61,6 +61,93 @@ def add_weighted(accumulator, grad, weight):
         )
 
 
+def filled(shape, dtype, value=0.0):
+    """A tensor of `shape` (a `None` dimension counts 0: an empty buffer) filled with `value`."""
+    return tf.fill([0 if d is None else d for d in shape], tf.constant(value, tf.as_dtype(dtype)))
+
+
+def local_components(variable, strategy):
+    """The `tf.Variable`s on this machine behind `variable` (one per local replica)."""
+    return strategy.experimental_local_results(backing_variable(variable))
+
+
+def holds_values(variable, strategy):
+    """Whether `variable` (a buffer that may be empty) holds any element, asked outside the graph."""
+    with tf.init_scope():
+        return any(int(tf.size(c)) > 0 for c in local_components(variable, strategy))
+
+
+def fill_if_empty(variable, shape, strategy, value=0.0):
+    """Gives an empty buffer its full `shape`, filled with `value`, outside the graph.
+
+    Called while a step is traced (`tf.init_scope` runs it at once, eagerly), so
+    the filled buffer is what the traced step reads and writes. Components that
+    already hold values (restored from a checkpoint) are left as they are.
+    """
+    with tf.init_scope():
+        for component in local_components(variable, strategy):
+            if int(tf.size(component)) == 0 and tuple(shape) != (0,):
+                component.assign(filled(shape, component.dtype, value))
+
+
+def append_rows(values, indices, count, grad, weight):
+    """Appends `weight * grad`'s rows (a `tf.IndexedSlices`) to a variable's window rows.
+
+    The rows go where the window's last ones end, written in place while the
+    buffers have room; buffers too small are replaced by ones holding exactly the
+    rows so far, so they grow during the first window and then stay the size of
+    the largest window. Memory follows the ids looked up, not the vocabulary.
+    """
+    values, indices, count = backing_variable(values), backing_variable(indices), backing_variable(count)
+    new_values = tf.cast(grad.values, values.dtype) * tf.cast(weight, values.dtype)
+    new_indices = tf.cast(tf.reshape(grad.indices, [-1]), tf.int64)
+    start = count.read_value()
+    end = start + tf.shape(new_indices, out_type=tf.int64)[0]
+
+    def grow():
+        values.assign(tf.concat([values[:start], new_values], 0), read_value=False)
+        indices.assign(tf.concat([indices[:start], new_indices], 0), read_value=False)
+
+    def write():
+        for buffer, new in ((values, new_values), (indices, new_indices)):
+            tf.raw_ops.ResourceStridedSliceAssign(
+                ref=buffer.handle, begin=tf.reshape(start, [1]), end=tf.reshape(end, [1]),
+                strides=tf.ones([1], tf.int64), value=new)
+
+    capacity = tf.shape(indices, out_type=tf.int64)[0]
+    tf.cond(end > capacity, grow, write)
+    count.assign(end, read_value=False)
+
+
+def read_rows(values, indices, count):
+    """The window's rows: the first `count` of the buffers (all of them: no copy)."""
+    count = backing_variable(count).read_value()
+    return backing_variable(values)[:count], backing_variable(indices)[:count]
+
+
+def gather_over_replicas(slices):
+    """Every replica's `slices` (`tf.IndexedSlices`) concatenated in replica order.
+
+    What Keras' own all-reduce does with the large batch's sparse gradients: a
+    sum of `IndexedSlices` across replicas is the concatenation of their rows.
+    """
+    if replicas_in_sync() == 1:
+        return slices
+    return tf.distribute.get_replica_context().all_reduce(SUM, slices)
+
+
+def merge_duplicate_rows(slices):
+    """`slices` with the rows of each index summed: one row per index."""
+    unique, positions = tf.unique(slices.indices)
+    summed = tf.math.unsorted_segment_sum(slices.values, positions, tf.size(unique))
+    return tf.IndexedSlices(summed, unique, slices.dense_shape)
+
+
+def add_rows(dense, slices):
+    """`dense + slices`, as a dense tensor."""
+    return tf.tensor_scatter_nd_add(dense, slices.indices[:, None], tf.cast(slices.values, dense.dtype))
+
+
 def divide_in_place(totals, divisor):
     """The window's means: each of `totals` divided by `divisor`.
 
@@ -105,7 +192,8 @@ def fill_one_after_another(variables, values, after=()):
     for variable, value in zip(variables, values):
         variable = backing_variable(variable)
         with tf.control_dependencies(previous):
-            contents = tf.raw_ops.Empty(shape=tuple(variable.shape), dtype=variable.dtype, init=True)
+            shape = tuple(variable.shape) if variable.shape.is_fully_defined() else tf.shape(variable)
+            contents = tf.raw_ops.Empty(shape=shape, dtype=variable.dtype, init=True)
             if value != 0:
                 contents = contents + tf.constant(value, variable.dtype)
             op = variable.assign(contents, read_value=False)
@@ -200,7 +288,7 @@ def apply_in_context(optimizer, grads, indices, weight=1.0, close_only=False):
             should_close = optimizer._window_is_full()
 
         def close():
-            apply_window(sorted(with_grads | optimizer._seen_in_window))
+            apply_window(*optimizer._window_kinds(sorted(with_grads | optimizer._seen_in_window)))
             optimizer._micro_step.assign(0)
             optimizer._seen_in_window = set()
 
@@ -216,15 +304,15 @@ def apply_in_context(optimizer, grads, indices, weight=1.0, close_only=False):
     # 1/replicas, so the summed gradients are divided by the mean of the
     # replicas' weights.
     if not tf.distribute.has_strategy():
-        step(lambda used: optimizer._apply_window(
+        step(lambda used, rows: optimizer._apply_window(
             used, local_sums(used), backing_variable(optimizer._weight_sum), 1,
-            [backing_variable(s) for s in noise_sums]))
+            [backing_variable(s) for s in noise_sums], rows))
     elif seam.replica_context_lacks_merge_call() or seam.in_xla_context():
         raise NotImplementedError(NO_MERGE_CALL_MESSAGE)
     else:
 
         def cross_replica(distribution):
-            def apply_window(used):
+            def apply_window(used, rows):
                 variables = optimizer._vars
                 # Sums are all-reduced here, in one batch; maxima (overwrite-
                 # with-gradient variables) in the replicas (`_apply_window`).
@@ -244,7 +332,7 @@ def apply_in_context(optimizer, grads, indices, weight=1.0, close_only=False):
                 with optimizer._updates_without_reduction():
                     distribution.extended.call_for_each_replica(
                         optimizer._apply_window,
-                        args=(used, sums, weight, distribution.num_replicas_in_sync, reduced_noise),
+                        args=(used, sums, weight, distribution.num_replicas_in_sync, reduced_noise, rows),
                     )
 
             step(apply_window)

@@ -107,7 +107,9 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
             possibly inside a `mixed_precision.LossScaleOptimizer`, or the name
             of one.
         accum_steps, partial_window, schedulable, measure_noise_scale,
-        noise_scale_smoothing, name: as for the Keras 3 class.
+        noise_scale_smoothing, merge_duplicate_rows, name: as for the Keras 3
+            class. Keras 2's optimizers sum repeated rows themselves, so
+            `merge_duplicate_rows` changes nothing here.
     """
 
     def __new__(cls, optimizer=None, *args, **kwargs):
@@ -117,9 +119,10 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
 
     def __init__(self, optimizer, accum_steps=1, partial_window="apply", schedulable=False,
                  measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING,
-                 name=None, **kwargs):
+                 merge_duplicate_rows=False, name=None, **kwargs):
         window_args = self._validate_window_arguments(
-            accum_steps, partial_window, schedulable, measure_noise_scale, noise_scale_smoothing)
+            accum_steps, partial_window, schedulable, measure_noise_scale, noise_scale_smoothing,
+            merge_duplicate_rows)
         optimizer = _resolve_optimizer(optimizer)
         kwargs.pop("is_legacy_optimizer", None)     # in every Keras 2 optimizer config
         refuse_unknown_arguments(kwargs, "set clipping, weight decay and EMA on the inner optimizer.")
@@ -154,7 +157,7 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
         dtype = tf.as_dtype(dtype)
         return self.add_variable(
             shape=shape, dtype=dtype, name=name,
-            initializer=lambda shape, dtype: tf.fill(shape, tf.constant(initial, dtype)))
+            initializer=lambda shape, dtype: _tf.filled(shape, dtype, initial))
 
     def _hand_to_updater(self, grads, variables, reduced):
         pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]

@@ -18,7 +18,7 @@ import logging
 import keras
 import tensorflow as tf
 
-from accumulator import seam, weighting
+from accumulator import _tf, seam, weighting
 from accumulator.noise_scale import DEFAULT_SMOOTHING
 from accumulator.window import (  # noqa: F401  (validators re-exported: the public names)
     PARTIAL_WINDOW_MODES, AccumulationWindow, optimizer_chain, refuse_nested_accumulation,
@@ -86,8 +86,17 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
 
     Custom loops call `apply_gradients(zip(grads, vars))` or `apply(grads, vars)`
     once per micro-batch, eagerly or inside `tf.function`. `None` gradients are
-    left out of the update, `tf.IndexedSlices` (embeddings) are accumulated
-    into dense buffers.
+    left out of the update.
+
+    Sparse gradients (`tf.IndexedSlices`, from `Embedding` and other gathers)
+    are kept as rows: every looked-up row of every micro-batch, weighted. The
+    inner optimizer gets the window's rows as one `tf.IndexedSlices`, the one
+    the large batch's gradient would be, so it makes Keras' own large-batch
+    update: Keras 3 applies repeated rows one by one (Adam's second moment gets
+    g1^2 + g2^2 for a row looked up twice). The window's memory for them grows
+    with the ids looked up, not with the vocabulary. Under XLA
+    (`jit_compile=True`) the rows are summed per index instead (the buffers
+    cannot change size there); a warning says so.
 
     Mixed precision: wrap a `keras.optimizers.LossScaleOptimizer`
     (`GradientAccumulator(LossScaleOptimizer(Adam()))`, and compile with
@@ -132,6 +141,12 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
             (`accum_steps=1` without `schedulable`).
         noise_scale_smoothing: the decay, in [0, 1), of the exponential moving
             averages of |G|^2 and tr(Sigma) over windows (0.99: about 100 windows).
+        merge_duplicate_rows: False (the default) hands the inner optimizer a
+            sparse gradient's rows as the large batch has them, one per lookup,
+            so training equals Keras' own large batch. True sums the rows of
+            each index first: adaptive optimizers then see (g1 + g2)^2 for a
+            row looked up twice, the densified gradient's mathematics (what
+            `tf_keras` does, and what the mean gradient of the loss implies).
         name: optional name of the wrapper.
     """
 
@@ -148,9 +163,10 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
 
     def __init__(self, optimizer, accum_steps=1, partial_window="apply", schedulable=False,
                  measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING,
-                 name=None, **kwargs):
+                 merge_duplicate_rows=False, name=None, **kwargs):
         window_args = self._validate_window_arguments(
-            accum_steps, partial_window, schedulable, measure_noise_scale, noise_scale_smoothing)
+            accum_steps, partial_window, schedulable, measure_noise_scale, noise_scale_smoothing,
+            merge_duplicate_rows)
         optimizer = _resolve_optimizer(optimizer)
         for arg_name, default in _BASE_ARG_DEFAULTS.items():
             if arg_name in kwargs and kwargs.pop(arg_name) != default:
@@ -202,8 +218,12 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
 
     # ------------------------------------------------ what AccumulationWindow needs
     def _new_variable(self, shape, dtype, initial, name):
+        # `None` in `shape`: a buffer that starts empty and changes size along
+        # that axis (`AccumulationWindow._build_window`). Keras wants a full
+        # shape, so it is made with 0 there; `seam.variables_created_as` gives
+        # the `tf.Variable` behind it the open dimension.
         return self.add_variable(
-            shape=shape, dtype=tf.as_dtype(dtype).name,
+            shape=tuple(0 if d is None else d for d in shape), dtype=tf.as_dtype(dtype).name,
             initializer=keras.initializers.Constant(initial), name=name)
 
     def _hand_to_updater(self, grads, variables, reduced):
@@ -261,6 +281,15 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
 
     def scale_loss(self, loss):
         return self._updater.scale_loss(loss)
+
+    def load_own_variables(self, store):
+        # Keras' own loop assigns through `keras.Variable.assign`, which holds a
+        # buffer to the size it was made with; the window's buffers change size.
+        variables = self.variables
+        if len(store.keys()) != len(variables):
+            return super().load_own_variables(store)   # Keras' warning, nothing loaded
+        for i, variable in enumerate(variables):
+            _tf.backing_variable(variable).assign(store[str(i)])
 
     def finalize_variable_values(self, var_list):
         # Keras calls this when `fit` ends, before EMA values are written back.

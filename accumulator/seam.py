@@ -224,12 +224,15 @@ def is_multi_worker(strategy):
 
 
 @contextlib.contextmanager
-def variables_created_as(synchronization=None, aggregation=None):
+def variables_created_as(synchronization=None, aggregation=None, shape=None):
     """Keras variables made inside get these `tf.Variable` settings.
 
     Public TensorFlow (`tf.variable_creator_scope`), so it works on every Keras
     3 release, including those whose `keras.Variable` takes no
-    `synchronization` (before 3.10) or `aggregation` (before 3.2).
+    `synchronization` (before 3.10) or `aggregation` (before 3.2). `shape`,
+    with `None` in place of a dimension, makes a variable whose contents may
+    change size along it (the accumulator's row buffers and lazily filled
+    gradient buffers); Keras itself never passes one.
     """
 
     def creator(next_creator, **kwargs):
@@ -237,6 +240,8 @@ def variables_created_as(synchronization=None, aggregation=None):
             kwargs["synchronization"] = synchronization
         if aggregation is not None:
             kwargs["aggregation"] = aggregation
+        if shape is not None:
+            kwargs["shape"] = tf.TensorShape(shape)
         return next_creator(**kwargs)
 
     with tf.variable_creator_scope(creator):

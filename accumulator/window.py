@@ -6,13 +6,28 @@ In the spirit of optax's `MultiSteps`, a small, explicit state:
 * ``accum_steps``     how many micro-batches close a window (a variable, so it
                       can change during training without retracing);
 * ``weight_sum``      the total weight of the micro-batches in the window;
-* ``accumulators``    per variable, the weighted sum of the window's gradients.
+* ``accumulators``    per variable with dense gradients, the weighted sum of the
+                      window's gradients (filled on the first dense gradient:
+                      an embedding table that only gets sparse ones has none);
+* ``rows``            per variable with sparse (`tf.IndexedSlices`) gradients,
+                      every row of every micro-batch's gradient, weighted, with
+                      its index, in order (`WindowRows`).
 
-and one update rule: add ``weight * grad`` to the accumulators; when the window is
-full, hand ``accumulators / weight_sum`` to the inner optimizer exactly once and
-reset the window. Everything the inner optimizer does per update (learning-rate
-schedules, clipping, weight decay, Adam moments, EMA, loss scaling, iteration
-count) therefore happens once per window, on the window's mean gradient.
+and one update rule: add ``weight * grad`` to the accumulators (append its rows);
+when the window is full, hand ``accumulators / weight_sum`` (and the rows divided
+by ``weight_sum``, as one `tf.IndexedSlices`) to the inner optimizer exactly once
+and reset the window. Everything the inner optimizer does per update
+(learning-rate schedules, clipping, weight decay, Adam moments, EMA, loss scaling,
+iteration count) therefore happens once per window, on the window's mean gradient.
+
+Sparse gradients are kept as rows, not summed, because Keras 3 applies an
+`IndexedSlices` with repeated indices row by row: its Adam squares each
+occurrence (g1^2 + g2^2, not (g1 + g2)^2). The large batch's gradient holds one
+row per looked-up occurrence; the window's rows are those same rows, so the inner
+optimizer makes the update Keras makes for the large batch, whatever it does with
+them. `merge_duplicate_rows=True` sums each index's rows first instead: the
+densified gradient's mathematics (what `tf_keras` does). The rows cost memory in
+proportion to the ids looked up in a window, not to the vocabulary.
 
 `AccumulationWindow` holds that rule in TensorFlow ops only, so the Keras 3
 optimizer (`accumulator.optimizer`) and the Keras 2 one (`accumulator.keras2`)
@@ -45,6 +60,9 @@ logger = logging.getLogger(__name__)
 
 PARTIAL_WINDOW_MODES = ("apply", "carry", "drop")
 
+# Sparse gradients under XLA (see `_keeps_rows`): warned about once per process.
+_warned_xla_rows = False
+
 __all__ = [
     "AccumulationWindow", "DEFAULT_SMOOTHING", "PARTIAL_WINDOW_MODES", "optimizer_chain",
     "validate_accum_steps", "validate_partial_window", "validate_measure_noise_scale",
@@ -70,6 +88,13 @@ def validate_measure_noise_scale(measure, name="measure_noise_scale"):
     return measure
 
 
+def validate_merge_duplicate_rows(merge, name="merge_duplicate_rows"):
+    """Returns `merge` as a bool if it is True or False, or raises naming the parameter."""
+    if not isinstance(merge, bool):
+        raise ValueError(f"`{name}` must be True or False; received {merge!r}.")
+    return merge
+
+
 def optimizer_chain(optimizer):
     """`optimizer` and every optimizer it wraps (`inner_optimizer`, `optimizers`)."""
     chain, todo = [], [optimizer]
@@ -92,7 +117,7 @@ def refuse_unknown_arguments(kwargs, advice=""):
         raise ValueError(
             f"GradientAccumulator got unknown arguments: {sorted(kwargs)}. "
             "It takes `optimizer`, `accum_steps`, `partial_window`, `schedulable`, "
-            "`measure_noise_scale`, `noise_scale_smoothing` and `name`" + (f"; {advice}" if advice else ".")
+            "`measure_noise_scale`, `noise_scale_smoothing`, `merge_duplicate_rows` and `name`" + (f"; {advice}" if advice else ".")
         )
 
 
@@ -125,6 +150,27 @@ def _overwrites_with_gradient(variable):
     return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
+class WindowRows:
+    """The rows of one variable's sparse gradients in the open window.
+
+    * ``values``   ``[capacity, *variable.shape[1:]]``: each row times its
+                   micro-batch's weight, in the order the micro-batches came;
+    * ``indices``  ``[capacity]``: the row of the variable each value is for;
+    * ``count``    how many of the ``capacity`` rows the window holds.
+
+    The buffers grow (to exactly the rows held) only when a micro-batch does not
+    fit; after the first full window they are written in place. Replica-local
+    under a strategy, like the accumulators.
+    """
+
+    def __init__(self, values, indices, count):
+        self.values, self.indices, self.count = values, indices, count
+
+    @property
+    def variables(self):
+        return [self.values, self.indices, self.count]
+
+
 class AccumulationWindow:
     """The window state and update rule; mixed into each Keras' optimizer class.
 
@@ -136,8 +182,9 @@ class AccumulationWindow:
 
     # ------------------------------------------------------------------ setup
     def _init_window(self, accum_steps, partial_window, schedulable, measure_noise_scale,
-                     noise_scale_smoothing):
+                     noise_scale_smoothing, merge_duplicate_rows):
         self._accum_steps = accum_steps
+        self.merge_duplicate_rows = merge_duplicate_rows
         self.partial_window = partial_window
         # Indices of the variables that got gradients in any traced or eager
         # call: what a forced close of the window applies.
@@ -153,12 +200,13 @@ class AccumulationWindow:
         self.epoch_schedule = None
         self._untracked(_window_listeners=[], _vars=[], _index_by_id={}, _accumulators=[],
                         _overwrite_indices=frozenset(), _window_strategy=None,
-                        _noise_estimate=None, _noise_sums=[])
+                        _noise_estimate=None, _noise_sums=[], _rows=[], _rows_seen=set())
 
     @staticmethod
     def _validate_window_arguments(accum_steps, partial_window, schedulable, measure_noise_scale,
-                                   noise_scale_smoothing):
+                                   noise_scale_smoothing, merge_duplicate_rows):
         accum_steps = validate_accum_steps(accum_steps)
+        merge_duplicate_rows = validate_merge_duplicate_rows(merge_duplicate_rows)
         validate_partial_window(partial_window)
         measure_noise_scale = validate_measure_noise_scale(measure_noise_scale)
         noise_scale_smoothing = validate_smoothing(noise_scale_smoothing, "noise_scale_smoothing")
@@ -169,7 +217,8 @@ class AccumulationWindow:
                 "and `accum_steps=1` (without `schedulable=True`) makes a pass-through "
                 "with windows of 1, which give no estimate. Use accum_steps >= 2."
             )
-        return accum_steps, partial_window, schedulable, measure_noise_scale, noise_scale_smoothing
+        return (accum_steps, partial_window, schedulable, measure_noise_scale, noise_scale_smoothing,
+                merge_duplicate_rows)
 
     def _untracked(self, **attributes):
         # Plain Python state, set past TensorFlow's attribute tracking: the
@@ -189,14 +238,26 @@ class AccumulationWindow:
         # in one batched all-reduce when the window closes.
         self._weight_sum = self._new_local_variable((), tf.float32, "weight_sum")
         overwrite = frozenset(i for i, v in enumerate(var_list) if _overwrites_with_gradient(v))
-        # A pass-through never accumulates: it holds no buffers.
-        accumulators = [] if self._passthrough else [
-            self._new_local_variable(
-                tuple(v.shape), _accumulator_dtype(v), f"accumulator_{i}",
-                initial=float("-inf") if i in overwrite else 0.0,
-            )
-            for i, v in enumerate(var_list)
-        ]
+        # A pass-through never accumulates: it holds no buffers. Scalars and
+        # overwrite-with-gradient variables get their buffer now; the others an
+        # empty one, filled on their first dense gradient (`_ensure_dense`), and
+        # row buffers for sparse gradients, which only gathers produce.
+        accumulators, rows = [], []
+        for i, v in ([] if self._passthrough else enumerate(var_list)):
+            dtype = _accumulator_dtype(v)
+            if i in overwrite or not v.shape.rank:
+                accumulators.append(self._new_local_variable(
+                    tuple(v.shape), dtype, f"accumulator_{i}",
+                    initial=float("-inf") if i in overwrite else 0.0))
+                rows.append(None)
+                continue
+            rest = tuple(v.shape)[1:]
+            accumulators.append(self._new_local_variable((None,) + rest, dtype, f"accumulator_{i}"))
+            rows.append(WindowRows(
+                self._new_local_variable((None,) + rest, dtype, f"rows_{i}_values"),
+                self._new_local_variable((None,), tf.int64, f"rows_{i}_indices"),
+                self._new_local_variable((), tf.int64, f"rows_{i}_count"),
+            ))
         if self.measure_noise_scale:
             # Per replica, next to the accumulators: sum_k R^2 |g_k|^2, sum_k 1/b_k
             # and K, reduced with them once per window.
@@ -210,12 +271,14 @@ class AccumulationWindow:
                 )
             self._untracked(_noise_estimate=estimate, _noise_sums=noise_sums)
         self._untracked(_vars=var_list, _index_by_id={id(v): i for i, v in enumerate(var_list)},
-                        _accumulators=accumulators, _overwrite_indices=overwrite,
+                        _accumulators=accumulators, _rows=rows, _overwrite_indices=overwrite,
                         _window_strategy=tf.distribute.get_strategy())
 
     def _new_local_variable(self, shape, dtype, name, initial=0.0):
+        """A replica-local variable; `None` in `shape` makes it start empty along that axis."""
         with seam.variables_created_as(
-            synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM
+            synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM,
+            shape=shape if None in shape else None,
         ):
             return self._new_variable(shape, dtype, initial, name)
 
@@ -243,7 +306,13 @@ class AccumulationWindow:
 
     @property
     def accumulators(self):
+        """The dense gradient buffers, one per variable (empty where no dense gradient came)."""
         return list(self._accumulators)
+
+    @property
+    def window_rows(self):
+        """Per variable, the `WindowRows` of its sparse gradients (None for scalars)."""
+        return list(self._rows)
 
     @property
     def held_micro_batches(self):
@@ -289,12 +358,14 @@ class AccumulationWindow:
             )
         for variable, weight in zip(variables, weights):
             shape = tuple(weight.shape) if hasattr(weight, "shape") else tuple(np.shape(weight))
-            if tuple(variable.shape) != shape:
+            # The window's buffers take any size along their open (None) axis.
+            expected = _tf.backing_variable(variable).shape
+            if not expected.is_compatible_with(shape):
                 raise ValueError(
                     f"`weights` entry for {variable.name} has shape {shape}; "
-                    f"expected {tuple(variable.shape)}."
+                    f"expected {tuple(expected.as_list())}."
                 )
-            variable.assign(weight)
+            _tf.backing_variable(variable).assign(weight)
 
     def get_weights(self):
         """The wrapper's and the inner optimizers' state as NumPy arrays, in `variables` order."""
@@ -318,7 +389,8 @@ class AccumulationWindow:
         for layer in self._window_listeners:
             layer.close_window(apply=mode == "apply")
         if mode == "drop":
-            self._reset_window(range(len(self._accumulators)))
+            self._reset_window(range(len(self._accumulators)),
+                               [i for i, rows in enumerate(self._rows) if rows is not None])
             self._micro_step.assign(0)
             self._seen_in_window = set()
         else:
@@ -394,7 +466,12 @@ class AccumulationWindow:
                 self._seen_in_window.add(index)
             if index in self._overwrite_indices:
                 _tf.keep_maximum(self._accumulators[index], grad)
+            elif isinstance(grad, tf.IndexedSlices) and self._keeps_rows(index):
+                self._rows_seen.add(index)
+                rows = self._rows[index]
+                _tf.append_rows(rows.values, rows.indices, rows.count, grad, weight)
             else:
+                self._ensure_dense(index)
                 _tf.add_weighted(self._accumulators[index], grad, weight)
         self._weight_sum.assign_add(weight)
         if self._noise_sums:
@@ -407,18 +484,62 @@ class AccumulationWindow:
             for total, term in zip(self._noise_sums, terms):
                 total.assign_add(term)
 
+    def _keeps_rows(self, index):
+        """Whether a sparse gradient for variable `index` goes to its row buffers.
+
+        Not under XLA (`jit_compile=True`): the buffers change size, which XLA
+        cannot compile. There the rows are summed into a dense buffer, as
+        `merge_duplicate_rows=True` would, and a warning says so once.
+        """
+        if self._rows[index] is None:
+            return False
+        if seam.in_xla_context():
+            global _warned_xla_rows
+            if not _warned_xla_rows:
+                _warned_xla_rows = True
+                logger.warning(
+                    "GradientAccumulator under XLA (jit_compile=True): sparse gradients "
+                    "(embeddings) are summed per row in a dense buffer, so the inner optimizer "
+                    "sees each looked-up row once with its summed gradient (the densified "
+                    "gradient, as merge_duplicate_rows=True). Keras 3's own large batch applies "
+                    "repeated rows one by one; compile with jit_compile=False for that update.")
+            return False
+        return True
+
+    def _ensure_dense(self, index):
+        """Fills variable `index`'s dense buffer with zeros if it is still empty.
+
+        Runs when a micro-step is traced (or eagerly), outside any graph, so the
+        buffer exists before the step does; a buffer restored from a checkpoint
+        already holds its sums and is left as it is.
+        """
+        variable = self._vars[index]
+        _tf.fill_if_empty(self._accumulators[index], tuple(variable.shape), self._window_strategy)
+
+    def _window_kinds(self, used):
+        """`used` split into the variables with dense sums and those with rows.
+
+        Decided when the window's close is traced: the buffers filled so far
+        (also by a restored checkpoint) and the sparse gradients seen.
+        """
+        dense = [i for i in used if _tf.holds_values(self._accumulators[i], self._window_strategy)]
+        rows = [i for i in used if self._rows[i] is not None and (
+            i in self._rows_seen or _tf.holds_values(self._rows[i].indices, self._window_strategy))]
+        return dense, rows
+
     def _window_is_full(self):
         return self._micro_step >= self._accum_steps_var
 
-    def _apply_window(self, used, sums, weight_sum, replicas, noise_sums=()):
+    def _apply_window(self, used, sums, weight_sum, replicas, noise_sums=(), row_indices=()):
         """Replica-local: applies the window's mean gradient, then resets it.
 
-        `used` lists the indices of the variables that had a gradient in the
-        window, `sums` their accumulated (and, under a strategy, reduced)
+        `used` lists the indices of the variables with dense sums in the
+        window, `sums` those accumulated (and, under a strategy, reduced)
         weighted gradients (for `overwrite_with_gradient` variables, their
-        maxima), `weight_sum` the window's weight summed over the `replicas`;
-        the other variables get `None`, as in the large batch. `noise_sums`
-        are the window's (reduced) noise-scale sums when it measures.
+        maxima), `row_indices` the variables with sparse rows (gathered here
+        across the replicas), `weight_sum` the window's weight summed over the
+        `replicas`; the other variables get `None`, as in the large batch.
+        `noise_sums` are the window's (reduced) noise-scale sums when it measures.
         """
         weight_sum = weight_sum / replicas
         grads = [None] * len(self._vars)
@@ -430,14 +551,36 @@ class AccumulationWindow:
         means = _tf.divide_in_place([total for _, total in summed], weight_sum)
         for (i, _), mean in zip(summed, means):
             grads[i] = tf.cast(mean, self._vars[i].dtype)
+        row_means = [self._mean_rows(i, weight_sum) for i in row_indices]
+        for i, mean in zip(row_indices, row_means):
+            # A variable with dense and sparse gradients in one window gets their sum.
+            grads[i] = mean if grads[i] is None else _tf.add_rows(grads[i], mean)
         if self._noise_estimate is not None:
             # The window's size: its weight over the replicas (see accumulator.noise_scale).
-            self._update_noise_scale(noise_sums, means, weight_sum)
+            self._update_noise_scale(noise_sums, means + row_means, weight_sum)
         self._hand_to_updater(grads, self._vars, reduced=True)
         # Refill once the update has read the means: reading the variables it
         # wrote orders the refill after it (automatic control dependencies).
-        self._reset_window(used, after=[
+        self._reset_window(used, row_indices, after=[
             tf.convert_to_tensor(_tf.backing_variable(self._vars[i])) for i, _ in summed])
+
+    def _mean_rows(self, index, weight_sum):
+        """Variable `index`'s rows of the window, from every replica, divided by its weight.
+
+        The `tf.IndexedSlices` the large batch's gradient would be: one row per
+        looked-up occurrence, in the order of the samples (of replica 0's
+        samples, then replica 1's, as Keras gathers them), or, with
+        `merge_duplicate_rows`, one row per index.
+        """
+        variable, rows = self._vars[index], self._rows[index]
+        values, indices = _tf.read_rows(rows.values, rows.indices, rows.count)
+        slices = _tf.gather_over_replicas(tf.IndexedSlices(
+            values, indices, tf.constant(tuple(variable.shape), tf.int64)))
+        slices = tf.IndexedSlices(slices.values / tf.cast(weight_sum, slices.values.dtype),
+                                  slices.indices, slices.dense_shape)
+        if self.merge_duplicate_rows:
+            slices = _tf.merge_duplicate_rows(slices)
+        return tf.IndexedSlices(tf.cast(slices.values, variable.dtype), slices.indices, slices.dense_shape)
 
     def _update_noise_scale(self, noise_sums, window_means, window_weight):
         """Folds the closing window into the estimate (before the update changes the loss scale)."""
@@ -452,14 +595,17 @@ class AccumulationWindow:
         self._noise_estimate.update_from_window(
             micro_sq_sum, inv_size_sum, micro_count, window_sq, window_weight)
 
-    def _reset_window(self, indices, after=()):
-        """Empties the buffers at `indices` (the others are empty) and the weight."""
+    def _reset_window(self, indices, row_indices=(), after=()):
+        """Empties the buffers at `indices` and the rows at `row_indices` (the
+        others are empty) and the weight. Row buffers keep their capacity."""
         indices = list(indices)
         _tf.fill_one_after_another(
             [self._accumulators[i] for i in indices],
             [float("-inf") if i in self._overwrite_indices else 0.0 for i in indices],
             after=after,
         )
+        for i in row_indices:
+            self._rows[i].count.assign(0)
         self._weight_sum.assign(0.0)
         for total in self._noise_sums:
             total.assign(0.0)
@@ -471,6 +617,7 @@ class AccumulationWindow:
             "schedulable": self.schedulable,
             "measure_noise_scale": self.measure_noise_scale,
             "noise_scale_smoothing": self.noise_scale_smoothing,
+            "merge_duplicate_rows": self.merge_duplicate_rows,
         }
 
     # ------------------------------------------------ what each Keras supplies
