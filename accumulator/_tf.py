@@ -62,8 +62,8 @@ def add_weighted(accumulator, grad, weight):
 
 
 def filled(shape, dtype, value=0.0):
-    """A tensor of `shape` (a `None` dimension counts 0: an empty buffer) filled with `value`."""
-    return tf.fill([0 if d is None else d for d in shape], tf.constant(value, tf.as_dtype(dtype)))
+    """A tensor of `shape` filled with `value`; a `None` dimension counts 1 (a stand-in buffer)."""
+    return tf.fill([1 if d is None else d for d in shape], tf.constant(value, tf.as_dtype(dtype)))
 
 
 def local_components(variable, strategy):
@@ -71,23 +71,23 @@ def local_components(variable, strategy):
     return strategy.experimental_local_results(backing_variable(variable))
 
 
-def holds_values(variable, strategy):
-    """Whether `variable` (a buffer that may be empty) holds any element, asked outside the graph."""
+def is_filled(variable, shape, strategy):
+    """Whether the buffer `variable` has its full `shape` (asked outside the graph)."""
     with tf.init_scope():
-        return any(int(tf.size(c)) > 0 for c in local_components(variable, strategy))
+        return all(tuple(c.shape) == tuple(shape) for c in local_components(variable, strategy))
 
 
-def fill_if_empty(variable, shape, strategy, value=0.0):
-    """Gives an empty buffer its full `shape`, filled with `value`, outside the graph.
+def fill_to(variable, shape, strategy, value=0.0):
+    """Gives a stand-in buffer its full `shape`, filled with `value`, outside the graph.
 
     Called while a step is traced (`tf.init_scope` runs it at once, eagerly), so
     the filled buffer is what the traced step reads and writes. Components that
-    already hold values (restored from a checkpoint) are left as they are.
+    already have it (restored from a checkpoint) are left as they are.
     """
     with tf.init_scope():
         for component in local_components(variable, strategy):
-            if int(tf.size(component)) == 0 and tuple(shape) != (0,):
-                component.assign(filled(shape, component.dtype, value))
+            if tuple(component.shape) != tuple(shape):
+                component.assign(filled(shape, component.dtype, value), read_value=False)
 
 
 def append_rows(values, indices, count, grad, weight):
@@ -123,6 +123,45 @@ def read_rows(values, indices, count):
     """The window's rows: the first `count` of the buffers (all of them: no copy)."""
     count = backing_variable(count).read_value()
     return backing_variable(values)[:count], backing_variable(indices)[:count]
+
+
+def rows_of_every_replica(values, indices, count, strategy):
+    """A variable's window rows of every replica, concatenated in replica order, as NumPy.
+
+    Eagerly, across replicas (for saving). Each replica sends at least one row,
+    marked valid or not, so no collective sees an empty tensor.
+    """
+    if strategy.num_replicas_in_sync == 1:
+        held, rows = read_rows(values, indices, count)
+        return held.numpy(), rows.numpy()
+
+    def local():
+        held = backing_variable(count).read_value()
+        sent = tf.maximum(held, 1)
+        valid = tf.range(sent) < held
+        return backing_variable(values)[:sent], backing_variable(indices)[:sent], valid
+
+    parts = strategy.run(local)
+    values, indices, valid = (strategy.gather(part, axis=0).numpy() for part in parts)
+    return values[valid], indices[valid]
+
+
+def place_rows_on_first_replica(values, indices, count, saved_values, saved_indices, strategy):
+    """Restores saved window rows: all of them on replica 0, none on the others.
+
+    At the window's close the replicas' rows are gathered in replica order, so
+    replica 0 holding every row hands the update the same rows in the same order.
+    """
+    replica_ids = strategy.experimental_local_results(strategy.run(
+        lambda: tf.constant(tf.distribute.get_replica_context().replica_id_in_sync_group)))
+    held = len(saved_indices)
+    for replica_id, v, i, c in zip(replica_ids, *(local_components(x, strategy)
+                                                  for x in (values, indices, count))):
+        first = int(replica_id) == 0 and held > 0
+        v.assign(saved_values[:held] if first else filled((None,) + tuple(v.shape)[1:], v.dtype),
+                 read_value=False)
+        i.assign(saved_indices if first else filled((None,), i.dtype), read_value=False)
+        c.assign(held if first else 0, read_value=False)
 
 
 def gather_over_replicas(slices):

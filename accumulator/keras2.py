@@ -145,6 +145,12 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
         """The given LossScaleOptimizer, or None."""
         return self._updater if isinstance(self._updater, _LossScaleOptimizer) else None
 
+    # Keras 2's optimizers merge repeated rows themselves, so summing a sparse
+    # gradient densely is its large batch's update too; under several replicas
+    # that is what the window does, since a Keras 2 checkpoint (tf.train.Checkpoint,
+    # BackupAndRestore) would read replica 0's rows alone.
+    _rows_across_replicas = False
+
     def build(self, var_list):
         if self._window_built():
             return

@@ -220,10 +220,10 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
     def _new_variable(self, shape, dtype, initial, name):
         # `None` in `shape`: a buffer that starts empty and changes size along
         # that axis (`AccumulationWindow._build_window`). Keras wants a full
-        # shape, so it is made with 0 there; `seam.variables_created_as` gives
+        # shape, so it is made with 1 there; `seam.variables_created_as` gives
         # the `tf.Variable` behind it the open dimension.
         return self.add_variable(
-            shape=tuple(0 if d is None else d for d in shape), dtype=tf.as_dtype(dtype).name,
+            shape=tuple(1 if d is None else d for d in shape), dtype=tf.as_dtype(dtype).name,
             initializer=keras.initializers.Constant(initial), name=name)
 
     def _hand_to_updater(self, grads, variables, reduced):
@@ -282,14 +282,18 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
     def scale_loss(self, loss):
         return self._updater.scale_loss(loss)
 
+    def save_own_variables(self, store):
+        # Every replica's window rows (`window_state`), not the replica-0 value
+        # that reading the variables gives.
+        for i, value in enumerate(self.window_state()):
+            store[str(i)] = value
+
     def load_own_variables(self, store):
         # Keras' own loop assigns through `keras.Variable.assign`, which holds a
         # buffer to the size it was made with; the window's buffers change size.
-        variables = self.variables
-        if len(store.keys()) != len(variables):
+        if len(store.keys()) != len(self.variables):
             return super().load_own_variables(store)   # Keras' warning, nothing loaded
-        for i, variable in enumerate(variables):
-            _tf.backing_variable(variable).assign(store[str(i)])
+        self.restore_window_state([store[str(i)] for i in range(len(store.keys()))])
 
     def finalize_variable_values(self, var_list):
         # Keras calls this when `fit` ends, before EMA values are written back.

@@ -60,9 +60,6 @@ logger = logging.getLogger(__name__)
 
 PARTIAL_WINDOW_MODES = ("apply", "carry", "drop")
 
-# Sparse gradients under XLA (see `_keeps_rows`): warned about once per process.
-_warned_xla_rows = False
-
 __all__ = [
     "AccumulationWindow", "DEFAULT_SMOOTHING", "PARTIAL_WINDOW_MODES", "optimizer_chain",
     "validate_accum_steps", "validate_partial_window", "validate_measure_noise_scale",
@@ -200,7 +197,8 @@ class AccumulationWindow:
         self.epoch_schedule = None
         self._untracked(_window_listeners=[], _vars=[], _index_by_id={}, _accumulators=[],
                         _overwrite_indices=frozenset(), _window_strategy=None,
-                        _noise_estimate=None, _noise_sums=[], _rows=[], _rows_seen=set())
+                        _noise_estimate=None, _noise_sums=[], _rows=[], _rows_seen=set(), _dense_seen=set(),
+                        _warned_xla_rows=False)
 
     @staticmethod
     def _validate_window_arguments(accum_steps, partial_window, schedulable, measure_noise_scale,
@@ -239,9 +237,9 @@ class AccumulationWindow:
         self._weight_sum = self._new_local_variable((), tf.float32, "weight_sum")
         overwrite = frozenset(i for i, v in enumerate(var_list) if _overwrites_with_gradient(v))
         # A pass-through never accumulates: it holds no buffers. Scalars and
-        # overwrite-with-gradient variables get their buffer now; the others an
-        # empty one, filled on their first dense gradient (`_ensure_dense`), and
-        # row buffers for sparse gradients, which only gathers produce.
+        # overwrite-with-gradient variables get their buffer now; the others a
+        # one-row stand-in, filled on their first dense gradient (`_ensure_dense`),
+        # and row buffers for sparse gradients, which only gathers produce.
         accumulators, rows = [], []
         for i, v in ([] if self._passthrough else enumerate(var_list)):
             dtype = _accumulator_dtype(v)
@@ -253,11 +251,13 @@ class AccumulationWindow:
                 continue
             rest = tuple(v.shape)[1:]
             accumulators.append(self._new_local_variable((None,) + rest, dtype, f"accumulator_{i}"))
-            rows.append(WindowRows(
-                self._new_local_variable((None,) + rest, dtype, f"rows_{i}_values"),
-                self._new_local_variable((None,), tf.int64, f"rows_{i}_indices"),
-                self._new_local_variable((), tf.int64, f"rows_{i}_count"),
-            ))
+            # Replica 0's when read across replicas (checkpoints): summing rows
+            # of different replicas would mean nothing. `window_state` saves
+            # every replica's rows (Keras 3's saving calls it).
+            rows.append(WindowRows(*[
+                self._new_local_variable(shape, dt, f"rows_{i}_{part}", per_replica=True)
+                for shape, dt, part in (((None,) + rest, dtype, "values"), ((None,), tf.int64, "indices"),
+                                        ((), tf.int64, "count"))]))
         if self.measure_noise_scale:
             # Per replica, next to the accumulators: sum_k R^2 |g_k|^2, sum_k 1/b_k
             # and K, reduced with them once per window.
@@ -274,10 +274,15 @@ class AccumulationWindow:
                         _accumulators=accumulators, _rows=rows, _overwrite_indices=overwrite,
                         _window_strategy=tf.distribute.get_strategy())
 
-    def _new_local_variable(self, shape, dtype, name, initial=0.0):
-        """A replica-local variable; `None` in `shape` makes it start empty along that axis."""
+    def _new_local_variable(self, shape, dtype, name, initial=0.0, per_replica=False):
+        """A replica-local variable, summed over the replicas when read across them
+        (replica 0's value if `per_replica`). `None` in `shape`: a buffer that
+        changes size along that axis, made with one row (an empty tensor would
+        reach collective reads, which crash on it under MultiWorkerMirroredStrategy)."""
+        aggregation = (tf.VariableAggregation.ONLY_FIRST_REPLICA if per_replica
+                       else tf.VariableAggregation.SUM)
         with seam.variables_created_as(
-            synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM,
+            synchronization=tf.VariableSynchronization.ON_READ, aggregation=aggregation,
             shape=shape if None in shape else None,
         ):
             return self._new_variable(shape, dtype, initial, name)
@@ -365,11 +370,51 @@ class AccumulationWindow:
                     f"`weights` entry for {variable.name} has shape {shape}; "
                     f"expected {tuple(expected.as_list())}."
                 )
-            _tf.backing_variable(variable).assign(weight)
+        self.restore_window_state(weights)
 
     def get_weights(self):
         """The wrapper's and the inner optimizers' state as NumPy arrays, in `variables` order."""
-        return [np.asarray(v.numpy()) for v in self.variables]
+        return self.window_state()
+
+    def window_state(self):
+        """Every variable's value as NumPy arrays, in `variables` order, for saving.
+
+        The rows of sparse gradients are every replica's, concatenated in replica
+        order (a checkpoint reading the variables sees replica 0's alone);
+        `restore_window_state` puts them back on replica 0, which hands them to
+        the update as the replicas' gathered rows would be.
+        """
+        by_id = {id(v): (rows, part) for rows in self._rows if rows is not None
+                 for part, v in zip(("values", "indices", "count"), rows.variables)}
+        gathered = {}
+        state = []
+        for variable in self.variables:
+            rows, part = by_id.get(id(variable), (None, None))
+            if rows is None or self._rows.index(rows) not in self._rows_seen:
+                state.append(np.asarray(variable.numpy()))
+                continue
+            if id(rows) not in gathered:
+                gathered[id(rows)] = _tf.rows_of_every_replica(rows.values, rows.indices, rows.count,
+                                                               self._window_strategy)
+            values, indices = gathered[id(rows)]
+            state.append({"values": values, "indices": indices, "count": np.int64(len(indices))}[part])
+        return state
+
+    def restore_window_state(self, state):
+        """Assigns `state` (as `window_state` returns it) to `variables`; rows go to replica 0."""
+        value_of = {id(v): value for v, value in zip(self.variables, state)}
+        rows_variables = set()
+        for rows in self._rows:
+            if rows is None:
+                continue
+            rows_variables.update(map(id, rows.variables))
+            _tf.place_rows_on_first_replica(
+                rows.values, rows.indices, rows.count, np.asarray(value_of[id(rows.values)]),
+                np.asarray(value_of[id(rows.indices)])[:int(value_of[id(rows.count)])],
+                self._window_strategy)
+        for variable in self.variables:
+            if id(variable) not in rows_variables:
+                _tf.backing_variable(variable).assign(value_of[id(variable)], read_value=False)
 
     # ------------------------------------------------------- between windows
     def close_partial_window(self, mode=None):
@@ -493,10 +538,11 @@ class AccumulationWindow:
         """
         if self._rows[index] is None:
             return False
+        if _tf.replicas_in_sync() > 1 and not self._rows_across_replicas:
+            return False
         if seam.in_xla_context():
-            global _warned_xla_rows
-            if not _warned_xla_rows:
-                _warned_xla_rows = True
+            if not self._warned_xla_rows:
+                self._warned_xla_rows = True
                 logger.warning(
                     "GradientAccumulator under XLA (jit_compile=True): sparse gradients "
                     "(embeddings) are summed per row in a dense buffer, so the inner optimizer "
@@ -506,25 +552,32 @@ class AccumulationWindow:
             return False
         return True
 
+    # Whether rows are kept under several replicas: only where the class saves
+    # them itself (`window_state`), since a checkpoint reads replica 0's alone.
+    _rows_across_replicas = True
+
     def _ensure_dense(self, index):
-        """Fills variable `index`'s dense buffer with zeros if it is still empty.
+        """Fills variable `index`'s dense buffer with zeros if it is still a stand-in.
 
         Runs when a micro-step is traced (or eagerly), outside any graph, so the
         buffer exists before the step does; a buffer restored from a checkpoint
         already holds its sums and is left as it is.
         """
         variable = self._vars[index]
-        _tf.fill_if_empty(self._accumulators[index], tuple(variable.shape), self._window_strategy)
+        _tf.fill_to(self._accumulators[index], tuple(variable.shape), self._window_strategy)
+        self._dense_seen.add(index)
 
     def _window_kinds(self, used):
         """`used` split into the variables with dense sums and those with rows.
 
         Decided when the window's close is traced: the buffers filled so far
-        (also by a restored checkpoint) and the sparse gradients seen.
+        (also by a restored checkpoint) and the sparse gradients seen, the same
+        on every worker.
         """
-        dense = [i for i in used if _tf.holds_values(self._accumulators[i], self._window_strategy)]
-        rows = [i for i in used if self._rows[i] is not None and (
-            i in self._rows_seen or _tf.holds_values(self._rows[i].indices, self._window_strategy))]
+        dense = [i for i in used if i in self._dense_seen or (
+            self._rows[i] is None or self._vars[i].shape[0] != 1) and _tf.is_filled(
+                self._accumulators[i], tuple(self._vars[i].shape), self._window_strategy)]
+        rows = [i for i in used if i in self._rows_seen]
         return dense, rows
 
     def _window_is_full(self):

@@ -126,36 +126,6 @@ def test_none_gradients_leave_unused_variables_alone():
     assert int(optimizer.iterations.numpy()) == 3
 
 
-def _dense_large_batch(model, optimizer, x, y, batch_size):
-    """Large-batch reference with the embedding gradient made dense.
-
-    Keras' Adam, given `IndexedSlices` with repeated rows, squares each slice
-    separately (sum of squares, not square of the sum), so its own sparse
-    large-batch run is not the gradient step of the loss; the dense gradient is.
-    """
-    loss_fn = keras.losses.MeanSquaredError()
-    for start in range(0, len(x), batch_size):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y[start:start + batch_size], model(x[start:start + batch_size]))
-        grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_variables)]
-        optimizer.apply(grads, model.trainable_variables)
-    return model
-
-
-@pytest.mark.parametrize("make", [lambda: keras.optimizers.SGD(0.5, momentum=0.9),
-                                  lambda: keras.optimizers.Adam(1e-2)], ids=["sgd", "adam"])
-def test_sparse_embedding_gradients_match_large_batch(make):
-    x, y = _token_data(512)
-    expected = _dense_large_batch(_embedding_model(), make(), x, y, 64)
-
-    model = _embedding_model()
-    optimizer = GradientAccumulator(make(), 4)
-    model.compile(optimizer, "mse")
-    model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
-    assert int(optimizer.iterations.numpy()) == 8
-    assert ref.max_abs_diff(model.get_weights(), expected.get_weights()) <= 1e-6
-
-
 def test_sparse_sgd_matches_keras_large_batch_fit():
     x, y = _token_data(512)
     expected = ref.fit_large_batch(_embedding_model(), keras.optimizers.SGD(0.5), x, y, 64)

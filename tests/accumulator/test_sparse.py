@@ -1,0 +1,294 @@
+"""Sparse (embedding) gradients: the same weights as Keras' own large batch.
+
+Keras 3 applies an `IndexedSlices` gradient row by row: a row looked up twice
+gets g1^2 + g2^2 in Adam's second moment, not (g1 + g2)^2. The large batch's
+gradient has one row per lookup, so the window must hand the inner optimizer
+those same rows (`accumulator.window.WindowRows`). Every reference here is Keras'
+own large-batch run (`fit` with the effective batch, or `optimizer.apply` on the
+large batch's gradient in a loop), never our own idea of it; the controls show
+that summing the rows first (`merge_duplicate_rows=True`, the densified gradient)
+lands measurably elsewhere, so each comparison can fail.
+"""
+
+import logging
+
+import numpy as np
+import keras
+import pytest
+import tensorflow as tf
+
+from accumulator import GradientAccumulator
+from tests.accumulator import reference as ref
+
+VOCAB = 40
+LENGTH = 10
+MICRO = 8
+ACCUM = 4
+
+
+def embedding_model(vocab=VOCAB, seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((LENGTH,), dtype="int32"),
+        keras.layers.Embedding(vocab, 8),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(1),
+    ])
+
+
+def token_data(samples=256, vocab=VOCAB, seed=0):
+    # 10 ids of 40 per sample, 32 samples per large batch: most rows repeat.
+    rng = np.random.RandomState(seed)
+    x = rng.randint(0, vocab, size=(samples, LENGTH)).astype("int32")
+    y = rng.randn(samples, 1).astype("float32")
+    return x, y
+
+
+def _fit(model, optimizer, x, y, batch_size, epochs=2, **fit_kwargs):
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **fit_kwargs)
+    return model
+
+
+def _builtin_optimizers():
+    """Every built-in Keras 3 optimizer class of the installed Keras."""
+    found = {}
+    for name in dir(keras.optimizers):
+        cls = getattr(keras.optimizers, name)
+        if (isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer)
+                and cls not in (keras.optimizers.Optimizer, keras.optimizers.LossScaleOptimizer)):
+            found[cls.__name__] = cls
+    return found
+
+
+# Learning rates that move the weights visibly in 16 updates; options on top.
+SETTINGS = {
+    "SGD": dict(learning_rate=0.5, momentum=0.9, nesterov=True),
+    "Adam": dict(learning_rate=1e-2),
+    "AdamW": dict(learning_rate=1e-2, weight_decay=0.1),
+    "Adamax": dict(learning_rate=1e-2),
+    "Nadam": dict(learning_rate=1e-2),
+    "RMSprop": dict(learning_rate=1e-2, momentum=0.5),
+    "Adagrad": dict(learning_rate=0.1),
+    "Adadelta": dict(learning_rate=1.0),
+    "Adafactor": dict(learning_rate=0.05),
+    "Ftrl": dict(learning_rate=0.1),
+    "Lion": dict(learning_rate=1e-3),
+    "Lamb": dict(learning_rate=1e-2),
+}
+# Optimizers whose update is linear in the gradient's rows: for them summing
+# repeated rows first changes nothing, so they have no control.
+LINEAR = {"SGD", "Lion"}
+
+
+def _optimizer_cases():
+    cases = []
+    for name, cls in sorted(_builtin_optimizers().items()):
+        settings = SETTINGS.get(name)
+        marks = [] if settings is not None else [pytest.mark.skip(
+            reason=f"{name}: no learning rate chosen here for a new built-in optimizer; add it to SETTINGS")]
+        cases.append(pytest.param(cls, settings or {}, id=name, marks=marks))
+    return cases
+
+
+def test_every_built_in_optimizer_is_covered():
+    """A built-in optimizer Keras adds is taken into the sweep below or named here."""
+    missing = sorted(set(_builtin_optimizers()) - set(SETTINGS) - {"Muon"})
+    assert not missing, f"add {missing} to SETTINGS"
+
+
+@pytest.mark.parametrize("cls, settings", _optimizer_cases())
+def test_fit_matches_keras_large_batch_for_every_optimizer(cls, settings):
+    x, y = token_data()
+    expected = _fit(embedding_model(), cls(**settings), x, y, MICRO * ACCUM)
+    trained = embedding_model()
+    optimizer = GradientAccumulator(cls(**settings), ACCUM)
+    _fit(trained, optimizer, x, y, MICRO)
+    moved = ref.max_abs_diff(expected.get_weights(), embedding_model().get_weights())
+    assert moved > 1e-3, "training must move the weights for the comparison to mean anything"
+    assert int(optimizer.iterations.numpy()) == 2 * len(x) // (MICRO * ACCUM)
+    assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) <= 1e-6
+    if cls.__name__ not in LINEAR:
+        # Control: the densified gradient (rows summed per index) is elsewhere.
+        merged = _fit(embedding_model(), GradientAccumulator(cls(**settings), ACCUM, merge_duplicate_rows=True),
+                      x, y, MICRO)
+        assert ref.max_abs_diff(merged.get_weights(), expected.get_weights()) > 1e-5
+
+
+@pytest.mark.parametrize("options", [
+    dict(clipnorm=0.05), dict(global_clipnorm=0.05), dict(use_ema=True, ema_momentum=0.9),
+], ids=["clipnorm", "global_clipnorm", "ema"])
+def test_clipping_and_ema_act_on_the_large_batch_rows(options):
+    # Keras clips an IndexedSlices by the norm of its rows, as they stand.
+    x, y = token_data()
+    expected = _fit(embedding_model(), keras.optimizers.Adam(1e-2, **options), x, y, MICRO * ACCUM)
+    trained = _fit(embedding_model(), GradientAccumulator(keras.optimizers.Adam(1e-2, **options), ACCUM),
+                   x, y, MICRO)
+    assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) <= 1e-6
+
+
+def test_custom_loop_matches_keras_large_batch_apply():
+    """A `tf.function` tape loop: micro-batches through the wrapper, against Keras'
+    Adam given the large batch's own (sparse) gradient."""
+    x, y = token_data()
+    loss_fn = keras.losses.MeanSquaredError()
+
+    def loop(model, optimizer, batch):
+        @tf.function
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, model(xb, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply(grads, model.trainable_variables)
+            return grads
+
+        for start in range(0, len(x), batch):
+            grads = step(x[start:start + batch], y[start:start + batch])
+        assert isinstance(grads[0], tf.IndexedSlices)
+        return model
+
+    expected = loop(embedding_model(), keras.optimizers.Adam(1e-2), MICRO * ACCUM)
+    trained = loop(embedding_model(), GradientAccumulator(keras.optimizers.Adam(1e-2), ACCUM), MICRO)
+    assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) <= 1e-6
+
+
+def test_uneven_micro_batches_partial_windows_and_sample_weights():
+    # 250 samples: the last window holds 26 samples in micro-batches of 8, 8, 8, 2.
+    x, y = token_data(250)
+    sample_weight = np.random.RandomState(1).uniform(0.2, 2.0, size=len(x)).astype("float32")
+    expected = _fit(embedding_model(), keras.optimizers.Adam(1e-2), x, y, MICRO * ACCUM,
+                    sample_weight=sample_weight)
+    trained = _fit(embedding_model(), GradientAccumulator(keras.optimizers.Adam(1e-2), ACCUM), x, y, MICRO,
+                   sample_weight=sample_weight)
+    assert int(trained.optimizer.iterations.numpy()) == 2 * 8
+    assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) <= 1e-6
+
+
+def test_merge_duplicate_rows_is_the_densified_gradient_step():
+    """With `merge_duplicate_rows=True`, Adam follows the gradient of the loss:
+    a hand-written large-batch loop that densifies the embedding gradient."""
+    x, y = token_data()
+    model, reference = embedding_model(), keras.optimizers.Adam(1e-2)
+    loss_fn = keras.losses.MeanSquaredError()
+    for _ in range(2):
+        for start in range(0, len(x), MICRO * ACCUM):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y[start:start + MICRO * ACCUM], model(x[start:start + MICRO * ACCUM]))
+            grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_variables)]
+            reference.apply(grads, model.trainable_variables)
+    trained = _fit(embedding_model(), GradientAccumulator(keras.optimizers.Adam(1e-2), ACCUM,
+                                                          merge_duplicate_rows=True), x, y, MICRO)
+    assert ref.max_abs_diff(trained.get_weights(), model.get_weights()) <= 1e-6
+
+
+def test_window_state_follows_the_rows_looked_up_not_the_vocabulary():
+    """The wrapper's own state for an embedding table is its window's rows."""
+
+    def own_state_bytes(vocab):
+        x, y = token_data(MICRO * 3, vocab=vocab)
+        model = embedding_model(vocab)
+        optimizer = GradientAccumulator(keras.optimizers.Adam(1e-2), ACCUM, partial_window="carry")
+        _fit(model, optimizer, x, y, MICRO, epochs=1)          # 3 micro-batches held, window open
+        assert int(optimizer.micro_step.numpy()) == 3
+        table = optimizer.accumulators[0]
+        assert int(tf.size(table)) == 0, "no dense buffer for a table that gets sparse gradients"
+        rows = optimizer.window_rows[0]
+        assert int(rows.count.numpy()) == 3 * MICRO * LENGTH
+        inner = {id(v) for v in optimizer.inner_optimizer.variables}
+        return sum(v.numpy().nbytes for v in optimizer.variables if id(v) not in inner)
+
+    small, large = own_state_bytes(100), own_state_bytes(100_000)
+    assert large == small
+    assert small < 100 * 8 * 4          # less than even the small table
+
+
+def test_resume_mid_window_from_a_keras_file(tmp_path):
+    x, y = token_data(MICRO * 14)
+    first = MICRO * 6                   # stop 2 micro-batches into the second window
+    make = lambda: GradientAccumulator(keras.optimizers.Adam(1e-2), ACCUM, partial_window="carry")
+    uninterrupted = _fit(embedding_model(), make(), x, y, MICRO, epochs=1)
+    uninterrupted.optimizer.close_partial_window("apply")
+
+    model = _fit(embedding_model(), make(), x[:first], y[:first], MICRO, epochs=1)
+    assert int(model.optimizer.window_rows[0].count.numpy()) == 2 * MICRO * LENGTH
+    model.save(tmp_path / "model.keras")
+    restored = keras.models.load_model(tmp_path / "model.keras")
+    assert int(restored.optimizer.micro_step.numpy()) == 2
+    np.testing.assert_array_equal(restored.optimizer.window_rows[0].values.numpy(),
+                                  model.optimizer.window_rows[0].values.numpy())
+    restored.fit(x[first:], y[first:], batch_size=MICRO, shuffle=False, verbose=0)
+    restored.optimizer.close_partial_window("apply")
+    assert ref.max_abs_diff(restored.get_weights(), uninterrupted.get_weights()) <= 1e-6
+
+
+def test_noise_scale_sees_the_window_gradient_with_rows_summed():
+    # SGD: the rows and the merged runs keep identical weights, so their
+    # noise-scale estimates must agree (both square the densified gradient).
+    x, y = token_data()
+
+    def noise_scale(merge):
+        optimizer = GradientAccumulator(keras.optimizers.SGD(0.1), ACCUM, measure_noise_scale=True,
+                                        merge_duplicate_rows=merge)
+        _fit(embedding_model(), optimizer, x, y, MICRO)
+        return optimizer.noise_scale
+
+    rows, merged = noise_scale(False), noise_scale(True)
+    assert np.isfinite(rows) and rows > 0
+    assert rows == pytest.approx(merged, rel=1e-5)
+
+
+def test_mixed_float16_follows_the_large_batch():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        x, y = token_data()
+        lso = lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-2))
+
+        def fit(optimizer, batch):
+            model = embedding_model()
+            model.compile(optimizer=optimizer, loss="mse", auto_scale_loss=False)
+            model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+            return model
+
+        expected = fit(lso(), MICRO * ACCUM)
+        accumulated = fit(GradientAccumulator(lso(), ACCUM), MICRO)
+        merged = fit(GradientAccumulator(lso(), ACCUM, merge_duplicate_rows=True), MICRO)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    # float16 activations round differently over 8 and 32 samples; summing
+    # the rows first lands many times further away.
+    diff = ref.max_abs_diff(accumulated.get_weights(), expected.get_weights())
+    assert diff <= 2e-3
+    assert ref.max_abs_diff(merged.get_weights(), expected.get_weights()) > 5 * diff
+
+
+def test_xla_sums_rows_and_says_so(caplog):
+    """Under jit_compile=True the row buffers cannot change size: the rows are
+    summed per index (the merged result, exactly) and a warning names the cost."""
+    x, y = token_data()
+    merged = _fit(embedding_model(), GradientAccumulator(keras.optimizers.Adam(1e-2), ACCUM,
+                                                         merge_duplicate_rows=True), x, y, MICRO)
+    model = embedding_model()
+    model.compile(GradientAccumulator(keras.optimizers.Adam(1e-2), ACCUM), "mse", jit_compile=True)
+    with caplog.at_level(logging.WARNING, logger="accumulator.window"):
+        model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
+    assert ref.max_abs_diff(model.get_weights(), merged.get_weights()) <= 1e-6
+    assert any("jit_compile=False" in r.getMessage() for r in caplog.records)
+
+
+def test_mirrored_replicas_match_keras_large_batch_under_the_same_strategy():
+    devices = ["/cpu:0", "/cpu:1"]
+    x, y = token_data()
+
+    def fit(make_optimizer, batch):
+        strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
+        with strategy.scope():
+            model = embedding_model()
+            model.compile(make_optimizer(), "mse")
+        model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+        return model
+
+    expected = fit(lambda: keras.optimizers.Adam(1e-2), MICRO * ACCUM)
+    trained = fit(lambda: GradientAccumulator(keras.optimizers.Adam(1e-2), ACCUM), MICRO)
+    merged = fit(lambda: GradientAccumulator(keras.optimizers.Adam(1e-2), ACCUM, merge_duplicate_rows=True), MICRO)
+    assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) <= 1e-6
+    assert ref.max_abs_diff(merged.get_weights(), expected.get_weights()) > 1e-4
