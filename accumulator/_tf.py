@@ -63,7 +63,7 @@ def add_weighted(accumulator, grad, weight):
 
 def filled(shape, dtype, value=0.0):
     """A tensor of `shape` filled with `value`; a `None` dimension counts 1 (a stand-in buffer)."""
-    return tf.fill([1 if d is None else d for d in shape], tf.constant(value, tf.as_dtype(dtype)))
+    return tf.fill([1 if d is None else d for d in shape], tf.cast(value, tf.as_dtype(dtype)))
 
 
 def local_components(variable, strategy):
@@ -71,10 +71,15 @@ def local_components(variable, strategy):
     return strategy.experimental_local_results(backing_variable(variable))
 
 
+def runtime_shape(component):
+    """The shape `component` (a `tf.Variable`) holds now: its static shape may leave a dimension open."""
+    return tuple(int(d) for d in tf.shape(component))
+
+
 def is_filled(variable, shape, strategy):
     """Whether the buffer `variable` has its full `shape` (asked outside the graph)."""
     with tf.init_scope():
-        return all(tuple(c.shape) == tuple(shape) for c in local_components(variable, strategy))
+        return all(runtime_shape(c) == tuple(shape) for c in local_components(variable, strategy))
 
 
 def fill_to(variable, shape, strategy, value=0.0):
@@ -86,7 +91,7 @@ def fill_to(variable, shape, strategy, value=0.0):
     """
     with tf.init_scope():
         for component in local_components(variable, strategy):
-            if tuple(component.shape) != tuple(shape):
+            if runtime_shape(component) != tuple(shape):
                 component.assign(filled(shape, component.dtype, value), read_value=False)
 
 
@@ -125,40 +130,49 @@ def read_rows(values, indices, count):
     return backing_variable(values)[:count], backing_variable(indices)[:count]
 
 
-def rows_of_every_replica(values, indices, count, strategy):
-    """A variable's window rows of every replica, concatenated in replica order, as NumPy.
+def rows_of_every_replica(buffers, strategy):
+    """Each `(values, indices, count)`'s window rows of every replica, concatenated in
+    replica order, as NumPy pairs.
 
-    Eagerly, across replicas (for saving). Each replica sends at least one row,
-    marked valid or not, so no collective sees an empty tensor.
+    Eagerly, across replicas (for saving), in one traced function. Each replica
+    sends at least one row, marked valid or not, so no collective sees an empty tensor.
     """
     if strategy.num_replicas_in_sync == 1:
-        held, rows = read_rows(values, indices, count)
-        return held.numpy(), rows.numpy()
+        return [tuple(part.numpy() for part in read_rows(*b)) for b in buffers]
 
     def local():
-        held = backing_variable(count).read_value()
-        sent = tf.maximum(held, 1)
-        valid = tf.range(sent) < held
-        return backing_variable(values)[:sent], backing_variable(indices)[:sent], valid
+        sent = []
+        for values, indices, count in buffers:
+            held = backing_variable(count).read_value()
+            size = tf.maximum(held, 1)
+            sent.append((backing_variable(values)[:size], backing_variable(indices)[:size], tf.range(size) < held))
+        return sent
 
-    parts = strategy.run(local)
-    values, indices, valid = (strategy.gather(part, axis=0).numpy() for part in parts)
-    return values[valid], indices[valid]
+    gathered = tf.function(lambda: tf.nest.map_structure(
+        lambda part: strategy.gather(part, axis=0), strategy.run(local)))()
+    return [(values.numpy()[valid.numpy()], indices.numpy()[valid.numpy()])
+            for values, indices, valid in gathered]
 
 
-def place_rows_on_first_replica(values, indices, count, saved_values, saved_indices, strategy):
+def local_replica_ids(strategy):
+    """The global replica id (`replica_id_in_sync_group`) of each local replica, in order."""
+    ids = tf.function(lambda: strategy.run(
+        lambda: tf.convert_to_tensor(tf.distribute.get_replica_context().replica_id_in_sync_group)))()
+    return [int(i) for i in strategy.experimental_local_results(ids)]
+
+
+def place_rows_on_first_replica(values, indices, count, saved_values, saved_indices, strategy, replica_ids):
     """Restores saved window rows: all of them on replica 0, none on the others.
 
     At the window's close the replicas' rows are gathered in replica order, so
     replica 0 holding every row hands the update the same rows in the same order.
+    `replica_ids` are `local_replica_ids(strategy)`.
     """
-    replica_ids = strategy.experimental_local_results(strategy.run(
-        lambda: tf.constant(tf.distribute.get_replica_context().replica_id_in_sync_group)))
     held = len(saved_indices)
     for replica_id, v, i, c in zip(replica_ids, *(local_components(x, strategy)
                                                   for x in (values, indices, count))):
-        first = int(replica_id) == 0 and held > 0
-        v.assign(saved_values[:held] if first else filled((None,) + tuple(v.shape)[1:], v.dtype),
+        first = replica_id == 0 and held > 0
+        v.assign(saved_values[:held] if first else filled((None,) + runtime_shape(v)[1:], v.dtype),
                  read_value=False)
         i.assign(saved_indices if first else filled((None,), i.dtype), read_value=False)
         c.assign(held if first else 0, read_value=False)

@@ -384,26 +384,19 @@ class AccumulationWindow:
         `restore_window_state` puts them back on replica 0, which hands them to
         the update as the replicas' gathered rows would be.
         """
-        by_id = {id(v): (rows, part) for rows in self._rows if rows is not None
-                 for part, v in zip(("values", "indices", "count"), rows.variables)}
-        gathered = {}
-        state = []
-        for variable in self.variables:
-            rows, part = by_id.get(id(variable), (None, None))
-            if rows is None or self._rows.index(rows) not in self._rows_seen:
-                state.append(np.asarray(variable.numpy()))
-                continue
-            if id(rows) not in gathered:
-                gathered[id(rows)] = _tf.rows_of_every_replica(rows.values, rows.indices, rows.count,
-                                                               self._window_strategy)
-            values, indices = gathered[id(rows)]
-            state.append({"values": values, "indices": indices, "count": np.int64(len(indices))}[part])
-        return state
+        seen = [rows for i, rows in enumerate(self._rows) if i in self._rows_seen]
+        saved = {}
+        for rows, (values, indices) in zip(seen, _tf.rows_of_every_replica(
+                [rows.variables for rows in seen], self._window_strategy)):
+            saved.update({id(rows.values): values, id(rows.indices): indices,
+                          id(rows.count): np.int64(len(indices))})
+        return [saved[id(v)] if id(v) in saved else np.asarray(v.numpy()) for v in self.variables]
 
     def restore_window_state(self, state):
         """Assigns `state` (as `window_state` returns it) to `variables`; rows go to replica 0."""
         value_of = {id(v): value for v, value in zip(self.variables, state)}
         rows_variables = set()
+        replica_ids = _tf.local_replica_ids(self._window_strategy)
         for rows in self._rows:
             if rows is None:
                 continue
@@ -411,7 +404,7 @@ class AccumulationWindow:
             _tf.place_rows_on_first_replica(
                 rows.values, rows.indices, rows.count, np.asarray(value_of[id(rows.values)]),
                 np.asarray(value_of[id(rows.indices)])[:int(value_of[id(rows.count)])],
-                self._window_strategy)
+                self._window_strategy, replica_ids)
         for variable in self.variables:
             if id(variable) not in rows_variables:
                 _tf.backing_variable(variable).assign(value_of[id(variable)], read_value=False)
