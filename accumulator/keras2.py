@@ -149,7 +149,7 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
     # gradient densely is its large batch's update too; under several replicas
     # that is what the window does, since a Keras 2 checkpoint (tf.train.Checkpoint,
     # BackupAndRestore) would read replica 0's rows alone.
-    _rows_across_replicas = False
+    keeps_rows_across_replicas = False
 
     def build(self, var_list):
         if self._window_built():

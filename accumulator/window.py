@@ -531,7 +531,7 @@ class AccumulationWindow:
         """
         if self._rows[index] is None:
             return False
-        if _tf.replicas_in_sync() > 1 and not self._rows_across_replicas:
+        if _tf.replicas_in_sync() > 1 and not self.keeps_rows_across_replicas:
             return False
         if seam.in_xla_context():
             if not self._warned_xla_rows:
@@ -547,7 +547,7 @@ class AccumulationWindow:
 
     # Whether rows are kept under several replicas: only where the class saves
     # them itself (`window_state`), since a checkpoint reads replica 0's alone.
-    _rows_across_replicas = True
+    keeps_rows_across_replicas = True
 
     def _ensure_dense(self, index):
         """Fills variable `index`'s dense buffer with zeros if it is still a stand-in.

@@ -30,6 +30,8 @@ def main():
     parser.add_argument("--backup", default="")
     parser.add_argument("--save-freq", type=int, default=0)
     parser.add_argument("--keras2", action="store_true", help="a Keras 2 (tf_keras) model and optimizer")
+    parser.add_argument("--embedding", action="store_true",
+                        help="the embedding model (sparse gradients) and plain Adam")
     parser.add_argument("--die-at", type=int, default=-1, help="SIGKILL self after this global micro-step")
     args = parser.parse_args()
 
@@ -45,14 +47,18 @@ def main():
     from accumulator.distribute import strategy_from_environment
     strategy = strategy_from_environment()
     assert isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy), strategy
-    x, y = ref.regression_data(args.micro * args.steps_per_epoch)
+    samples = args.micro * args.steps_per_epoch
+    x, y = ref.token_data(samples) if args.embedding else ref.regression_data(samples)
     if args.keras2:
         keras = seam.keras2_module()
     with strategy.scope():
-        model = keras2_mlp(keras, x.shape[1]) if args.keras2 else ref.mlp()
-        optimizer = keras.optimizers.AdamW(
-            keras.optimizers.schedules.ExponentialDecay(1e-2, 4, 0.5), weight_decay=0.05, global_clipnorm=0.05
-        )
+        if args.embedding:
+            model, optimizer = ref.embedding_model(), keras.optimizers.Adam(1e-2)
+        else:
+            model = keras2_mlp(keras, x.shape[1]) if args.keras2 else ref.mlp()
+            optimizer = keras.optimizers.AdamW(
+                keras.optimizers.schedules.ExponentialDecay(1e-2, 4, 0.5), weight_decay=0.05,
+                global_clipnorm=0.05)
         if args.accum > 1:
             optimizer = GradientAccumulator(optimizer, args.accum, partial_window=args.partial_window)
         model.compile(optimizer=optimizer, loss="mse")

@@ -34,6 +34,29 @@ def mlp(seed=0, dtype=None):
     )
 
 
+VOCAB = 40
+TOKENS = 10
+
+
+def embedding_model(vocab=VOCAB, seed=0):
+    """Token ids -> Embedding -> mean -> Dense: its table gets `IndexedSlices` gradients."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((TOKENS,), dtype="int32"),
+        keras.layers.Embedding(vocab, 8),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(1),
+    ])
+
+
+def token_data(samples=256, vocab=VOCAB, seed=0):
+    """10 ids of 40 per sample: in batches of 32, most rows are looked up repeatedly."""
+    rng = np.random.RandomState(seed)
+    x = rng.randint(0, vocab, size=(samples, TOKENS)).astype("int32")
+    y = rng.randn(samples, 1).astype("float32")
+    return x, y
+
+
 def max_abs_diff(weights_a, weights_b):
     """The largest absolute difference between two weight lists (noted for --record-deltas)."""
     return deltas.note(max(float(np.max(np.abs(a - b))) for a, b in zip(weights_a, weights_b)))

@@ -54,14 +54,29 @@ def test_plain_keras_multiworker_fit_runs_with_the_fixes(tmp_path):
     assert result[1] == 4
 
 
-@pytest.mark.parametrize("partial_window, updates", [("carry", 7), ("apply", 9)])
+def test_two_worker_embedding_fit_matches_keras_large_batch(tmp_path):
+    """Sparse gradients: each worker's window rows, gathered at the close as Keras
+    gathers the large batch's, make Adam's update of the one-device large batch."""
+    codes, output, result = run_cluster(tmp_path / "out", "--accum", ACCUM, "--steps-per-epoch", 16,
+                                        "--embedding")
+    assert codes == [0, 0], output[-3000:]
+    weights, iterations = result
+    assert iterations == 4
+    x, y = ref.token_data(MICRO * 16)
+    expected = ref.fit_large_batch(ref.embedding_model(), keras.optimizers.Adam(1e-2), x, y, MICRO * ACCUM)
+    assert ref.max_abs_diff(weights, expected.get_weights()) <= 1e-5
+
+
+@pytest.mark.parametrize("partial_window, updates, model", [
+    ("carry", 7, "mlp"), ("apply", 9, "mlp"), ("carry", 7, "embedding")])
 def test_killed_worker_resumes_from_backup_without_losing_or_repeating_micro_batches(
-        partial_window, updates, tmp_path):
+        partial_window, updates, model, tmp_path):
     # 9 micro-batches an epoch, windows of 4. "carry": the backup at the end of
     # epoch 2 holds a window 2 micro-batches in, and 27 micro-batches make 6
-    # full windows and 3 carried past fit, then applied. "apply": 4, 4, 1 every epoch.
+    # full windows and 3 carried past fit, then applied. "apply": 4, 4, 1 every
+    # epoch. The embedding model's backup holds both workers' window rows.
     args = ["--accum", ACCUM, "--steps-per-epoch", 9, "--epochs", 3, "--backup", tmp_path / "backup",
-            "--partial-window", partial_window]
+            "--partial-window", partial_window] + (["--embedding"] if model == "embedding" else [])
     procs = start_cluster(tmp_path / "out", *args, "--die-at", 22)   # worker dies in epoch 3
     deadline = time.time() + 300
     while all(p.poll() is None for p in procs) and time.time() < deadline:
@@ -77,20 +92,21 @@ def test_killed_worker_resumes_from_backup_without_losing_or_repeating_micro_bat
     assert codes == [0, 0], output[-3000:]
     weights, iterations = result
     assert iterations == updates
-    expected = _single_device_resumable(partial_window)
+    expected = _single_device_resumable(partial_window, model)
     assert ref.max_abs_diff(weights, expected) <= 1e-5
 
 
-def _single_device_resumable(partial_window):
+def _single_device_resumable(partial_window, model="mlp"):
     """3 epochs of 9 micro-batches, windows of 4, on one device, uninterrupted."""
     from accumulator import GradientAccumulator
-    x, y = ref.regression_data(MICRO * 9)
-    optimizer = GradientAccumulator(
-        keras.optimizers.AdamW(keras.optimizers.schedules.ExponentialDecay(1e-2, 4, 0.5),
-                               weight_decay=0.05, global_clipnorm=0.05),
-        ACCUM, partial_window=partial_window,
-    )
-    model = ref.mlp()
+    if model == "embedding":
+        (x, y), inner, model = ref.token_data(MICRO * 9), keras.optimizers.Adam(1e-2), ref.embedding_model()
+    else:
+        x, y = ref.regression_data(MICRO * 9)
+        inner = keras.optimizers.AdamW(keras.optimizers.schedules.ExponentialDecay(1e-2, 4, 0.5),
+                                       weight_decay=0.05, global_clipnorm=0.05)
+        model = ref.mlp()
+    optimizer = GradientAccumulator(inner, ACCUM, partial_window=partial_window)
     model.compile(optimizer=optimizer, loss="mse")
     model.fit(x, y, batch_size=MICRO, epochs=3, shuffle=False, verbose=0)
     optimizer.close_partial_window("apply")

@@ -20,28 +20,13 @@ import tensorflow as tf
 from accumulator import GradientAccumulator
 from tests.accumulator import reference as ref
 
-VOCAB = 40
-LENGTH = 10
+LENGTH = ref.TOKENS
 MICRO = 8
 ACCUM = 4
 
 
-def embedding_model(vocab=VOCAB, seed=0):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([
-        keras.Input((LENGTH,), dtype="int32"),
-        keras.layers.Embedding(vocab, 8),
-        keras.layers.GlobalAveragePooling1D(),
-        keras.layers.Dense(1),
-    ])
-
-
-def token_data(samples=256, vocab=VOCAB, seed=0):
-    # 10 ids of 40 per sample, 32 samples per large batch: most rows repeat.
-    rng = np.random.RandomState(seed)
-    x = rng.randint(0, vocab, size=(samples, LENGTH)).astype("int32")
-    y = rng.randn(samples, 1).astype("float32")
-    return x, y
+embedding_model = ref.embedding_model
+token_data = ref.token_data
 
 
 def _fit(model, optimizer, x, y, batch_size, epochs=2, **fit_kwargs):
@@ -308,3 +293,72 @@ def test_mirrored_replicas_match_keras_large_batch_under_the_same_strategy():
     merged = fit(lambda: GradientAccumulator(keras.optimizers.Adam(1e-2), ACCUM, merge_duplicate_rows=True), MICRO)
     assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) <= 1e-6
     assert ref.max_abs_diff(merged.get_weights(), expected.get_weights()) > 1e-4
+
+
+class PositionEmbedding(keras.layers.Layer):
+    """Adds a learned vector per position: a gather of one table row per token,
+    the same rows for every sample (the most repeated ids of all)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True
+
+    def build(self, input_shape):
+        self.table = self.add_weight(shape=(input_shape[1], input_shape[2]), name="positions")
+
+    def call(self, x):
+        positions = keras.ops.broadcast_to(keras.ops.arange(keras.ops.shape(x)[1]), keras.ops.shape(x)[:2])
+        return x + keras.ops.take(self.table, positions, axis=0)
+
+
+SEQUENCE, TRANSFORMER_VOCAB, WIDTH = 12, 30, 16
+
+
+def small_transformer(seed=0):
+    """Token and position embeddings, a padding mask, one attention block, a token classifier."""
+    keras.utils.set_random_seed(seed)
+    tokens = keras.Input((SEQUENCE,), dtype="int32")
+    x = keras.layers.Embedding(TRANSFORMER_VOCAB, WIDTH, mask_zero=True)(tokens)
+    x = PositionEmbedding()(x)
+    attended = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)(x, x)
+    x = keras.layers.LayerNormalization()(x + attended)
+    hidden = keras.layers.Dense(32, activation="gelu")(x)
+    x = keras.layers.LayerNormalization()(x + keras.layers.Dense(WIDTH)(hidden))
+    return keras.Model(tokens, keras.layers.Dense(TRANSFORMER_VOCAB)(x))
+
+
+def padded_sentences(samples, seed=0):
+    rng = np.random.RandomState(seed)
+    lengths = rng.randint(3, SEQUENCE + 1, size=samples)
+    x = np.zeros((samples, SEQUENCE), "int32")
+    for i, n in enumerate(lengths):
+        x[i, :n] = rng.randint(1, TRANSFORMER_VOCAB, size=n)
+    y = np.roll(x, -1, axis=1)                 # next token
+    weights = (x > 0).astype("float32")        # one weight per real token
+    return x, y, weights
+
+
+def test_small_transformer_with_adamw_exclusions_matches_keras_large_batch():
+    x, y, token_weights = padded_sentences(160)
+
+    def adamw():
+        optimizer = keras.optimizers.AdamW(3e-3, weight_decay=0.05)
+        optimizer.exclude_from_weight_decay(var_names=["bias", "gamma", "beta"])
+        return optimizer
+
+    def fit(optimizer, batch):
+        model = small_transformer()
+        model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, sample_weight=token_weights, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+        return model
+
+    expected = fit(adamw(), MICRO * ACCUM)
+    accumulator = GradientAccumulator(keras.optimizers.AdamW(3e-3, weight_decay=0.05), ACCUM)
+    accumulator.exclude_from_weight_decay(var_names=["bias", "gamma", "beta"])
+    trained = fit(accumulator, MICRO)
+    assert int(accumulator.iterations.numpy()) == 10
+    assert ref.max_abs_diff(expected.get_weights(), small_transformer().get_weights()) > 1e-3
+    assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) <= 1e-6
+    merged = GradientAccumulator(keras.optimizers.AdamW(3e-3, weight_decay=0.05), ACCUM, merge_duplicate_rows=True)
+    merged.exclude_from_weight_decay(var_names=["bias", "gamma", "beta"])
+    assert ref.max_abs_diff(fit(merged, MICRO).get_weights(), expected.get_weights()) > 1e-5
