@@ -145,19 +145,21 @@ def rows_of_every_replica(buffers, strategy):
         for values, indices, count in buffers:
             held = backing_variable(count).read_value()
             size = tf.maximum(held, 1)
-            sent.append((backing_variable(values)[:size], backing_variable(indices)[:size], tf.range(size) < held))
+            valid = tf.cast(tf.range(size) < held, tf.int32)     # collectives take no bool
+            sent.append((backing_variable(values)[:size], backing_variable(indices)[:size], valid))
         return sent
 
     gathered = tf.function(lambda: tf.nest.map_structure(
-        lambda part: strategy.gather(part, axis=0), strategy.run(local)))()
-    return [(values.numpy()[valid.numpy()], indices.numpy()[valid.numpy()])
+        lambda part: strategy.gather(part, axis=0), strategy.run(local)), autograph=False)()
+    return [(values.numpy()[valid.numpy() == 1], indices.numpy()[valid.numpy() == 1])
             for values, indices, valid in gathered]
 
 
 def local_replica_ids(strategy):
     """The global replica id (`replica_id_in_sync_group`) of each local replica, in order."""
     ids = tf.function(lambda: strategy.run(
-        lambda: tf.convert_to_tensor(tf.distribute.get_replica_context().replica_id_in_sync_group)))()
+        lambda: tf.convert_to_tensor(tf.distribute.get_replica_context().replica_id_in_sync_group)),
+        autograph=False)()
     return [int(i) for i in strategy.experimental_local_results(ids)]
 
 

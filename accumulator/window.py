@@ -379,22 +379,31 @@ class AccumulationWindow:
     def window_state(self):
         """Every variable's value as NumPy arrays, in `variables` order, for saving.
 
+        The window is saved as one device would hold it, so a window saved under
+        one number of replicas resumes under another: under R replicas each
+        micro-batch weighs R times its samples (its gradient carries Keras' 1/R
+        loss scaling), so the weight read across the replicas is divided by R.
         The rows of sparse gradients are every replica's, concatenated in replica
-        order (a checkpoint reading the variables sees replica 0's alone);
-        `restore_window_state` puts them back on replica 0, which hands them to
-        the update as the replicas' gathered rows would be.
+        order (a checkpoint reading the variables sees replica 0's alone).
+        `restore_window_state` undoes both. (The noise-scale sums of an open
+        window stay per replica micro-batch: a window resumed under another
+        number of replicas mixes the two in its one estimate.)
         """
         seen = [rows for i, rows in enumerate(self._rows) if i in self._rows_seen]
-        saved = {}
+        state = {id(v): np.asarray(v.numpy()) for v in self.variables if id(v) not in
+                 {id(r.values) for r in seen} | {id(r.indices) for r in seen} | {id(r.count) for r in seen}}
         for rows, (values, indices) in zip(seen, _tf.rows_of_every_replica(
                 [rows.variables for rows in seen], self._window_strategy)):
-            saved.update({id(rows.values): values, id(rows.indices): indices,
+            state.update({id(rows.values): values, id(rows.indices): indices,
                           id(rows.count): np.int64(len(indices))})
-        return [saved[id(v)] if id(v) in saved else np.asarray(v.numpy()) for v in self.variables]
+        state[id(self._weight_sum)] = state[id(self._weight_sum)] / self._window_strategy.num_replicas_in_sync
+        return [state[id(v)] for v in self.variables]
 
     def restore_window_state(self, state):
         """Assigns `state` (as `window_state` returns it) to `variables`; rows go to replica 0."""
-        value_of = {id(v): value for v, value in zip(self.variables, state)}
+        value_of = {id(v): np.asarray(value) for v, value in zip(self.variables, state)}
+        weight = value_of[id(self._weight_sum)]
+        value_of[id(self._weight_sum)] = weight * np.asarray(self._window_strategy.num_replicas_in_sync, weight.dtype)
         rows_variables = set()
         replica_ids = _tf.local_replica_ids(self._window_strategy)
         for rows in self._rows:
@@ -402,8 +411,8 @@ class AccumulationWindow:
                 continue
             rows_variables.update(map(id, rows.variables))
             _tf.place_rows_on_first_replica(
-                rows.values, rows.indices, rows.count, np.asarray(value_of[id(rows.values)]),
-                np.asarray(value_of[id(rows.indices)])[:int(value_of[id(rows.count)])],
+                rows.values, rows.indices, rows.count, value_of[id(rows.values)],
+                value_of[id(rows.indices)][:int(value_of[id(rows.count)])],
                 self._window_strategy, replica_ids)
         for variable in self.variables:
             if id(variable) not in rows_variables:

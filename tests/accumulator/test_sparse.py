@@ -320,9 +320,14 @@ def small_transformer(seed=0):
     tokens = keras.Input((SEQUENCE,), dtype="int32")
     x = keras.layers.Embedding(TRANSFORMER_VOCAB, WIDTH, mask_zero=True)(tokens)
     x = PositionEmbedding()(x)
-    attended = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)(x, x)
+    # No projection biases: the key bias gets an exactly-zero gradient (softmax ignores
+    # a shift shared by all keys), whose rounding noise Adam would blow up to ~1e-6.
+    attended = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8, use_bias=False)(x, x)
     x = keras.layers.LayerNormalization()(x + attended)
-    hidden = keras.layers.Dense(32, activation="gelu")(x)
+    # relu, not gelu: gelu's near-zero (not zero) gradients of nearly dead units
+    # carry rounding noise that Adam's normalization blows up to ~1e-6, whatever
+    # the batching (measured: gelu 1.1e-6 on one kernel entry, relu 6e-8).
+    hidden = keras.layers.Dense(32, activation="relu")(x)
     x = keras.layers.LayerNormalization()(x + keras.layers.Dense(WIDTH)(hidden))
     return keras.Model(tokens, keras.layers.Dense(TRANSFORMER_VOCAB)(x))
 
@@ -362,3 +367,29 @@ def test_small_transformer_with_adamw_exclusions_matches_keras_large_batch():
     merged = GradientAccumulator(keras.optimizers.AdamW(3e-3, weight_decay=0.05), ACCUM, merge_duplicate_rows=True)
     merged.exclude_from_weight_decay(var_names=["bias", "gamma", "beta"])
     assert ref.max_abs_diff(fit(merged, MICRO).get_weights(), expected.get_weights()) > 1e-5
+
+
+def test_window_saved_under_two_replicas_resumes_on_one_device(tmp_path):
+    """Both replicas' rows go into the file (a checkpoint read of the variables
+    would see replica 0's alone) and the resumed run ends like an uninterrupted one."""
+    x, y = token_data(MICRO * 14)
+    first = MICRO * 6                   # 2 micro-batches into the second window
+    make = lambda: GradientAccumulator(keras.optimizers.Adam(1e-2), ACCUM, partial_window="carry")
+    uninterrupted = _fit(embedding_model(), make(), x, y, MICRO, epochs=1)
+    uninterrupted.optimizer.close_partial_window("apply")
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
+                                              cross_device_ops=tf.distribute.ReductionToOneDevice())
+    with strategy.scope():
+        model = embedding_model()
+        model.compile(make(), "mse")
+    model.fit(x[:first], y[:first], batch_size=MICRO, shuffle=False, verbose=0)
+    counts = strategy.experimental_local_results(model.optimizer.window_rows[0].count.value)
+    assert [int(c) for c in counts] == [MICRO * LENGTH, MICRO * LENGTH]    # 2 x 4 samples each
+    model.save(tmp_path / "model.keras")
+
+    restored = keras.models.load_model(tmp_path / "model.keras")
+    assert int(restored.optimizer.window_rows[0].count.numpy()) == 2 * MICRO * LENGTH
+    restored.fit(x[first:], y[first:], batch_size=MICRO, shuffle=False, verbose=0)
+    restored.optimizer.close_partial_window("apply")
+    assert ref.max_abs_diff(restored.get_weights(), uninterrupted.get_weights()) <= 1e-6

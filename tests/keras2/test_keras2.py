@@ -203,6 +203,11 @@ def test_none_and_sparse_gradients():
             assert isinstance(grads[0], tf.IndexedSlices) and grads[-1] is None
             optimizer.apply_gradients(zip(grads, variables))
         results.append([v.numpy() for v in variables])
+        if accum > 1:
+            # The table's window state is its rows (3 ids x 4 samples x 4 micro-batches),
+            # not a dense buffer of the table (a one-row stand-in).
+            assert int(tf.size(optimizer.accumulators[0])) == 4
+            assert int(tf.shape(optimizer.window_rows[0].values)[0]) == 3 * micro * accum
     assert max_diff(*results) < 1e-5
 
 
