@@ -35,15 +35,17 @@ logger = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def accumulating_compile(accum_steps, schedule=None, partial_window="apply", strategy=None,
-                         measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING):
+                         measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING,
+                         merge_duplicate_rows=False):
     """Wraps the optimizers `keras.Model.compile` is given; yields the wrappers made.
 
     `schedule` ({epoch: accum_steps}) makes the wrappers schedulable and makes
     every `fit` of a model compiled here follow it (`AccumulationSchedule`).
     `partial_window` is the wrappers' (see `GradientAccumulator`). `strategy`:
     the body runs under it, and strategy scopes opened inside map onto it.
-    `measure_noise_scale`, `noise_scale_smoothing`: the wrappers' (see
-    `GradientAccumulator`; measuring needs `accum_steps >= 2` or a `schedule`).
+    `measure_noise_scale`, `noise_scale_smoothing`, `merge_duplicate_rows`: the
+    wrappers' (see `GradientAccumulator`; measuring needs `accum_steps >= 2` or a
+    `schedule`).
     """
     from accumulator.callbacks import accum_steps_at, validate_schedule
 
@@ -85,6 +87,7 @@ def accumulating_compile(accum_steps, schedule=None, partial_window="apply", str
         wrapper = GradientAccumulator(
             inner, accum_steps, partial_window=partial_window, schedulable=schedule is not None,
             measure_noise_scale=measure_noise_scale, noise_scale_smoothing=noise_scale_smoothing,
+            merge_duplicate_rows=merge_duplicate_rows,
         )
         wrapper.epoch_schedule = schedule
         if not keras2:

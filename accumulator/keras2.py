@@ -150,6 +150,7 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
     # that is what the window does, since a Keras 2 checkpoint (tf.train.Checkpoint,
     # BackupAndRestore) would read replica 0's rows alone.
     keeps_rows_across_replicas = False
+    inner_sums_repeated_rows = True
 
     def build(self, var_list):
         if self._window_built():

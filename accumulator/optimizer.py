@@ -94,9 +94,10 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
     the large batch's gradient would be, so it makes Keras' own large-batch
     update: Keras 3 applies repeated rows one by one (Adam's second moment gets
     g1^2 + g2^2 for a row looked up twice). The window's memory for them grows
-    with the ids looked up, not with the vocabulary. Under XLA
-    (`jit_compile=True`) the rows are summed per index instead (the buffers
-    cannot change size there); a warning says so.
+    with the ids looked up, not with the vocabulary. XLA (`jit_compile=True`)
+    cannot compile buffers that change size: there a sparse gradient needs
+    `merge_duplicate_rows=True` (summed per index, densely), and is refused
+    with a message otherwise.
 
     Mixed precision: wrap a `keras.optimizers.LossScaleOptimizer`
     (`GradientAccumulator(LossScaleOptimizer(Adam()))`, and compile with

@@ -197,8 +197,7 @@ class AccumulationWindow:
         self.epoch_schedule = None
         self._untracked(_window_listeners=[], _vars=[], _index_by_id={}, _accumulators=[],
                         _overwrite_indices=frozenset(), _window_strategy=None,
-                        _noise_estimate=None, _noise_sums=[], _rows=[], _rows_seen=set(), _dense_seen=set(),
-                        _warned_xla_rows=False)
+                        _noise_estimate=None, _noise_sums=[], _rows=[], _rows_seen=set(), _dense_seen=set())
 
     @staticmethod
     def _validate_window_arguments(accum_steps, partial_window, schedulable, measure_noise_scale,
@@ -311,7 +310,8 @@ class AccumulationWindow:
 
     @property
     def accumulators(self):
-        """The dense gradient buffers, one per variable (empty where no dense gradient came)."""
+        """The dense gradient buffers, one per variable (a one-row stand-in until a dense
+        gradient comes: `tf.shape(buffer)`, not Keras' `shape`, tells which)."""
         return list(self._accumulators)
 
     @property
@@ -534,25 +534,34 @@ class AccumulationWindow:
     def _keeps_rows(self, index):
         """Whether a sparse gradient for variable `index` goes to its row buffers.
 
-        Not under XLA (`jit_compile=True`): the buffers change size, which XLA
-        cannot compile. There the rows are summed into a dense buffer, as
-        `merge_duplicate_rows=True` would, and a warning says so once.
+        Not where the buffers cannot be used: under XLA (`jit_compile=True`),
+        which cannot compile buffers that change size, and, for a class whose
+        checkpoints would read replica 0's rows alone, under several replicas.
+        There a sparse gradient is summed densely, which makes the same update
+        where repeated rows are summed anyway (`merge_duplicate_rows=True`, or an
+        inner optimizer that sums them itself); otherwise it is refused.
         """
         if self._rows[index] is None:
             return False
-        if _tf.replicas_in_sync() > 1 and not self.keeps_rows_across_replicas:
+        xla = seam.in_xla_context()
+        if not xla and (_tf.replicas_in_sync() == 1 or self.keeps_rows_across_replicas):
+            return True
+        if self.merge_duplicate_rows or self.inner_sums_repeated_rows:
             return False
-        if seam.in_xla_context():
-            if not self._warned_xla_rows:
-                self._warned_xla_rows = True
-                logger.warning(
-                    "GradientAccumulator under XLA (jit_compile=True): sparse gradients "
-                    "(embeddings) are summed per row in a dense buffer, so the inner optimizer "
-                    "sees each looked-up row once with its summed gradient (the densified "
-                    "gradient, as merge_duplicate_rows=True). Keras 3's own large batch applies "
-                    "repeated rows one by one; compile with jit_compile=False for that update.")
-            return False
-        return True
+        variable = self._vars[index]
+        raise ValueError(
+            f"GradientAccumulator got a sparse gradient (tf.IndexedSlices, from an Embedding or "
+            f"another gather) for {getattr(variable, 'path', None) or variable.name} inside an "
+            "XLA-compiled step (jit_compile=True; Keras' default jit_compile='auto' turns XLA on "
+            "for one GPU). Keras 3 applies the large batch's repeated rows one by one, and the "
+            "window hands them over that way only outside XLA (its row buffers change size). "
+            "Compile with jit_compile=False for Keras' large-batch update, or construct the "
+            "GradientAccumulator with merge_duplicate_rows=True to sum each index's rows first "
+            "(the densified gradient), which XLA compiles.")
+
+    # Whether the inner optimizer sums repeated rows of a sparse gradient itself
+    # (Keras 2's do; Keras 3's apply them one by one).
+    inner_sums_repeated_rows = False
 
     # Whether rows are kept under several replicas: only where the class saves
     # them itself (`window_state`), since a checkpoint reads replica 0's alone.

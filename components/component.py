@@ -2,7 +2,8 @@
 
 Same inputs, same outputs (`model`, `model_run`), same run_fn contract as the
 stock Trainer, plus the accumulation's parameters (`accum_steps`, `effective_batch_size`,
-`strategy`, `accum_schedule`, `partial_window`, `measure_noise_scale`). Change the class name in a pipeline and it trains with
+`strategy`, `accum_schedule`, `partial_window`, `measure_noise_scale`, `merge_duplicate_rows`).
+Change the class name in a pipeline and it trains with
 accumulation; feed `hyperparameters=tuner.outputs["best_hyperparameters"]` and
 the tuned values win over the parameters.
 """
@@ -40,6 +41,7 @@ class AccumulatingTrainerSpec(standard_component_specs.TrainerSpec):
         # 0/1, as SchemaGen's infer_feature_shape: bools travel as ints everywhere.
         executor.MEASURE_NOISE_SCALE_KEY: ExecutionParameter(type=int, optional=True),
         executor.NOISE_SCALE_SMOOTHING_KEY: ExecutionParameter(type=float, optional=True),
+        executor.MERGE_DUPLICATE_ROWS_KEY: ExecutionParameter(type=int, optional=True),
     }
 
 
@@ -70,6 +72,11 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             `measure_noise_scale` wins.
         noise_scale_smoothing: the decay, in [0, 1), of the estimate's moving
             averages over windows (default 0.99, about 100 windows).
+        merge_duplicate_rows: sum each looked-up row's gradients in a window
+            before the optimizer sees them (`GradientAccumulator(
+            merge_duplicate_rows=True)`: the densified gradient, which XLA
+            compiles) instead of Keras' own large-batch update (the default,
+            which needs `jit_compile=False` for embedding models on a GPU).
 
     `TrainArgs.num_steps` counts optimizer updates: the run_fn sees
     `fn_args.train_steps = num_steps * accum_steps` micro-steps.
@@ -98,6 +105,7 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
         partial_window: str = "apply",
         measure_noise_scale: Union[bool, data_types.RuntimeParameter] = False,
         noise_scale_smoothing: Optional[Union[float, data_types.RuntimeParameter]] = None,
+        merge_duplicate_rows: bool = False,
     ):
         if [bool(module_file), bool(run_fn)].count(True) != 1:
             raise ValueError("Exactly one of 'module_file', or 'run_fn' must be supplied.")
@@ -116,7 +124,8 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
         measure = None if hyperparameters is not None else static(measure_noise_scale)
         settings_lib.resolve(None, static(accum_steps), static(effective_batch_size), replicas=1,
                              partial_window=partial_window, schedule=accum_schedule if measure else None,
-                             measure_noise_scale=measure, noise_scale_smoothing=static(noise_scale_smoothing))
+                             measure_noise_scale=measure, noise_scale_smoothing=static(noise_scale_smoothing),
+                             merge_duplicate_rows=merge_duplicate_rows)
         if accum_schedule is not None:
             accum_schedule = json.dumps(validate_schedule(accum_schedule))
         if isinstance(measure_noise_scale, bool):
@@ -143,6 +152,7 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             partial_window=partial_window,
             measure_noise_scale=measure_noise_scale,
             noise_scale_smoothing=noise_scale_smoothing,
+            merge_duplicate_rows=int(merge_duplicate_rows),
             model=types.Channel(type=standard_artifacts.Model),
             model_run=types.Channel(type=standard_artifacts.ModelRun),
         )

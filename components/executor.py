@@ -30,6 +30,7 @@ ACCUM_SCHEDULE_KEY = "accum_schedule"
 PARTIAL_WINDOW_KEY = "partial_window"
 MEASURE_NOISE_SCALE_KEY = "measure_noise_scale"
 NOISE_SCALE_SMOOTHING_KEY = "noise_scale_smoothing"
+MERGE_DUPLICATE_ROWS_KEY = "merge_duplicate_rows"
 TENSORBOARD_SUBDIR = "accumulation"
 
 
@@ -72,6 +73,7 @@ class Executor(tfx_trainer_executor.GenericExecutor):
             # Stored as an int (0/1) in the pipeline, as SchemaGen's infer_feature_shape.
             _as_bool(exec_properties.get(MEASURE_NOISE_SCALE_KEY)),
             exec_properties.get(NOISE_SCALE_SMOOTHING_KEY),
+            exec_properties.get(MERGE_DUPLICATE_ROWS_KEY),
         )
         logging.info(
             "Accumulation: accum_steps=%d (%s), effective batch %s (%s), global micro-batch %s, "
@@ -87,7 +89,8 @@ class Executor(tfx_trainer_executor.GenericExecutor):
         with accumulating_compile(settings.accum_steps, settings.schedule,
                                   settings.partial_window, strategy=strategy,
                                   measure_noise_scale=settings.measure_noise_scale,
-                                  noise_scale_smoothing=settings.noise_scale_smoothing) as optimizers:
+                                  noise_scale_smoothing=settings.noise_scale_smoothing,
+                                  merge_duplicate_rows=settings.merge_duplicate_rows) as optimizers:
             run_fn(user_fn_args)
 
         if not fileio.exists(fn_args.serving_model_dir):

@@ -12,6 +12,7 @@ from typing import Any, Dict, Optional
 from accumulator import validate_accum_steps
 from accumulator.noise_scale import DEFAULT_SMOOTHING, validate_smoothing
 from accumulator.optimizer import validate_measure_noise_scale, validate_partial_window
+from accumulator.window import validate_merge_duplicate_rows
 from accumulator.validation import integer_at_least
 
 ACCUM_STEPS = "accum_steps"
@@ -32,6 +33,7 @@ class AccumulationSettings:
     sources: Dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
     measure_noise_scale: bool = False
     noise_scale_smoothing: float = DEFAULT_SMOOTHING
+    merge_duplicate_rows: bool = False
 
     @property
     def micro_batch(self) -> Optional[int]:
@@ -52,6 +54,7 @@ class AccumulationSettings:
             "replicas": self.replicas,
             "effective_batch_size": self.effective_batch_size or 0,
             "measure_noise_scale": int(self.measure_noise_scale),
+            "merge_duplicate_rows": int(self.merge_duplicate_rows),
         }
 
 
@@ -73,6 +76,7 @@ def resolve(
     partial_window: Optional[str] = None,
     measure_noise_scale: Optional[bool] = None,
     noise_scale_smoothing: Optional[float] = None,
+    merge_duplicate_rows: Optional[bool] = None,
 ) -> AccumulationSettings:
     """Resolves and validates the settings of one run.
 
@@ -83,7 +87,7 @@ def resolve(
     `measure_noise_scale` (default False) and `noise_scale_smoothing` (default
     0.99) follow the same precedence as `accum_steps`; measuring needs windows
     of two or more micro-batches: `accum_steps >= 2`, or a schedule that
-    reaches 2.
+    reaches 2. `merge_duplicate_rows` (default False) is the component's alone.
     """
     partial_window = validate_partial_window(partial_window or "apply")
     values = hyperparameter_values(hyperparameters)
@@ -131,5 +135,7 @@ def resolve(
             f"micro-batch's gradient with its window's. Set `{ACCUM_STEPS}` >= 2 (or a schedule "
             f"that reaches it), or leave `{MEASURE_NOISE_SCALE}` off."
         )
+    merge = validate_merge_duplicate_rows(bool(merge_duplicate_rows) if merge_duplicate_rows in (0, 1)
+                                          else merge_duplicate_rows)
     return AccumulationSettings(accum, effective, replicas, schedule, partial_window, sources,
-                                measure, smoothing)
+                                measure, smoothing, merge)

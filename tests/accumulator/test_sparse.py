@@ -10,8 +10,6 @@ that summing the rows first (`merge_duplicate_rows=True`, the densified gradient
 lands measurably elsewhere, so each comparison can fail.
 """
 
-import logging
-
 import numpy as np
 import keras
 import pytest
@@ -262,18 +260,26 @@ def test_mixed_float16_follows_the_large_batch():
     assert ref.max_abs_diff(merged.get_weights(), expected.get_weights()) > 5 * diff
 
 
-def test_xla_sums_rows_and_says_so(caplog):
-    """Under jit_compile=True the row buffers cannot change size: the rows are
-    summed per index (the merged result, exactly) and a warning names the cost."""
+def test_xla_compiles_merged_rows_exactly():
+    """Under jit_compile=True the row buffers cannot change size: with
+    `merge_duplicate_rows=True` the rows are summed per index in a dense buffer,
+    which gives the same weights as the uncompiled merged run."""
     x, y = token_data()
-    merged = _fit(embedding_model(), GradientAccumulator(keras.optimizers.Adam(1e-2), ACCUM,
-                                                         merge_duplicate_rows=True), x, y, MICRO)
+    make = lambda: GradientAccumulator(keras.optimizers.Adam(1e-2), ACCUM, merge_duplicate_rows=True)
+    merged = _fit(embedding_model(), make(), x, y, MICRO)
+    model = embedding_model()
+    model.compile(make(), "mse", jit_compile=True)
+    model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
+    assert ref.max_abs_diff(model.get_weights(), merged.get_weights()) <= 1e-6
+
+
+def test_xla_refuses_rows_it_cannot_hand_over_as_keras_would():
     model = embedding_model()
     model.compile(GradientAccumulator(keras.optimizers.Adam(1e-2), ACCUM), "mse", jit_compile=True)
-    with caplog.at_level(logging.WARNING, logger="accumulator.window"):
-        model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
-    assert ref.max_abs_diff(model.get_weights(), merged.get_weights()) <= 1e-6
-    assert any("jit_compile=False" in r.getMessage() for r in caplog.records)
+    x, y = token_data(MICRO * ACCUM)
+    with pytest.raises(ValueError, match="jit_compile=False.*merge_duplicate_rows=True"):
+        model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+    assert model.get_weights()[0].tolist() == embedding_model().get_weights()[0].tolist()
 
 
 def test_mirrored_replicas_match_keras_large_batch_under_the_same_strategy():

@@ -50,6 +50,7 @@ def test_hyperparameters_channel_is_accepted():
         ({"measure_noise_scale": True}, ValueError, r"measure_noise_scale=True.*`accum_steps` is 1"),
         ({"measure_noise_scale": True, "accum_schedule": {0: 1}}, ValueError, "`accum_schedule` never goes above 1"),
         ({"measure_noise_scale": "yes", "accum_steps": 2}, ValueError, "`measure_noise_scale` must be True or False"),
+        ({"merge_duplicate_rows": "yes"}, ValueError, "`merge_duplicate_rows` must be True or False"),
         ({"measure_noise_scale": True, "accum_steps": 2, "noise_scale_smoothing": 1.5}, ValueError,
          "noise_scale_smoothing"),
     ],
@@ -83,3 +84,8 @@ def test_measure_noise_scale_is_stored_as_an_int_and_checked_against_tuned_value
         .exec_properties["measure_noise_scale"] == 1
     # A schedule that reaches 2 is enough.
     AccumulatingTrainer(**_kwargs(accum_schedule={0: 1, 2: 4}, measure_noise_scale=True))
+
+
+def test_merge_duplicate_rows_is_stored_as_an_int():
+    assert AccumulatingTrainer(**_kwargs(merge_duplicate_rows=True)).exec_properties["merge_duplicate_rows"] == 1
+    assert AccumulatingTrainer(**_kwargs()).exec_properties["merge_duplicate_rows"] == 0

@@ -249,3 +249,13 @@ def test_not_measuring_is_the_default_and_records_no_noise_scale(examples, tmp_p
     assert model.get_int_custom_property("measure_noise_scale") == 0
     assert not any(model.has_custom_property(k) for k in ("noise_scale", "noise_scale_status",
                                                           "noise_scale_windows"))
+
+
+def test_merge_duplicate_rows_reaches_the_wrapper_and_the_artifacts(examples, tmp_path):
+    outputs, seen, _ = fixtures.run_executor(tmp_path, examples, num_steps=2, accum_steps=2,
+                                             merge_duplicate_rows=1)    # the int the pipeline stores
+    assert seen["merge_duplicate_rows"] is True
+    for artifact in outputs["model"] + outputs["model_run"]:
+        assert artifact.get_int_custom_property("merge_duplicate_rows") == 1
+    _, seen, _ = fixtures.run_executor(tmp_path / "default", examples, num_steps=2, accum_steps=2)
+    assert seen["merge_duplicate_rows"] is False

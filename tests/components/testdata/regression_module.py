@@ -68,6 +68,7 @@ def run_fn(fn_args: tfx.components.FnArgs):
         "optimizer": type(model.optimizer).__name__,
         "accum_steps": getattr(model.optimizer, "accum_steps", None),
         "partial_window": getattr(model.optimizer, "partial_window", None),
+        "merge_duplicate_rows": getattr(model.optimizer, "merge_duplicate_rows", None),
         "iterations": int(model.optimizer.iterations.numpy()),
         "strategy": type(model.distribute_strategy).__name__,
     }
