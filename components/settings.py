@@ -135,7 +135,8 @@ def resolve(
             f"micro-batch's gradient with its window's. Set `{ACCUM_STEPS}` >= 2 (or a schedule "
             f"that reaches it), or leave `{MEASURE_NOISE_SCALE}` off."
         )
-    merge = validate_merge_duplicate_rows(bool(merge_duplicate_rows) if merge_duplicate_rows in (0, 1)
-                                          else merge_duplicate_rows)
+    # Stored as an int (0/1) by the pipeline; unset means False.
+    merge = merge_duplicate_rows if merge_duplicate_rows is not None else False
+    merge = validate_merge_duplicate_rows(bool(merge) if merge in (0, 1) else merge, name="merge_duplicate_rows")
     return AccumulationSettings(accum, effective, replicas, schedule, partial_window, sources,
                                 measure, smoothing, merge)
