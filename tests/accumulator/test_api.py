@@ -126,15 +126,6 @@ def test_none_gradients_leave_unused_variables_alone():
     assert int(optimizer.iterations.numpy()) == 3
 
 
-def test_sparse_sgd_matches_keras_large_batch_fit():
-    x, y = _token_data(512)
-    expected = ref.fit_large_batch(_embedding_model(), keras.optimizers.SGD(0.5), x, y, 64)
-    model = _embedding_model()
-    model.compile(GradientAccumulator(keras.optimizers.SGD(0.5), 4), "mse")
-    model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
-    assert ref.max_abs_diff(model.get_weights(), expected.get_weights()) <= 1e-6
-
-
 def test_indexed_slices_in_a_custom_loop_match_dense_sum():
     table = keras.Variable(np.zeros((6, 2), "float32"))
     optimizer = GradientAccumulator(keras.optimizers.SGD(1.0), accum_steps=2)

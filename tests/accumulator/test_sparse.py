@@ -8,6 +8,10 @@ own large-batch run (`fit` with the effective batch, or `optimizer.apply` on the
 large batch's gradient in a loop), never our own idea of it; the controls show
 that summing the rows first (`merge_duplicate_rows=True`, the densified gradient)
 lands measurably elsewhere, so each comparison can fail.
+
+Every model compiles with `jit_compile=False` (what Keras' "auto" is on a CPU and
+under a strategy): on one GPU "auto" means XLA, where the window cannot keep rows
+and refuses them (tested below, with the XLA way out).
 """
 
 import numpy as np
@@ -28,7 +32,7 @@ token_data = ref.token_data
 
 
 def _fit(model, optimizer, x, y, batch_size, epochs=2, **fit_kwargs):
-    model.compile(optimizer=optimizer, loss="mse")
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
     model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **fit_kwargs)
     return model
 
@@ -244,7 +248,7 @@ def test_mixed_float16_follows_the_large_batch():
 
         def fit(optimizer, batch):
             model = embedding_model()
-            model.compile(optimizer=optimizer, loss="mse", auto_scale_loss=False)
+            model.compile(optimizer=optimizer, loss="mse", auto_scale_loss=False, jit_compile=False)
             model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
             return model
 
@@ -290,7 +294,7 @@ def test_mirrored_replicas_match_keras_large_batch_under_the_same_strategy():
         strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
         with strategy.scope():
             model = embedding_model()
-            model.compile(make_optimizer(), "mse")
+            model.compile(make_optimizer(), "mse", jit_compile=False)
         model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
         return model
 
@@ -359,7 +363,7 @@ def test_small_transformer_with_adamw_exclusions_matches_keras_large_batch():
 
     def fit(optimizer, batch):
         model = small_transformer()
-        model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
         model.fit(x, y, sample_weight=token_weights, batch_size=batch, epochs=2, shuffle=False, verbose=0)
         return model
 
@@ -388,7 +392,7 @@ def test_window_saved_under_two_replicas_resumes_on_one_device(tmp_path):
                                               cross_device_ops=tf.distribute.ReductionToOneDevice())
     with strategy.scope():
         model = embedding_model()
-        model.compile(make(), "mse")
+        model.compile(make(), "mse", jit_compile=False)
     model.fit(x[:first], y[:first], batch_size=MICRO, shuffle=False, verbose=0)
     counts = strategy.experimental_local_results(model.optimizer.window_rows[0].count.value)
     assert [int(c) for c in counts] == [MICRO * LENGTH, MICRO * LENGTH]    # 2 x 4 samples each
