@@ -637,11 +637,17 @@ class AccumulationWindow:
         `merge_duplicate_rows`, one row per index.
         """
         variable, rows = self._vars[index], self._rows[index]
-        values, indices = _tf.read_rows(rows.values, rows.indices, rows.count)
-        slices = _tf.gather_over_replicas(tf.IndexedSlices(
-            values, indices, tf.constant(tuple(variable.shape), tf.int64)))
-        slices = tf.IndexedSlices(slices.values / tf.cast(weight_sum, slices.values.dtype),
-                                  slices.indices, slices.dense_shape)
+        shape = tf.constant(tuple(variable.shape), tf.int64)
+        if _tf.replicas_in_sync() == 1:
+            # Divided where they lie (see _tf.divide_in_place): no second copy of the
+            # rows next to the buffer while the inner optimizer runs.
+            _tf.divide_in_place([_tf.backing_variable(rows.values)], weight_sum)
+            slices = tf.IndexedSlices(*_tf.read_rows(rows.values, rows.indices, rows.count), shape)
+        else:
+            slices = _tf.gather_over_replicas(tf.IndexedSlices(
+                *_tf.read_rows(rows.values, rows.indices, rows.count), shape))
+            slices = tf.IndexedSlices(slices.values / tf.cast(weight_sum, slices.values.dtype),
+                                      slices.indices, slices.dense_shape)
         if self.merge_duplicate_rows:
             slices = _tf.merge_duplicate_rows(slices)
         return tf.IndexedSlices(tf.cast(slices.values, variable.dtype), slices.indices, slices.dense_shape)

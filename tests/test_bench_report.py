@@ -52,3 +52,27 @@ def test_cpu_report_keeps_the_milliseconds_target(tmp_path):
     assert any("compute-bound micro-step (≥ 50 ms)" in line for line in _targets(report))
     assert not any("fills the GPU" in line for line in _targets(report))
     assert "Other processes share the 16 cores" in report
+
+
+def test_embedding_memory_report_judges_the_extra_against_rows_and_finds_a_table_copy(tmp_path):
+    """`benchmarks.embedding_memory.report` on made-up runs: the target is met when
+    the accumulator's extra over the large batch is its rows, and a closing step that
+    copies the table shows as a table's size above the large batch's step."""
+    from benchmarks import embedding_memory as em
+
+    def run(peaks, state, accum=4):
+        return {"accum": accum, "peaks_mb": peaks, "held_mb": [0.0] * len(peaks), "state_mb": state,
+                "device": "CPU:0", "table_mb": 64.0, "dense_param_mb": 0.0, "window_rows_mb": 2.0}
+
+    runs = {"plain_b": [run([128.0] * 8, 128.0)],
+            "accumulator": [run([0.5, 0.5, 0.5, 130.0] * 2, 130.0)],
+            "accumulator_merged": [run([0.5, 0.5, 0.5, 128.0] * 2, 130.0)],
+            "keras_builtin": [run([64.0, 128.0, 128.0, 128.0] * 2, 192.0)],
+            "large_batch": [run([130.0] * 2, 128.0)]}
+    text = em.report(runs, str(tmp_path))
+    assert "Over the large batch itself: **met** (2.0" in text
+    assert "a closing step peaks 0.0" in text
+    runs["accumulator"] = [run([0.5, 0.5, 0.5, 194.0] * 2, 130.0)]      # a table copy at the close
+    text = em.report(runs, str(tmp_path))
+    assert "a closing step peaks 64.0" in text and "**missed**" in text
+    assert (tmp_path / "embedding_memory.png").exists()
