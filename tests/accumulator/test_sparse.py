@@ -120,9 +120,10 @@ def test_clipping_and_ema_act_on_the_large_batch_rows(options):
     assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) <= 1e-6
 
 
-def test_custom_loop_matches_keras_large_batch_apply():
-    """A `tf.function` tape loop: micro-batches through the wrapper, against Keras'
-    Adam given the large batch's own (sparse) gradient. 250 samples: the last
+@pytest.mark.parametrize("cls, settings", _optimizer_cases())
+def test_custom_loop_matches_keras_large_batch_apply(cls, settings):
+    """A `tf.function` tape loop: micro-batches through the wrapper, against the
+    optimizer given the large batch's own (sparse) gradient. 250 samples: the last
     micro-batch (2 samples) retraces the step in the middle of a window."""
     x, y = token_data(250)
     loss_fn = keras.losses.MeanSquaredError()
@@ -145,8 +146,8 @@ def test_custom_loop_matches_keras_large_batch_apply():
         assert isinstance(grads[0], tf.IndexedSlices)
         return model
 
-    expected = loop(embedding_model(), keras.optimizers.Adam(1e-2), MICRO * ACCUM, False)
-    optimizer = GradientAccumulator(keras.optimizers.Adam(1e-2), ACCUM)
+    expected = loop(embedding_model(), cls(**settings), MICRO * ACCUM, False)
+    optimizer = GradientAccumulator(cls(**settings), ACCUM)
     trained = loop(embedding_model(), optimizer, MICRO, True)
     optimizer.close_partial_window()
     assert int(optimizer.iterations.numpy()) == 8
