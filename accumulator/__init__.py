@@ -10,12 +10,12 @@ both share one update rule (`accumulator.window`).
 Importing this package imports TensorFlow and Keras only (`accumulator.tuning`,
 imported on its own, needs keras-tuner; `tf_keras` is imported where it is
 installed, to hook its `Model`), and installs the library's Keras hooks
-(`accumulator.seam`: `Model.fit` and `compute_loss` of each installed Keras, and
+(`accumulator.hooks`: `Model.fit` and `compute_loss` of each installed Keras, and
 two Keras 3 multi-worker fixes), unless the environment variable
-ACCUMULATOR_KERAS_HOOKS=0 is set; `accumulator.seam.uninstall()` removes them.
+ACCUMULATOR_KERAS_HOOKS=0 is set; `accumulator.hooks.uninstall()` removes them.
 """
 
-from accumulator import seam
+from accumulator import hooks, seam
 from accumulator import noise_scale  # noqa: F401  (accumulator.noise_scale.* after `import accumulator`)
 from accumulator.distribute import strategy_from_environment
 from accumulator.noise_scale import NoiseScaleEstimate
@@ -33,7 +33,7 @@ else:
     from accumulator.callbacks import AccumulationSchedule, EpochWindows
     from accumulator.keras2 import GradientAccumulator
 
-seam.install_unless_opted_out()
+hooks.install_unless_opted_out()
 
 __all__ = [
     "AccumulationSchedule",

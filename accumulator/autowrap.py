@@ -2,7 +2,7 @@
 
 `accumulating_compile(accum_steps)` is the one context manager under which
 this library changes Keras for a while (the TFX executor and the KerasTuner
-helpers use it; `accumulator.seam` holds the mechanics):
+helpers use it; `accumulator.hooks` holds the mechanics):
 
 * `keras.Model.compile`, and Keras 2's (`tf_keras.Model.compile`) where
   tf_keras is installed, wrap every optimizer they are given in
@@ -24,8 +24,9 @@ import logging
 import keras
 import tensorflow as tf
 
-from accumulator import seam
+from accumulator import hooks, seam
 from accumulator.batch_norm import configure_batch_norm
+from accumulator.callbacks import accum_steps_at, validate_schedule
 from accumulator.noise_scale import DEFAULT_SMOOTHING
 from accumulator.optimizer import GradientAccumulator
 from accumulator.window import AccumulationWindow
@@ -47,8 +48,6 @@ def accumulating_compile(accum_steps, schedule=None, partial_window="apply", str
     wrappers' (see `GradientAccumulator`; measuring needs `accum_steps >= 2` or a
     `schedule`).
     """
-    from accumulator.callbacks import accum_steps_at, validate_schedule
-
     if schedule is not None:
         schedule = validate_schedule(schedule)
         accum_steps = accum_steps_at(schedule, 0)
@@ -96,11 +95,11 @@ def accumulating_compile(accum_steps, schedule=None, partial_window="apply", str
         return wrapper
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(seam.swapped(keras.Model, "compile", wrapping_compile))
+        stack.enter_context(hooks.swapped(keras.Model, "compile", wrapping_compile))
         keras2 = seam.keras2_module()
         if keras2 is not None and keras2.Model is not keras.Model:
-            stack.enter_context(seam.swapped(keras2.Model, "compile", wrapping_compile))
+            stack.enter_context(hooks.swapped(keras2.Model, "compile", wrapping_compile))
         if strategy is not None and (strategy is not tf.distribute.get_strategy() or tf.distribute.has_strategy()):
             stack.enter_context(strategy.scope())
-            stack.enter_context(seam.strategy_scopes_map_onto(strategy))
+            stack.enter_context(hooks.strategy_scopes_map_onto(strategy))
         yield made

@@ -28,7 +28,7 @@ import keras
 from keras import ops
 
 from accumulator import _tf, seam
-from accumulator.optimizer import validate_accum_steps
+from accumulator.window import validate_accum_steps
 
 logger = logging.getLogger(__name__)
 

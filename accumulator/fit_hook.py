@@ -3,7 +3,7 @@
 An optimizer sees gradients, never epochs, so on its own a `GradientAccumulator`
 could not close the window left open when an epoch ends mid-window (the
 large-batch run's short last batch). The `fit` hook that `import accumulator`
-installs (`accumulator.seam`) calls `before_fit`, which
+installs (`accumulator.hooks`) calls `before_fit`, which
 
 * refuses, before any training, the set-ups that would train wrong: a
   `LossScaleOptimizer` that Keras put *around* the accumulator (a
@@ -25,6 +25,8 @@ callback classes.
 import keras
 
 from accumulator import seam
+from accumulator._tf import NO_MERGE_CALL_MESSAGE
+from accumulator.callbacks import window_callback_classes
 from accumulator.window import AccumulationWindow
 
 
@@ -46,16 +48,12 @@ def before_fit(model, callbacks):
         return callbacks
     if getattr(model, "jit_compile", False) is True and \
             model.distribute_strategy.num_replicas_in_sync > 1:
-        from accumulator._tf import NO_MERGE_CALL_MESSAGE
-
         raise NotImplementedError(NO_MERGE_CALL_MESSAGE)
     return with_epoch_windows(model, callbacks)
 
 
 def with_epoch_windows(model, callbacks):
     """`callbacks` with an `EpochWindows` first, if `model` trains with an accumulator."""
-    from accumulator.callbacks import window_callback_classes
-
     optimizer = getattr(model, "optimizer", None)
     if not isinstance(optimizer, AccumulationWindow) or optimizer.is_passthrough:
         return callbacks

@@ -34,6 +34,7 @@ import contextlib
 import tensorflow as tf
 
 from accumulator import _tf, seam, weighting
+from accumulator.callbacks import window_callback_classes
 from accumulator.noise_scale import DEFAULT_SMOOTHING
 from accumulator.window import (
     AccumulationWindow, optimizer_chain, refuse_nested_accumulation, refuse_unknown_arguments,
@@ -304,11 +305,5 @@ class LossScalingGradientAccumulator(GradientAccumulator, _LossScaleOptimizer):
         return self.loss_scale_optimizer.dynamic_growth_steps
 
 
-def _window_callbacks():
-    from accumulator.callbacks import window_callback_classes
-
-    return window_callback_classes(keras2)
-
-
 # Keras 2's own callback classes for what `fit` adds by itself (`accumulator.callbacks`).
-EpochWindows, AccumulationSchedule = _window_callbacks()
+EpochWindows, AccumulationSchedule = window_callback_classes(keras2)

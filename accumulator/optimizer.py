@@ -209,12 +209,11 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
         self._updater.build(var_list)
         _check_supports_distribution(self)
         super().build(var_list)
-        if not self._passthrough and "fit" not in seam.installed_hooks():
+        if not self._passthrough and not getattr(keras.Model.fit, "accumulator_hook", False):
             logger.warning(
-                "accumulator's Keras hooks are not installed (%s=0 or seam.uninstall()): "
-                "in `fit`, windows do not close at epoch ends unless you pass "
-                "accumulator.callbacks.EpochWindows(), and micro-batches weigh 1 each.",
-                seam.HOOKS_ENV,
+                "accumulator's Keras hooks are not installed (ACCUMULATOR_KERAS_HOOKS=0 or "
+                "accumulator.hooks.uninstall()): in `fit`, windows do not close at epoch ends "
+                "unless you pass accumulator.callbacks.EpochWindows(), and micro-batches weigh 1 each."
             )
 
     # ------------------------------------------------ what AccumulationWindow needs

@@ -31,33 +31,15 @@ Private names (`PRIVATE_NAMES` lists them for the test):
   functions that stop `fit` under `MultiWorkerMirroredStrategy`
   (keras-team/keras#20585); see "Run-time changes".
 
-Run-time changes to Keras (the README lists them under "What the library changes
-in Keras"):
-
 Keras 2 (`tf_keras`, or TF 2.15's `keras`) needs no private name: its
 optimizers take a public `skip_gradients_aggregation=True` (`accumulator.keras2`).
 `keras2_module()` finds it; `keras_package_of()` tells which Keras an object
 belongs to (public `__module__` and `__version__` only).
 
-1. **At `import accumulator`**, `install()` wraps three Keras functions, once:
-   `keras.Model.fit` (a model compiled with a `GradientAccumulator` gets the
-   `EpochWindows` callback first in its list, so windows close at epoch ends;
-   `fit` refuses, before training, a `LossScaleOptimizer` that Keras put around
-   the accumulator and XLA under a multi-replica strategy), `keras.Model.compute_loss`
-   (reports each training batch's loss denominator to the accumulator: the
-   micro-batch weight; see `accumulator.weighting`), and, for
-   `MultiWorkerMirroredStrategy`, the two multi-worker fixes above (each a
-   no-op under any other strategy). Models compiled with any other optimizer
-   are left alone. Where Keras 2 is installed, its `Model.fit` and
-   `Model.compute_loss` get the same two wrappers ("keras2_fit",
-   "keras2_compute_loss"). `uninstall()` restores the originals; setting the
-   environment variable `ACCUMULATOR_KERAS_HOOKS=0` before the import skips
-   the installation.
-2. **While `accumulator.autowrap.accumulating_compile` is open** (the TFX
-   executor and the KerasTuner helpers), `keras.Model.compile` (and Keras 2's,
-   where installed) wraps the optimizers it is given, and, when given a strategy,
-   `tf.distribute.Strategy.scope` maps every strategy's scope onto it. Both are
-   restored when the context closes (`swapped`).
+This module only *reaches*: it changes nothing by being imported, and imports
+no other module of the library. What the library changes in Keras at run time,
+and when, is `accumulator.hooks` (which takes the two multi-worker fixes,
+`multiworker_fixes()`, from here).
 """
 
 from __future__ import annotations
@@ -67,18 +49,10 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
-import inspect
-import logging
-import os
 import sys
-import threading
 
 import keras
 import tensorflow as tf
-
-logger = logging.getLogger(__name__)
-
-HOOKS_ENV = "ACCUMULATOR_KERAS_HOOKS"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,151 +233,17 @@ def batch_norm_moments(layer, inputs, mask):
     return layer._moments(inputs, mask)
 
 
-# ------------------------------------------------------------ scoped changes
-def _replace(owner, name, make_replacement):
-    """Sets `owner.name = make_replacement(original)`; returns the function that restores it.
+# ------------------------------------------------------ multi-worker fixes
+def multiworker_fixes():
+    """`{label: (owner, name, make_replacement)}`: the two Keras 3 functions that stop
+    `fit` under `MultiWorkerMirroredStrategy` (keras-team/keras#20585), and what
+    replaces each; `accumulator.hooks` installs them."""
+    from keras.src.backend.tensorflow import trainer as tf_trainer
 
-    Restores exactly what was there: an attribute `owner` inherited is deleted
-    again rather than copied down.
-    """
-    had_own = name in vars(owner)
-    own = vars(owner).get(name)
-    setattr(owner, name, make_replacement(getattr(owner, name)))
-
-    def restore():
-        if had_own:
-            setattr(owner, name, own)
-        else:
-            delattr(owner, name)
-
-    return restore
-
-
-@contextlib.contextmanager
-def swapped(owner, name, make_replacement):
-    """`owner.name` is `make_replacement(original)` inside the context, restored after."""
-    restore = _replace(owner, name, make_replacement)
-    try:
-        yield
-    finally:
-        restore()
-
-
-def strategy_scopes_map_onto(strategy):
-    """Context: every `tf.distribute.Strategy.scope()` opens `strategy`'s scope instead."""
-
-    def make(original):
-        def scope(self):
-            if self is not strategy:
-                logger.warning(
-                    "run_fn opened the scope of its own %s; it trains under the "
-                    "executor's %s (%d replicas) instead.",
-                    type(self).__name__, type(strategy).__name__, strategy.num_replicas_in_sync,
-                )
-            return original(strategy)
-
-        return scope
-
-    return swapped(tf.distribute.Strategy, "scope", make)
-
-
-# ------------------------------------------------------- the import-time hooks
-class _Hooks:
-    """What restores each function `install()` replaced."""
-
-    restorers = {}
-
-
-HOOKS = ("fit", "compute_loss", "symbolic_build", "scalar_logs", "keras2_fit", "keras2_compute_loss")
-
-
-def _hook_targets():
-    targets = {}
-    if keras_is_3():
-        from keras.src.backend.tensorflow import trainer as tf_trainer
-
-        targets.update({
-            "fit": (keras.Model, "fit", _make_fit),
-            "compute_loss": (keras.Model, "compute_loss", _make_compute_loss),
-            "symbolic_build": (tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build", _make_symbolic_build),
-            "scalar_logs": (tf_trainer, "reduce_per_replica", _make_reduce_per_replica),
-        })
-    keras2 = keras2_module()
-    if keras2 is not None:
-        # Keras 2 (tf_keras, or TF <= 2.15's keras): the same two hooks on its Model.
-        targets.update({
-            "keras2_fit": (keras2.Model, "fit", _make_fit),
-            "keras2_compute_loss": (keras2.Model, "compute_loss", _make_compute_loss),
-        })
-    return targets
-
-
-def install(hooks=HOOKS):
-    """Installs the named hooks (all by default; idempotent); returns those now installed.
-
-    "fit" and "compute_loss" wrap `keras.Model`'s methods, "symbolic_build" and
-    "scalar_logs" are the two multi-worker fixes (see the module docstring).
-    """
-    unknown = set(hooks) - set(HOOKS)
-    if unknown:
-        raise ValueError(f"`hooks` must be a subset of {HOOKS}; unknown: {sorted(unknown)}.")
-    targets = _hook_targets()
-    for label in hooks:
-        if label not in targets:
-            continue        # no such Keras installed (Keras 2 hooks without tf_keras)
-        owner, name, _ = targets[label]
-        if not hasattr(owner, name):
-            # Not in this Keras (`_maybe_symbolic_build` came with 3.5): nothing to fix.
-            continue
-        if label not in _Hooks.restorers:
-            _Hooks.restorers[label] = _replace(*targets[label])
-    return installed_hooks()
-
-
-def installed_hooks():
-    return sorted(_Hooks.restorers)
-
-
-def uninstall():
-    """Restores every function `install()` replaced."""
-    for restore in _Hooks.restorers.values():
-        restore()
-    _Hooks.restorers.clear()
-
-
-def install_unless_opted_out():
-    """What `import accumulator` does: `install()`, unless ACCUMULATOR_KERAS_HOOKS=0."""
-    if os.environ.get(HOOKS_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        logger.info("%s=%s: accumulator installs no Keras hooks.", HOOKS_ENV, os.environ[HOOKS_ENV])
-        return []
-    return install()
-
-
-def _make_fit(original):
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def fit(self, *args, **kwargs):
-        from accumulator import fit_hook
-
-        bound = signature.bind(self, *args, **kwargs)
-        bound.arguments["callbacks"] = fit_hook.before_fit(self, bound.arguments.get("callbacks"))
-        return original(*bound.args, **bound.kwargs)
-
-    return fit
-
-
-def _make_compute_loss(original):
-    @functools.wraps(original)
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, *args, **kwargs):
-        from accumulator import weighting
-
-        training = args[0] if args else kwargs.get("training", True)
-        if training:
-            weighting.note_batch(self, x, y, y_pred, sample_weight)
-        return original(self, x, y, y_pred, sample_weight, *args, **kwargs)
-
-    return compute_loss
+    return {
+        "symbolic_build": (tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build", _make_symbolic_build),
+        "scalar_logs": (tf_trainer, "reduce_per_replica", _make_reduce_per_replica),
+    }
 
 
 def _make_symbolic_build(original):

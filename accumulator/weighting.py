@@ -11,7 +11,7 @@ short last batch, sample weights or masks, only the weighted one is exact.
 In `fit`, D_k comes through a public seam: Keras' train step calls
 `Model.compute_loss(x, y, y_pred, sample_weight)` with the batch and the
 predictions, and the hook `import accumulator` installs there
-(`accumulator.seam`) hands them to `note_batch`, which evaluates the compiled
+(`accumulator.hooks`) hands them to `note_batch`, which evaluates the compiled
 loss's own reduction on ones (`loss_denominator`, public Keras API only). The
 accumulator's `apply` then takes the note (`take_noted_weight`). A model whose
 own `train_step` calls `self.compute_loss(...)` is weighed the same way; one
@@ -27,6 +27,7 @@ import threading
 import tensorflow as tf
 
 from accumulator import seam
+from accumulator.window import AccumulationWindow
 
 
 class _Notes(threading.local):
@@ -49,8 +50,6 @@ def note_batch(model, x, y, y_pred, sample_weight):
     Only for models compiled with an accumulating `GradientAccumulator`; under
     `tf.function` it runs when the step is traced, so it costs nothing per step.
     """
-    from accumulator.window import AccumulationWindow
-
     optimizer = getattr(model, "optimizer", None)
     if not isinstance(optimizer, AccumulationWindow) or optimizer.is_passthrough:
         return

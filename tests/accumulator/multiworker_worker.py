@@ -38,9 +38,9 @@ def main():
     if args.hooks != "all":
         os.environ["ACCUMULATOR_KERAS_HOOKS"] = "0"
     import keras
-    from accumulator import GradientAccumulator, seam
+    from accumulator import GradientAccumulator, hooks, seam
     if args.hooks != "all":
-        seam.install([h for h in args.hooks.split(",") if h and h != "none"])
+        hooks.install([h for h in args.hooks.split(",") if h and h != "none"])
     # The tests that show a fix is needed use a plain optimizer (accum 1, no wrapper).
     from tests.accumulator import reference as ref
 

@@ -6,7 +6,7 @@ import time
 import keras
 import pytest
 
-from accumulator import seam
+from accumulator import hooks
 from tests.accumulator import reference as ref
 from tests.accumulator.multiworker import load_result, run_cluster, start_cluster
 
@@ -38,7 +38,7 @@ MULTIWORKER_FIXES = ("symbolic_build", "scalar_logs")
 @pytest.mark.parametrize("missing", MULTIWORKER_FIXES)
 def test_each_keras_fix_is_needed_for_multiworker_fit(missing, tmp_path):
     """Plain Keras optimizer, one fix left out: `fit` fails (keras-team/keras#20585)."""
-    assert set(MULTIWORKER_FIXES) <= set(seam.HOOKS)
+    assert set(MULTIWORKER_FIXES) <= set(hooks.HOOKS)
     others = ",".join(f for f in MULTIWORKER_FIXES if f != missing) or "none"
     codes, output, _ = run_cluster(tmp_path / "out", "--accum", 1, "--hooks", others, "--steps-per-epoch", 4)
     assert codes != [0, 0]

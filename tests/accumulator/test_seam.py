@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from accumulator import GradientAccumulator, seam
+from accumulator import GradientAccumulator, hooks, seam
 from tests.accumulator import reference as ref
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -22,7 +22,7 @@ ALLOWED_FOREIGN = {"_log_startup", "_GetFnArgs", "_GetExecutorClass", "_replace"
 # `_maybe_symbolic_build` (fixed by "symbolic_build") arrived in Keras 3.5.
 # The Keras 2 hooks exist where tf_keras is installed.
 EXPECTED_HOOKS = sorted(
-    h for h in seam.HOOKS
+    h for h in hooks.HOOKS
     if (h != "symbolic_build" or next(n for n in seam.PRIVATE_NAMES if n.path.endswith("_maybe_symbolic_build")).expected())
     and (not h.startswith("keras2_") or seam.keras2_module() is not None)
 )
@@ -97,24 +97,24 @@ def test_constructing_compiling_and_fitting_change_no_keras_function():
 def test_uninstall_restores_keras_and_install_is_idempotent():
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
-    assert seam.installed_hooks() == EXPECTED_HOOKS
+    assert hooks.installed_hooks() == EXPECTED_HOOKS
     wrapped_fit = keras.Model.fit
     try:
-        seam.uninstall()
-        assert seam.installed_hooks() == []
+        hooks.uninstall()
+        assert hooks.installed_hooks() == []
         assert "fit" not in vars(keras.Model) and "compute_loss" not in vars(keras.Model)
         assert keras.Model.fit is tf_trainer.TensorFlowTrainer.fit
         assert keras.Model.compute_loss is keras.src.trainers.trainer.Trainer.compute_loss
     finally:
-        seam.install()
-        seam.install()
-    assert seam.installed_hooks() == EXPECTED_HOOKS
+        hooks.install()
+        hooks.install()
+    assert hooks.installed_hooks() == EXPECTED_HOOKS
     assert keras.Model.fit.__wrapped__ is wrapped_fit.__wrapped__
 
 
 def test_unknown_hook_name_is_refused():
     with pytest.raises(ValueError, match="`hooks` must be a subset of"):
-        seam.install(["fit", "train_step"])
+        hooks.install(["fit", "train_step"])
 
 
 def _python(code, **env):
@@ -125,8 +125,8 @@ def _python(code, **env):
 
 
 def test_import_installs_the_hooks_and_the_environment_can_opt_out():
-    code = ("import keras, accumulator; from accumulator import seam; "
-            "print(seam.installed_hooks(), 'fit' in vars(keras.Model), "
+    code = ("import keras, accumulator; from accumulator import hooks; "
+            "print(hooks.installed_hooks(), 'fit' in vars(keras.Model), "
             "accumulator.callbacks.AccumulationSchedule.__name__)")
     assert _python(code).split()[-2:] == ["True", "AccumulationSchedule"]
     assert _python(code).startswith(str(EXPECTED_HOOKS))
@@ -162,13 +162,13 @@ def test_without_the_hooks_micro_batches_weigh_one_each():
     # The same run, hooks off: the short micro-batch counts as much as a full one.
     x, y = ref.regression_data(100)
     expected = ref.fit_large_batch(ref.mlp(), keras.optimizers.SGD(0.1), x, y, 100)
-    seam.uninstall()
+    hooks.uninstall()
     try:
         model = ref.mlp()
         model.compile(GradientAccumulator(keras.optimizers.SGD(0.1), 4), "mse")
         model.fit(x, y, batch_size=32, shuffle=False, verbose=0)
     finally:
-        seam.install()
+        hooks.install()
     assert ref.max_abs_diff(model.get_weights(), expected.get_weights()) > 1e-4
 
 

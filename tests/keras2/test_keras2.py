@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 import accumulator
-from accumulator import GradientAccumulator, seam
+from accumulator import GradientAccumulator, hooks, seam
 from accumulator.window import AccumulationWindow
 from tests import deltas
 
@@ -95,7 +95,7 @@ def test_bad_accum_steps_are_refused_naming_the_parameter(bad, match):
 
 
 def test_keras_own_hooks_are_installed_on_the_keras_2_model():
-    assert {"keras2_fit", "keras2_compute_loss"} <= set(seam.installed_hooks())
+    assert {"keras2_fit", "keras2_compute_loss"} <= set(hooks.installed_hooks())
 
 
 # ------------------------------------------------------------ exactness, fit
