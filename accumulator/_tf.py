@@ -1,7 +1,8 @@
 """TensorFlow mechanics of the accumulator: buffers, replica contexts, reductions.
 
-Kept apart from the update rule in `optimizer.py` so that the rule reads as
-maths and this module holds what `tf.distribute` demands of it.
+Mechanics only: the window's flow (`AccumulationWindow._update` in
+`accumulator.window`) says what happens and when; this module holds how
+`tf.distribute` and TensorFlow's buffers make it happen.
 
 Under a strategy, every micro-step stays on its replica. When a window closes,
 the accumulators are reduced across replicas in one batched all-reduce, and the
@@ -292,104 +293,46 @@ def stack_over_replicas(vector):
     return context.all_reduce(SUM, rows[:, None] * vector[None, :])
 
 
-def make_close_function(optimizer):
-    """A `tf.function` that applies the open window, under the optimizer's strategy."""
-    strategy = optimizer._window_strategy
-
-    @tf.function
-    def close():
-        strategy.run(lambda: apply_in_context(optimizer, [], [], close_only=True))
-
-    return close
-
-
-def apply_in_context(optimizer, grads, indices, weight=1.0, close_only=False):
-    """One micro-step: accumulate locally, and close the window when it is full.
-
-    With a strategy that needs `merge_call` (MirroredStrategy, multi-worker),
-    the window test runs in cross-replica context, the accumulators are reduced
-    there with one `batch_reduce_to`, and the window is applied in each replica
-    through `call_for_each_replica`; so the inner optimizer's own `merge_call`
-    never sits inside a replica-context `cond`.
-    """
+# ------------------------------------------------- where the window's steps run
+def refuse_cross_replica_context():
+    """Raises unless called in a replica context (or without a strategy)."""
     if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
         raise ValueError(
             "GradientAccumulator.apply() must be called in a replica context: "
             "inside `strategy.run(...)` or `model.fit`, not directly under "
             "`strategy.scope()`."
         )
-    with_grads = {i for g, i in zip(grads, indices) if g is not None}
-    optimizer._indices_with_grads |= with_grads
-    if close_only:
-        # Forced close: no new micro-batch; apply what the window holds.
-        with_grads = set(optimizer._indices_with_grads)
-    else:
-        optimizer._accumulate(grads, indices, weight)
 
-    # The counter must move only with a micro-batch: when the data runs out,
-    # `fit` calls the step once more and the input op fails, but ops that do
-    # not depend on the data could still run. So the increment waits on the
-    # gradients and the weight.
-    data_dependencies = [weight] + [
-        g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None
-    ][:1]
 
-    def step(apply_window):
-        if close_only:
-            should_close = optimizer._micro_step > 0
-        else:
-            with tf.control_dependencies([tf.convert_to_tensor(d) for d in data_dependencies]):
-                optimizer._micro_step.assign_add(1)
-            should_close = optimizer._window_is_full()
+def assign_add_after(variable, delta, after):
+    """`variable += delta`, once the tensors `after` exist."""
+    values = [a.values if isinstance(a, tf.IndexedSlices) else a for a in after]
+    with tf.control_dependencies([tf.convert_to_tensor(v) for v in values]):
+        variable.assign_add(delta)
 
-        def close():
-            apply_window(*optimizer._window_kinds(sorted(with_grads | optimizer._seen_in_window)))
-            optimizer._micro_step.assign(0)
-            optimizer._seen_in_window = set()
 
-        tf.cond(should_close, close, lambda: None)
-
-    def local_sums(used):
-        return [backing_variable(optimizer._accumulators[i]) for i in used]
-
-    noise_sums = optimizer._noise_sums   # empty unless it measures the noise scale
-
-    # The window's weight (and the noise-scale sums) travel in the same
-    # reduction as the gradients. Keras scales each replica's loss by
-    # 1/replicas, so the summed gradients are divided by the mean of the
-    # replicas' weights.
+def in_cross_replica_context(fn):
+    """`fn(distribution)`: in cross-replica context, through `merge_call`, under a
+    strategy that has it (MirroredStrategy, multi-worker); `fn(None)` in place
+    without a strategy. Refuses replica contexts without `merge_call` (XLA)."""
     if not tf.distribute.has_strategy():
-        step(lambda used, rows: optimizer._apply_window(
-            used, local_sums(used), backing_variable(optimizer._weight_sum), 1,
-            [backing_variable(s) for s in noise_sums], rows))
-    elif seam.replica_context_lacks_merge_call() or seam.in_xla_context():
+        return fn(None)
+    if seam.replica_context_lacks_merge_call() or seam.in_xla_context():
         raise NotImplementedError(NO_MERGE_CALL_MESSAGE)
-    else:
+    return tf.distribute.get_replica_context().merge_call(fn)
 
-        def cross_replica(distribution):
-            def apply_window(used, rows):
-                variables = optimizer._vars
-                # Sums are all-reduced here, in one batch; maxima (overwrite-
-                # with-gradient variables) in the replicas (`_apply_window`).
-                summed = [i for i in used if i not in optimizer._overwrite_indices]
-                reduced = distribution.extended.batch_reduce_to(
-                    SUM,
-                    [(backing_variable(optimizer._accumulators[i]), backing_variable(variables[i]))
-                     for i in summed]
-                    + [(backing_variable(optimizer._weight_sum), backing_variable(variables[0]))]
-                    + [(backing_variable(s), backing_variable(variables[0])) for s in noise_sums],
-                )
-                reduced, weight, reduced_noise = (
-                    reduced[:len(summed)], reduced[len(summed)], reduced[len(summed) + 1:])
-                by_index = dict(zip(summed, reduced))
-                sums = [by_index[i] if i in by_index else backing_variable(optimizer._accumulators[i])
-                        for i in used]
-                with optimizer._updates_without_reduction():
-                    distribution.extended.call_for_each_replica(
-                        optimizer._apply_window,
-                        args=(used, sums, weight, distribution.num_replicas_in_sync, reduced_noise, rows),
-                    )
 
-            step(apply_window)
+def sum_over_replicas(distribution, values_and_destinations):
+    """Each value summed over the replicas, in one batched all-reduce (cross-replica
+    context); each result is placed like its destination variable."""
+    return distribution.extended.batch_reduce_to(
+        SUM, [(backing_variable(v), backing_variable(d)) for v, d in values_and_destinations])
 
-        tf.distribute.get_replica_context().merge_call(cross_replica)
+
+def in_each_replica(distribution, without_reduction, fn, *args):
+    """`fn(*args)` in each replica (from cross-replica context), inside the
+    context `without_reduction()`; in place without a strategy."""
+    if distribution is None:
+        return fn(*args)
+    with without_reduction():
+        return distribution.extended.call_for_each_replica(fn, args=args)

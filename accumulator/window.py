@@ -1,19 +1,9 @@
 """The accumulation window: the state and the update rule every `GradientAccumulator` shares.
 
-In the spirit of optax's `MultiSteps`, a small, explicit state:
-
-* ``micro_step``      how many micro-batches the open window holds;
-* ``accum_steps``     how many micro-batches close a window (a variable, so it
-                      can change during training without retracing);
-* ``weight_sum``      the total weight of the micro-batches in the window;
-* ``accumulators``    per variable with dense gradients, the weighted sum of the
-                      window's gradients (filled on the first dense gradient:
-                      an embedding table that only gets sparse ones has none);
-* ``rows``            per variable with sparse (`tf.IndexedSlices`) gradients,
-                      every row of every micro-batch's gradient, weighted, with
-                      its index, in order (`WindowRows`).
-
-and one update rule: add ``weight * grad`` to the accumulators (append its rows);
+In the spirit of optax's `MultiSteps`: a small, explicit state (described in one
+place, `AccumulationWindow`'s docstring: the step counter, the window length, the
+window's weight, a dense sum per variable, the rows of sparse gradients, and the
+noise-scale sums) and one update rule: add ``weight * grad`` to the accumulators (append its rows);
 when the window is full, hand ``accumulators / weight_sum`` (and the rows divided
 by ``weight_sum``, as one `tf.IndexedSlices`) to the inner optimizer exactly once
 and reset the window. Everything the inner optimizer does per update
@@ -173,8 +163,40 @@ class AccumulationWindow:
 
     Subclasses call `_init_window(...)` in their constructor and
     `_build_window(var_list)` in their `build`, route each micro-batch through
-    `_apply_micro_batch`, and supply the four methods listed in the module
-    docstring.
+    `_apply_micro_batch` (which runs `_update`, the whole flow), and supply the
+    four methods listed in the module docstring.
+
+    The state, all of it (the one place it is described). Optimizer variables,
+    saved with the optimizer:
+
+    * ``_micro_step``       int64, micro-batches in the open window (mirrored);
+    * ``_accum_steps_var``  int64, micro-batches per window (mirrored; a schedule
+                            changes it between windows without retracing);
+    * ``_weight_sum``       float32, the window's summed micro-batch weights
+                            (replica-local, summed when read across replicas);
+    * ``_accumulators``     per variable, the weighted sum of the window's dense
+                            gradients, float32 for half-precision variables
+                            (replica-local; a one-row stand-in until the first
+                            dense gradient; the running maximum for
+                            `overwrite_with_gradient` variables);
+    * ``_rows``             per variable of rank >= 1, its `WindowRows` (None for
+                            scalars): the sparse gradients' rows (replica-local);
+    * ``_noise_sums``       with `measure_noise_scale`: sum_k R^2 |g_k|^2,
+                            sum_k 1/b_k and K of the open window (replica-local);
+    * ``_noise_estimate``   with `measure_noise_scale`: the smoothed estimate
+                            (`NoiseScaleEstimate`, mirrored).
+
+    Python, set at construction or build: ``_vars`` (the variables, in order),
+    ``_index_by_id``, ``_overwrite_indices``, ``_window_strategy`` (the strategy
+    the window was built under), ``_passthrough`` (``accum_steps=1`` without
+    `schedulable`: no buffers), ``_window_listeners`` (`AccumBatchNormalization`
+    layers that follow the windows), ``epoch_schedule``.
+
+    Python, filled while steps are traced (so the same on every worker), read
+    when a close is traced: ``_indices_with_grads`` (variables that got a
+    gradient in any step: what a forced close applies), ``_seen_in_window``
+    (eagerly, this window's), ``_dense_seen`` and ``_rows_seen`` (which
+    variables got dense or sparse gradients: how each closes).
     """
 
     # ------------------------------------------------------------------ setup
@@ -441,9 +463,7 @@ class AccumulationWindow:
             self._micro_step.assign(0)
             self._seen_in_window = set()
         else:
-            if self._close_function is None:
-                self._close_function = _tf.make_close_function(self)
-            self._close_function()
+            self._close_now()
         return held
 
     def _close_at_training_end(self):
@@ -488,7 +508,55 @@ class AccumulationWindow:
             return
         if micro_batch_weight is None:
             micro_batch_weight = 1.0 if noted_weight is None else noted_weight
-        _tf.apply_in_context(self, grads, indices, micro_batch_weight)
+        self._update(grads, indices, micro_batch_weight)
+
+    def _update(self, grads, indices, weight=1.0, close_only=False):
+        """The window's whole flow: add a micro-batch, count it, and when the window is
+        full close it: reduce it over the replicas, apply its mean, reset it.
+
+        `close_only`: no micro-batch; close the window as it stands (a partial
+        window's "apply"). Under a strategy, counting and closing run in
+        cross-replica context, so the inner optimizer's own `merge_call` never
+        sits inside a replica-context `cond`; the mean is applied in each replica.
+        """
+        _tf.refuse_cross_replica_context()
+        with_grads = {i for g, i in zip(grads, indices) if g is not None}
+        self._indices_with_grads |= with_grads
+        if close_only:
+            with_grads = set(self._indices_with_grads)
+        else:
+            # 1. Add: each replica adds `weight * grad` to its own buffers.
+            self._accumulate(grads, indices, weight)
+
+        def count_and_close(distribution):      # `distribution`: None without a strategy
+            if close_only:
+                full = self._micro_step > 0
+            else:
+                # 2. Count, once the micro-batch exists: when the data runs out, `fit`
+                # calls the step once more, and only ops that wait on the data fail.
+                _tf.assign_add_after(self._micro_step, 1, after=[weight] + [g for g in grads if g is not None][:1])
+                full = self._micro_step >= self._accum_steps_var
+
+            def close():
+                dense, rows = self._window_kinds(sorted(with_grads | self._seen_in_window))
+                # 3. Reduce: the sums and the weight, in one all-reduce (none on one device).
+                sums, weight_sum, noise_sums = self._window_sums(distribution, dense)
+                # 4. Apply the window's mean and 5. reset, in each replica.
+                _tf.in_each_replica(distribution, self._updates_without_reduction,
+                                    self._apply_mean_and_reset, dense, rows, sums, weight_sum, noise_sums)
+                self._micro_step.assign(0)
+                self._seen_in_window = set()
+
+            tf.cond(full, close, lambda: None)
+
+        _tf.in_cross_replica_context(count_and_close)
+
+    def _close_now(self):
+        """Closes the open window eagerly, under the strategy it was built in."""
+        if self._close_function is None:
+            strategy = self._window_strategy
+            self._close_function = tf.function(lambda: strategy.run(lambda: self._update([], [], close_only=True)))
+        self._close_function()
 
     def _variable_index(self, variable):
         index = self._index_by_id.get(id(variable))
@@ -591,32 +659,53 @@ class AccumulationWindow:
         rows = [i for i in used if i in self._rows_seen]
         return dense, rows
 
-    def _window_is_full(self):
-        return self._micro_step >= self._accum_steps_var
+    def _window_sums(self, distribution, dense):
+        """The window's dense sums (at `dense`), weight and noise-scale sums.
 
-    def _apply_window(self, used, sums, weight_sum, replicas, noise_sums=(), row_indices=()):
-        """Replica-local: applies the window's mean gradient, then resets it.
-
-        `used` lists the indices of the variables with dense sums in the
-        window, `sums` those accumulated (and, under a strategy, reduced)
-        weighted gradients (for `overwrite_with_gradient` variables, their
-        maxima), `row_indices` the variables with sparse rows (gathered here
-        across the replicas), `weight_sum` the window's weight summed over the
-        `replicas`; the other variables get `None`, as in the large batch.
-        `noise_sums` are the window's (reduced) noise-scale sums when it measures.
+        Without a strategy, the local buffers themselves (divided in place later:
+        no second copy). Under one, summed over the replicas in one batched
+        all-reduce; the sums of Keras' scaled losses then carry each replica's
+        1/replicas, which the weight, summed the same way, divides out. Maxima
+        (`overwrite_with_gradient` variables) are reduced in the replicas.
         """
-        weight_sum = weight_sum / replicas
+        local = [_tf.backing_variable(self._accumulators[i]) for i in dense]
+        weight = _tf.backing_variable(self._weight_sum)
+        noise = [_tf.backing_variable(total) for total in self._noise_sums]
+        if distribution is None:
+            return local, weight, noise
+        summed = [k for k, i in enumerate(dense) if i not in self._overwrite_indices]
+        first = self._vars[0]
+        reduced = _tf.sum_over_replicas(
+            distribution,
+            [(local[k], self._vars[dense[k]]) for k in summed] + [(weight, first)] + [(n, first) for n in noise])
+        sums = list(local)
+        for k, total in zip(summed, reduced):
+            sums[k] = total
+        return sums, reduced[len(summed)], reduced[len(summed) + 1:]
+
+    def _apply_mean_and_reset(self, dense, rows, sums, weight_sum, noise_sums=()):
+        """Replica-local: hands the inner optimizer the window's mean gradient once, then
+        empties the window.
+
+        `dense` lists the variables with dense sums in the window, `sums` those
+        sums (reduced; for `overwrite_with_gradient` variables, their maxima),
+        `rows` the variables with sparse rows (gathered here across the
+        replicas), `weight_sum` the window's weight summed over the replicas;
+        the other variables get `None`, as in the large batch. `noise_sums`
+        are the window's (reduced) noise-scale sums when it measures.
+        """
+        weight_sum = weight_sum / _tf.replicas_in_sync()
         grads = [None] * len(self._vars)
-        summed = [(i, total) for i, total in zip(used, sums) if i not in self._overwrite_indices]
-        for i, total in zip(used, sums):
+        summed = [(i, total) for i, total in zip(dense, sums) if i not in self._overwrite_indices]
+        for i, total in zip(dense, sums):
             if i in self._overwrite_indices:
                 grads[i] = tf.cast(_tf.maximum_over_replicas(total), self._vars[i].dtype)
         # In place where the sums lie in local buffers: no second copy (see _tf.divide_in_place).
         means = _tf.divide_in_place([total for _, total in summed], weight_sum)
         for (i, _), mean in zip(summed, means):
             grads[i] = tf.cast(mean, self._vars[i].dtype)
-        row_means = [self._mean_rows(i, weight_sum) for i in row_indices]
-        for i, mean in zip(row_indices, row_means):
+        row_means = [self._mean_rows(i, weight_sum) for i in rows]
+        for i, mean in zip(rows, row_means):
             # A variable with dense and sparse gradients in one window gets their sum.
             grads[i] = mean if grads[i] is None else _tf.add_rows(grads[i], mean)
         if self._noise_estimate is not None:
@@ -625,7 +714,7 @@ class AccumulationWindow:
         self._hand_to_updater(grads, self._vars, reduced=True)
         # Refill once the update has read the means: reading the variables it
         # wrote orders the refill after it (automatic control dependencies).
-        self._reset_window(used, row_indices, after=[
+        self._reset_window(dense, rows, after=[
             tf.convert_to_tensor(_tf.backing_variable(self._vars[i])) for i, _ in summed])
 
     def _mean_rows(self, index, weight_sum):

@@ -34,6 +34,31 @@ MERGE_DUPLICATE_ROWS_KEY = "merge_duplicate_rows"
 TENSORBOARD_SUBDIR = "accumulation"
 
 
+class Executor(tfx_trainer_executor.GenericExecutor):
+    """Runs the user's run_fn with accumulation, under a distribution strategy."""
+
+    def Do(
+        self,
+        input_dict: Dict[str, List[types.Artifact]],
+        output_dict: Dict[str, List[types.Artifact]],
+        exec_properties: Dict[str, Any],
+    ) -> None:
+        self._log_startup(input_dict, output_dict, exec_properties)
+        fn_args = self._GetFnArgs(input_dict, output_dict, exec_properties)
+        run_fn = _load_run_fn(exec_properties)
+        strategy = strategy_from_environment(exec_properties.get(STRATEGY_KEY) or "auto")
+        settings = _resolve_settings(fn_args.hyperparameters, exec_properties, strategy.num_replicas_in_sync)
+        # Train the model: every optimizer the run_fn compiles accumulates.
+        logging.info("Training model. %s", _describe(settings, strategy, fn_args.train_steps))
+        with accumulating_compile(strategy=strategy, **settings.compile_arguments()) as optimizers:
+            run_fn(fn_args_utils.for_accumulation(fn_args, settings))
+        if not fileio.exists(fn_args.serving_model_dir):
+            raise RuntimeError("run_fn failed to generate model.")
+        updates = _record(output_dict, fn_args.model_run_dir, settings, strategy, optimizers)
+        logging.info("Training complete: %d optimizer updates. Model written to %s. ModelRun written to %s",
+                     updates, fn_args.serving_model_dir, fn_args.model_run_dir)
+
+
 def _load_run_fn(exec_properties):
     try:
         return udf_utils.get_fn(exec_properties, "run_fn")
@@ -47,92 +72,77 @@ def _load_run_fn(exec_properties):
 
 
 def _as_bool(value):
+    # Stored as an int (0/1) in the pipeline, as SchemaGen's infer_feature_shape.
     return bool(value) if isinstance(value, int) and value in (0, 1) else value
 
 
-class Executor(tfx_trainer_executor.GenericExecutor):
-    """Runs the user's run_fn with accumulation, under a distribution strategy."""
+def _resolve_settings(hyperparameters, exec_properties, replicas):
+    """The run's `AccumulationSettings`: the Tuner's best over the component's parameters."""
+    schedule = exec_properties.get(ACCUM_SCHEDULE_KEY)
+    return settings_lib.resolve(
+        hyperparameters,
+        exec_properties.get(ACCUM_STEPS_KEY),
+        exec_properties.get(EFFECTIVE_BATCH_SIZE_KEY),
+        replicas,
+        json.loads(schedule) if schedule else None,
+        exec_properties.get(PARTIAL_WINDOW_KEY),
+        _as_bool(exec_properties.get(MEASURE_NOISE_SCALE_KEY)),
+        exec_properties.get(NOISE_SCALE_SMOOTHING_KEY),
+        exec_properties.get(MERGE_DUPLICATE_ROWS_KEY),
+    )
 
-    def Do(
-        self,
-        input_dict: Dict[str, List[types.Artifact]],
-        output_dict: Dict[str, List[types.Artifact]],
-        exec_properties: Dict[str, Any],
-    ) -> None:
-        self._log_startup(input_dict, output_dict, exec_properties)
-        run_fn = _load_run_fn(exec_properties)
-        fn_args = self._GetFnArgs(input_dict, output_dict, exec_properties)
-        strategy = strategy_from_environment(exec_properties.get(STRATEGY_KEY) or "auto")
-        settings = settings_lib.resolve(
-            fn_args.hyperparameters,
-            exec_properties.get(ACCUM_STEPS_KEY),
-            exec_properties.get(EFFECTIVE_BATCH_SIZE_KEY),
-            strategy.num_replicas_in_sync,
-            json.loads(exec_properties[ACCUM_SCHEDULE_KEY]) if exec_properties.get(ACCUM_SCHEDULE_KEY) else None,
-            exec_properties.get(PARTIAL_WINDOW_KEY),
-            # Stored as an int (0/1) in the pipeline, as SchemaGen's infer_feature_shape.
-            _as_bool(exec_properties.get(MEASURE_NOISE_SCALE_KEY)),
-            exec_properties.get(NOISE_SCALE_SMOOTHING_KEY),
-            exec_properties.get(MERGE_DUPLICATE_ROWS_KEY),
+
+def _describe(settings, strategy, train_steps):
+    micro_batch = settings.micro_batch or "the run_fn's"
+    return (
+        f"Accumulation: accum_steps={settings.accum_steps} ({settings.sources.get('accum_steps')}), "
+        f"effective batch {settings.effective_batch_size} ({settings.sources.get('effective_batch_size')}), "
+        f"global micro-batch {micro_batch}, "
+        f"{settings.replicas} replica(s) under {type(strategy).__name__}; {train_steps} optimizer updates "
+        f"= {train_steps and train_steps * settings.accum_steps} micro-steps; "
+        f"partial windows: {settings.partial_window}."
+    )
+
+
+def _record(output_dict, model_run_dir, settings, strategy, optimizers):
+    """Records what the run did on the output artifacts (ML Metadata) and in
+    TensorBoard; returns the optimizer updates made. Refuses a run that wrapped
+    no optimizer, so no artifact claims an accumulation that did not happen."""
+    if not optimizers:
+        raise RuntimeError(
+            "AccumulatingTrainer wrapped no optimizer: the run_fn never called "
+            "`Model.compile(optimizer=...)` on a Keras 3 or Keras 2 (tf_keras) model, "
+            "so nothing was accumulated and no accumulation is recorded. A run_fn "
+            "with a custom training loop must wrap its optimizer itself "
+            "(accumulator.GradientAccumulator) and use the stock Trainer."
         )
-        logging.info(
-            "Accumulation: accum_steps=%d (%s), effective batch %s (%s), global micro-batch %s, "
-            "%d replica(s) under %s; %s optimizer updates = %s micro-steps; partial windows: %s.",
-            settings.accum_steps, settings.sources.get("accum_steps"),
-            settings.effective_batch_size, settings.sources.get("effective_batch_size"),
-            settings.micro_batch or "the run_fn's", settings.replicas, type(strategy).__name__,
-            fn_args.train_steps, fn_args.train_steps and fn_args.train_steps * settings.accum_steps,
-            settings.partial_window,
-        )
-        user_fn_args = fn_args_utils.for_accumulation(fn_args, settings)
+    updates = max(int(o.iterations.numpy()) for o in optimizers)
+    # `unapplied_micro_batches`: held in a window left open (partial_window="carry").
+    open_windows = sum(o.held_micro_batches for o in optimizers)
+    reading = noise_scale.read(optimizers, settings.measure_noise_scale)
+    if reading is not None:
+        logging.info("%s", noise_scale.describe(reading, settings.effective_batch_size))
+    _write_record(output_dict, model_run_dir, settings, updates, strategy, open_windows, reading)
+    return updates
 
-        with accumulating_compile(settings.accum_steps, settings.schedule,
-                                  settings.partial_window, strategy=strategy,
-                                  measure_noise_scale=settings.measure_noise_scale,
-                                  noise_scale_smoothing=settings.noise_scale_smoothing,
-                                  merge_duplicate_rows=settings.merge_duplicate_rows) as optimizers:
-            run_fn(user_fn_args)
 
-        if not fileio.exists(fn_args.serving_model_dir):
-            raise RuntimeError("run_fn failed to generate model.")
-        if not optimizers:
-            raise RuntimeError(
-                "AccumulatingTrainer wrapped no optimizer: the run_fn never called "
-                "`Model.compile(optimizer=...)` on a Keras 3 or Keras 2 (tf_keras) model, "
-                "so nothing was accumulated and no accumulation is recorded. A run_fn "
-                "with a custom training loop must wrap its optimizer itself "
-                "(accumulator.GradientAccumulator) and use the stock Trainer."
-            )
-        open_windows = sum(o.held_micro_batches for o in optimizers)
-        updates = max((int(o.iterations.numpy()) for o in optimizers), default=0)
-        reading = noise_scale.read(optimizers, settings.measure_noise_scale)
-        self._record(output_dict, fn_args.model_run_dir, settings, updates, strategy, open_windows, reading)
-        if reading is not None:
-            logging.info("%s", noise_scale.describe(reading, settings.effective_batch_size))
-        logging.info(
-            "Training complete: %d optimizer updates. Model written to %s. ModelRun written to %s",
-            updates, fn_args.serving_model_dir, fn_args.model_run_dir,
-        )
-
-    @staticmethod
-    def _record(output_dict, model_run_dir, settings, updates, strategy, open_windows, reading=None):
-        # `unapplied_micro_batches`: held in a window left open (partial_window="carry").
-        properties = {**settings.as_properties(), "optimizer_updates": updates,
-                      "unapplied_micro_batches": open_windows}
-        for key in (standard_component_specs.MODEL_KEY, standard_component_specs.MODEL_RUN_KEY):
-            for artifact in output_dict.get(key, []):
-                for name, value in properties.items():
-                    artifact.set_int_custom_property(name, int(value))
-                artifact.set_string_custom_property("distribution_strategy", type(strategy).__name__)
-                artifact.set_string_custom_property("partial_window", settings.partial_window)
-            noise_scale.record(output_dict.get(key, []), reading)
-        writer = tf.summary.create_file_writer(os.path.join(model_run_dir, TENSORBOARD_SUBDIR))
-        with writer.as_default():
+def _write_record(output_dict, model_run_dir, settings, updates, strategy, open_windows, reading=None):
+    properties = {**settings.as_properties(), "optimizer_updates": updates,
+                  "unapplied_micro_batches": open_windows}
+    for key in (standard_component_specs.MODEL_KEY, standard_component_specs.MODEL_RUN_KEY):
+        for artifact in output_dict.get(key, []):
             for name, value in properties.items():
-                tf.summary.scalar(f"accumulation/{name}", value, step=0)
-            noise_scale.write_summaries(reading, step=updates)
-            tf.summary.text("accumulation/settings", json.dumps(
-                {**properties, "strategy": type(strategy).__name__, "partial_window": settings.partial_window,
-                 "sources": settings.sources},
-                indent=1, sort_keys=True), step=0)
-        writer.flush()
+                artifact.set_int_custom_property(name, int(value))
+            artifact.set_string_custom_property("distribution_strategy", type(strategy).__name__)
+            artifact.set_string_custom_property("partial_window", settings.partial_window)
+        noise_scale.record(output_dict.get(key, []), reading)
+    writer = tf.summary.create_file_writer(os.path.join(model_run_dir, TENSORBOARD_SUBDIR))
+    with writer.as_default():
+        for name, value in properties.items():
+            tf.summary.scalar(f"accumulation/{name}", value, step=0)
+        noise_scale.write_summaries(reading, step=updates)
+        tf.summary.text("accumulation/settings", json.dumps(
+            {**properties, "strategy": type(strategy).__name__, "partial_window": settings.partial_window,
+             "sources": settings.sources},
+            indent=1, sort_keys=True), step=0)
+    writer.flush()

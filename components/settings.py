@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any, Dict, Optional
 
 from accumulator import validate_accum_steps
+from accumulator.callbacks import accum_steps_at, validate_schedule
 from accumulator.noise_scale import DEFAULT_SMOOTHING, validate_smoothing
 from accumulator.optimizer import validate_measure_noise_scale, validate_partial_window
 from accumulator.window import validate_merge_duplicate_rows
@@ -45,6 +46,17 @@ class AccumulationSettings:
     @property
     def micro_batch_per_replica(self) -> Optional[int]:
         return None if self.micro_batch is None else self.micro_batch // self.replicas
+
+    def compile_arguments(self) -> Dict[str, Any]:
+        """The arguments of `accumulator.autowrap.accumulating_compile` for this run."""
+        return {
+            "accum_steps": self.accum_steps,
+            "schedule": self.schedule,
+            "partial_window": self.partial_window,
+            "measure_noise_scale": self.measure_noise_scale,
+            "noise_scale_smoothing": self.noise_scale_smoothing,
+            "merge_duplicate_rows": self.merge_duplicate_rows,
+        }
 
     def as_properties(self) -> Dict[str, int]:
         """The integers recorded on the output artifacts (0: not set)."""
@@ -93,8 +105,6 @@ def resolve(
     values = hyperparameter_values(hyperparameters)
     sources = {}
     if schedule is not None:
-        from accumulator.callbacks import accum_steps_at, validate_schedule
-
         schedule = validate_schedule(schedule)
         accum_steps = accum_steps_at(schedule, 0)
         values = {k: v for k, v in values.items() if k != ACCUM_STEPS}
