@@ -24,8 +24,7 @@ the library's memory use):
 
 Writes docs/benchmarks/<device>/results.json (here), results.md (`report.py`)
 and PNG plots (`plots.py`); ``--report_only`` rewrites the last two from the
-stored results.json without measuring, and copy the CPU report into the README.
-Safe to rerun (files are replaced whole).
+stored results.json without measuring. Safe to rerun (files are replaced whole).
 This module only runs: each measurement is `measure.py` in its own process, and
 the figures derived from them are `analysis.py`'s.
 """
@@ -56,7 +55,7 @@ MEMORY_REPEATS = flags.DEFINE_integer("memory_repeats", 5, "Fresh processes per 
 MEMORY_ACCUM = flags.DEFINE_integer("memory_accum", 4, "N for the memory measurement.")
 NOISE_ROUNDS = flags.DEFINE_integer("noise_rounds", 21, "Rounds of the noise-scale cost (2 contenders, N = 4).")
 QUICK = flags.DEFINE_bool("quick", False, "A smoke run: 2 rounds, short segments, N in {2, 4}, 1 memory repeat.")
-REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Rewrite report, plots and README from results.json.")
+REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Rewrite report and plots from results.json.")
 DEVICE_FOLDER = flags.DEFINE_string("device_folder", None, "With --report_only: the device subfolder to rewrite "
                                     "(e.g. gpu-nvidia-h200, measured elsewhere); default: this machine's.")
 
@@ -90,29 +89,6 @@ def _device():
         name = tf.config.experimental.get_device_details(gpus[0]).get("device_name", "gpu")
         return "gpu-" + name.lower().replace(" ", "-"), name
     return "cpu", f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
-
-
-README_START, README_END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
-
-
-def _update_readme(folder, device):
-    """Copies the report between the README's benchmark markers (CPU runs only)."""
-    readme = os.path.join(ROOT, "README.md")
-    with open(readme) as f:
-        text = f.read()
-    if README_START not in text or README_END not in text or device != "cpu":
-        return
-    relative = os.path.relpath(folder, ROOT)
-    with open(os.path.join(folder, "results.md")) as f:
-        report = f.read()
-    for image in ("throughput", "ratios", "memory"):
-        report = report.replace(f"]({image}.png)", f"]({relative}/{image}.png)")
-    report = "\n".join(("#" + line) if line.startswith("#") else line for line in report.splitlines()[1:])
-    head, rest = text.split(README_START, 1)
-    _, tail = rest.split(README_END, 1)
-    with open(readme + ".partial", "w") as f:
-        f.write(head + README_START + "\n" + report.strip() + "\n" + README_END + tail)
-    os.replace(readme + ".partial", readme)
 
 
 # ------------------------------------------------------------------ running
@@ -220,8 +196,6 @@ def main(argv):
         results = _measure_parts(path, device_name, started)
     plots.draw(results, folder)
     missed = report.write(results, folder)
-    if OUT.value == OUT.default:
-        _update_readme(folder, device)
     print(open(os.path.join(folder, "results.md")).read())
     logging.info("done in %.1f minutes; %d target(s) not met", (time.perf_counter() - started) / 60, len(missed))
 
