@@ -1,6 +1,6 @@
 """The benchmark report judges a GPU run by its own yardstick (built from synthetic figures, no training)."""
 
-from benchmarks import run
+from benchmarks import report as bench_report
 
 GPU = {"gpu": "NVIDIA H200", "compute_capability": [9, 0], "cuda_build": "12.5.1", "cudnn_build": "9",
        "driver": "580.159.04", "gpu_memory": "143771 MiB"}
@@ -30,7 +30,7 @@ def _targets(report):
 
 def test_gpu_report_judges_saturation_and_names_driver_and_build(tmp_path):
     # Same samples per segment; plain N·b takes 1.25 s: at b the GPU is already full.
-    run._report(_results([1.25, 1.25], GPU), str(tmp_path))
+    bench_report.write(_results([1.25, 1.25], GPU), str(tmp_path))
     report = (tmp_path / "results.md").read_text()
     assert "driver 580.159.04" in report and "CUDA 12.5.1" in report and "compute capability 9.0" in report
     saturation = [line for line in _targets(report) if "fills the GPU" in line]
@@ -41,13 +41,13 @@ def test_gpu_report_judges_saturation_and_names_driver_and_build(tmp_path):
 
 def test_gpu_report_flags_a_micro_batch_that_leaves_the_gpu_idle(tmp_path):
     # plain N·b twice as fast per sample: b leaves the GPU half idle.
-    run._report(_results([0.5, 0.5], GPU), str(tmp_path))
+    bench_report.write(_results([0.5, 0.5], GPU), str(tmp_path))
     saturation = [line for line in _targets((tmp_path / "results.md").read_text()) if "fills the GPU" in line]
     assert "2.000" in saturation[0] and "**missed**" in saturation[0], saturation
 
 
 def test_cpu_report_keeps_the_milliseconds_target(tmp_path):
-    run._report(_results([1.0, 1.0]), str(tmp_path))
+    bench_report.write(_results([1.0, 1.0]), str(tmp_path))
     report = (tmp_path / "results.md").read_text()
     assert any("compute-bound micro-step (≥ 50 ms)" in line for line in _targets(report))
     assert not any("fills the GPU" in line for line in _targets(report))
