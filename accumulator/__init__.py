@@ -5,7 +5,9 @@ training with micro-batches follows the run with the `accum_steps`-times larger
 batch. It picks its implementation from the optimizer it is given: a Keras 3
 optimizer gets `accumulator.optimizer.GradientAccumulator`, a Keras 2 one
 (`tf_keras`, or `tf.keras` on TF <= 2.15) `accumulator.keras2.GradientAccumulator`;
-both share one update rule (`accumulator.window`).
+both share one update rule (`accumulator.window`). For losses that couple the
+batch (in-batch negatives, contrastive), `GradientCache(model, accum_steps)`
+(Keras 3) trains each batch in micro-batches exactly (`accumulator.gradient_cache`).
 
 Importing this package imports TensorFlow and Keras only (`accumulator.tuning`,
 imported on its own, needs keras-tuner; `tf_keras` is imported where it is
@@ -25,6 +27,7 @@ if seam.keras_is_3():
     from accumulator import callbacks  # noqa: F401  (accumulator.callbacks.* after `import accumulator`)
     from accumulator.batch_norm import AccumBatchNormalization, use_accumulated_batch_norm
     from accumulator.callbacks import AccumulationSchedule, EpochWindows
+    from accumulator.gradient_cache import GradientCache
     from accumulator.optimizer import GradientAccumulator
 else:
     # TF <= 2.15: `keras` is Keras 2. The Keras 3 features (AccumBatchNormalization,
@@ -46,5 +49,5 @@ __all__ = [
     "validate_accum_steps",
 ]
 if seam.keras_is_3():
-    __all__ += ["AccumBatchNormalization", "use_accumulated_batch_norm"]
+    __all__ += ["AccumBatchNormalization", "GradientCache", "use_accumulated_batch_norm"]
 __version__ = "0.3.0"

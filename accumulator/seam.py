@@ -23,6 +23,9 @@ Private names (`PRIVATE_NAMES` lists them for the test):
   multi-replica window update refuses it with a message instead of a raw error.
 * ``keras.layers.Layer._flatten_layers``: every nested layer of a model, to find
   its `AccumBatchNormalization` layers (Keras has no public recursive walk).
+* ``keras.Model._loss_tracker`` (set by `compile`): the mean loss `fit` logs;
+  `GradientCache.train_step` reports its batch's loss there, as Keras' own
+  `train_step` does.
 * ``keras.layers.BatchNormalization._moments``: the batch moments Keras' own
   layer normalizes with (masks, `synchronized`); `AccumBatchNormalization`
   pools exactly those.
@@ -63,6 +66,7 @@ class PrivateName:
     path: str
     needed_for: str
     since: tuple = (3, 0)      # the first Keras release that has it
+    on_compiled_model: bool = False     # an attribute of a compiled model, not of a module
 
     def expected(self, version=None):
         """Whether this Keras should have it."""
@@ -71,12 +75,15 @@ class PrivateName:
     def resolve(self):
         """The object, or AttributeError/ImportError naming what is missing."""
         obj = importlib.import_module(self.module)
+        if self.on_compiled_model:
+            obj = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+            obj.compile(loss="mse")
         for part in self.path.split("."):
             obj = getattr(obj, part)
         return obj
 
     def __str__(self):
-        return f"{self.module}.{self.path}"
+        return f"{self.module}.{'Model().' if self.on_compiled_model else ''}{self.path}"
 
 
 PRIVATE_NAMES = (
@@ -88,6 +95,7 @@ PRIVATE_NAMES = (
                 "refusing XLA-compiled steps under a multi-replica strategy"),
     PrivateName("keras", "layers.Layer._flatten_layers", "finding AccumBatchNormalization layers"),
     PrivateName("keras", "layers.BatchNormalization._moments", "AccumBatchNormalization"),
+    PrivateName("keras", "_loss_tracker", "GradientCache: the `loss` that `fit` logs", on_compiled_model=True),
     PrivateName("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer._maybe_symbolic_build",
                 "MultiWorkerMirroredStrategy fix (keras#20585)", since=(3, 5)),
     PrivateName("keras.src.backend.tensorflow.trainer", "reduce_per_replica",
@@ -226,6 +234,11 @@ def variables_created_as(synchronization=None, aggregation=None, shape=None):
 def flatten_layers(model):
     """Every layer nested in `model` (not `model` itself)."""
     return list(model._flatten_layers(include_self=False))
+
+
+def loss_tracker(model):
+    """The metric behind the `loss` that `fit` logs for a compiled `model`."""
+    return model._loss_tracker
 
 
 def batch_norm_moments(layer, inputs, mask):

@@ -1,0 +1,193 @@
+"""Exact large batches for losses that couple the batch: gradient caching.
+
+A contrastive loss (in-batch negatives, InfoNCE, CLIP, SimCLR) scores every
+sample of a batch against every other: the batch *is* the set of negatives.
+Accumulating micro-batch gradients is then wrong by design, not merely
+approximate: micro-batches of b give each sample b - 1 negatives, not N·b - 1.
+Gradient caching (Gao et al., "Scaling Deep Contrastive Learning Batch Size
+under Memory Limited Setup", 2021) makes the large batch exact with one
+micro-batch's activations in memory at a time. `GradientCache` does it inside
+Keras' `fit`, for every batch `fit` gives it, in three passes:
+
+1. **Represent.** The wrapped model runs over each of the `accum_steps`
+   micro-batches without a tape: no activations are kept, only the outputs
+   (the representations: small).
+2. **Score.** The loss of the whole batch is computed on the concatenated
+   representations, under a tape: its gradient with respect to every
+   representation (and to any variable the loss itself uses, such as a learned
+   temperature, or weight regularization).
+3. **Back-propagate.** Each micro-batch runs again under a tape, one after
+   another, and sends its slice of that gradient back through the model: the
+   parameter gradients add up (dense ones summed, sparse embedding rows
+   concatenated in sample order) to the large batch's gradient, which the
+   optimizer applies once.
+
+So `fit(x, batch_size=N·b)` on `GradientCache(model, accum_steps=N)` trains like
+`fit(x, batch_size=N·b)` on `model`, holding the activations of b samples at a
+time, for one extra forward pass. Nothing is held between steps, so nothing is
+lost when training stops between any two steps: any checkpoint resumes exactly.
+
+What the loss sees is the wrapped model's `compute_loss(x, y, y_pred,
+sample_weight)` (its own override, as Keras 3 models that compute a contrastive
+loss write it), or else the loss this wrapper was compiled with, with `y_pred` the
+representations of the whole batch. Under a `tf.distribute` strategy each
+replica computes the loss on its own share of the batch, as Keras' large batch
+does under the same strategy: the same negatives.
+
+Refused, before any training, with a message: layers whose training output
+mixes the samples of a batch (`BatchNormalization`: it would normalize with
+micro-batch statistics) and losses added while the model runs (`add_loss`,
+activity regularizers: they would come from one micro-batch). Dropout and other
+random layers draw the same numbers in passes 1 and 3 (their seeds are rewound),
+but not the numbers the large batch would draw.
+"""
+
+import keras
+import tensorflow as tf
+
+from accumulator import seam
+from accumulator.window import validate_accum_steps
+
+
+@keras.saving.register_keras_serializable(package="accumulator")
+class GradientCache(keras.Model):
+    """Trains `model` on each batch in `accum_steps` micro-batches with the whole
+    batch's loss: exact large batches for losses that couple the batch.
+
+    Args:
+        model: a Keras 3 model whose outputs (any structure of tensors whose first
+            axis is the batch) are what the loss scores. Unchanged: its
+            `compute_loss`, if it overrides one, is the loss.
+        accum_steps: micro-batches per batch (positive int). A batch of B samples is
+            cut into micro-batches of ceil(B / accum_steps), in order; the last may
+            be shorter, which changes nothing (the loss is always the batch's).
+
+    ```python
+    model = GradientCache(two_tower, accum_steps=8)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3))
+    model.fit(dataset.batch(4096))   # in-batch negatives of 4096, activations of 512
+    ```
+    """
+
+    def __init__(self, model, accum_steps, **kwargs):
+        super().__init__(**kwargs)
+        self.accum_steps = validate_accum_steps(accum_steps)
+        if not isinstance(model, keras.Model) or seam.is_keras2_object(model):
+            raise TypeError(f"`model` must be a Keras 3 `keras.Model`; received {type(model).__name__}.")
+        self.model = model
+        # Built with the model: `fit` never calls the wrapper itself, and saving
+        # and loading need it built (the optimizer is restored onto its variables).
+        self.built = model.built
+
+    def build(self, input_shape=None):
+        if not self.model.built:
+            self.model.build(input_shape)
+        self.built = True
+
+    def call(self, inputs, training=None):
+        return self.model(inputs, training=training)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        if type(self.model).compute_loss is not keras.Model.compute_loss:
+            return self.model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
+        return super().compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        self._refuse_what_would_not_be_exact()
+        micro_batches = self._micro_batches(x)
+        variables = self.trainable_variables
+        state = [v for v in self.model.variables if not v.trainable]     # seeds, counters
+        saved = [tf.identity(v.value) for v in state]
+        # 1. Represent every micro-batch, keeping no activations.
+        representations = [self.model(part, training=True) for part in micro_batches]
+        self._refuse_losses_added_while_running()
+        whole = tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *representations)
+        # 2. Score the whole batch; its gradient by representation (and by the loss's own variables).
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(whole)
+            loss = self.compute_loss(x=x, y=y, y_pred=whole, sample_weight=sample_weight, training=True)
+            scaled = self.optimizer.scale_loss(loss)
+        by_representation = tape.gradient(scaled, whole, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        grads = tape.gradient(scaled, variables)
+        del tape
+        sizes = [tf.shape(tf.nest.flatten(r)[0])[0] for r in representations]
+        slices = [tf.nest.map_structure(lambda g, s=s, e=e: g[s:e], by_representation)
+                  for s, e in zip(_starts(sizes), _ends(sizes))]
+        # 3. Back-propagate each micro-batch's slice, one micro-batch in memory at a time.
+        for v, value in zip(state, saved):
+            v.assign(value)
+        for part, upstream in zip(micro_batches, slices):
+            with tf.control_dependencies([_any_tensor(g) for g in grads if g is not None]):
+                part = tf.nest.map_structure(tf.identity, part)
+            with tf.GradientTape() as tape:
+                outputs = self.model(part, training=True)
+                surrogate = tf.add_n([tf.reduce_sum(o * tf.cast(u, o.dtype)) for o, u in
+                                      zip(tf.nest.flatten(outputs), tf.nest.flatten(upstream))])
+            grads = [_add(total, g) for total, g in zip(grads, tape.gradient(surrogate, variables))]
+        self.optimizer.apply_gradients(zip(grads, variables))
+        seam.loss_tracker(self).update_state(
+            loss * tf.distribute.get_strategy().num_replicas_in_sync,
+            sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
+        return self.compute_metrics(x, y, whole, sample_weight=sample_weight)
+
+    def _micro_batches(self, x):
+        size = tf.shape(tf.nest.flatten(x)[0])[0]
+        step = (size + self.accum_steps - 1) // self.accum_steps
+        return [tf.nest.map_structure(lambda t, k=k: t[k * step:(k + 1) * step], x)
+                for k in range(self.accum_steps)]
+
+    def _refuse_what_would_not_be_exact(self):
+        for layer in seam.flatten_layers(self.model):
+            if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
+                raise ValueError(
+                    f"GradientCache: layer {layer.name!r} is a BatchNormalization, whose training "
+                    "output depends on the other samples of its batch; it would normalize with "
+                    "micro-batch statistics, not the batch's. Use LayerNormalization, or freeze "
+                    "the layer (trainable=False).")
+
+    def _refuse_losses_added_while_running(self):
+        regularized = sum(1 for v in self.trainable_variables if getattr(v, "regularizer", None) is not None)
+        if len(self.losses) > regularized:
+            raise ValueError(
+                "GradientCache: the model adds losses while it runs (`add_loss`, an "
+                "activity_regularizer); they would come from one micro-batch, not the batch. "
+                "Put them into `compute_loss`, on the representations, or use weight "
+                "regularizers (kernel_regularizer), which GradientCache handles exactly.")
+
+    def get_config(self):
+        return {**super().get_config(), "model": keras.saving.serialize_keras_object(self.model),
+                "accum_steps": self.accum_steps}
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        model = keras.saving.deserialize_keras_object(config.pop("model"))
+        return cls(model, **config)
+
+
+def _starts(sizes):
+    starts, total = [], 0
+    for size in sizes:
+        starts.append(total)
+        total = total + size
+    return starts
+
+
+def _ends(sizes):
+    return [start + size for start, size in zip(_starts(sizes), sizes)]
+
+
+def _any_tensor(grad):
+    return grad.values if isinstance(grad, tf.IndexedSlices) else grad
+
+
+def _add(total, grad):
+    """Two micro-batches' gradients as one: sparse rows concatenated in sample order
+    (the large batch's `IndexedSlices`), dense ones summed."""
+    if total is None or grad is None:
+        return grad if total is None else total
+    if isinstance(total, tf.IndexedSlices) and isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.concat([total.values, grad.values], 0),
+                                tf.concat([total.indices, grad.indices], 0), total.dense_shape)
+    return tf.convert_to_tensor(total) + tf.convert_to_tensor(grad)
