@@ -145,9 +145,10 @@ def _set_up_gradient_cache(model, optimizer, accum_steps, gradient_cache):
             "gradient_cache=True: the GradientCache was compiled with a GradientAccumulator, which "
             "would accumulate its batches a second time; compile it with the plain optimizer.")
     accum_steps = validate_accum_steps(accum_steps)
-    if model.accum_steps != accum_steps:
-        logger.info("GradientCache: accum_steps %d, set by accumulating_compile (was %d).",
-                    accum_steps, model.accum_steps)
+    if model.accum_steps not in (1, accum_steps):
+        # A value of its own (1, as documented, is the placeholder): say it is replaced.
+        logger.warning("GradientCache(accum_steps=%d) is given accum_steps=%d by accumulating_compile "
+                       "(the component's or the tuner's value).", model.accum_steps, accum_steps)
     model.accum_steps = accum_steps
 
 
