@@ -13,7 +13,13 @@ helpers use it; `accumulator.hooks` holds the mechanics):
   `accum_steps`;
 * with a `schedule`, the wrappers carry it, and `fit` follows it;
 * with a `strategy`, every `tf.distribute.Strategy.scope()` the training
-  function opens maps onto that strategy (and the body runs in its scope).
+  function opens maps onto that strategy (and the body runs in its scope);
+* with `gradient_cache=True` (losses that couple the batch), nothing is
+  wrapped: `compile` on an `accumulator.GradientCache` model sets its
+  `accum_steps` and keeps its plain optimizer (one update per batch, the
+  batch `fit` is given being the effective batch), and `compile` on any other
+  model is refused. Without it, `compile` on a `GradientCache` is refused:
+  wrapping its optimizer would accumulate twice.
 
 Everything is restored when the context closes.
 """
@@ -27,9 +33,10 @@ import tensorflow as tf
 from accumulator import hooks, seam
 from accumulator.batch_norm import configure_batch_norm
 from accumulator.callbacks import accum_steps_at, validate_schedule
+from accumulator.gradient_cache import GradientCache
 from accumulator.noise_scale import DEFAULT_SMOOTHING
 from accumulator.optimizer import GradientAccumulator
-from accumulator.window import AccumulationWindow
+from accumulator.window import AccumulationWindow, validate_accum_steps
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +44,9 @@ logger = logging.getLogger(__name__)
 @contextlib.contextmanager
 def accumulating_compile(accum_steps, schedule=None, partial_window="apply", strategy=None,
                          measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING,
-                         merge_duplicate_rows=False):
-    """Wraps the optimizers `keras.Model.compile` is given; yields the wrappers made.
+                         merge_duplicate_rows=False, gradient_cache=False):
+    """Wraps the optimizers `keras.Model.compile` is given; yields the wrappers made
+    (with `gradient_cache`: the optimizers of the `GradientCache` models compiled).
 
     `schedule` ({epoch: accum_steps}) makes the wrappers schedulable and makes
     every `fit` of a model compiled here follow it (`AccumulationSchedule`).
@@ -46,8 +54,12 @@ def accumulating_compile(accum_steps, schedule=None, partial_window="apply", str
     the body runs under it, and strategy scopes opened inside map onto it.
     `measure_noise_scale`, `noise_scale_smoothing`, `merge_duplicate_rows`: the
     wrappers' (see `GradientAccumulator`; measuring needs `accum_steps >= 2` or a
-    `schedule`).
+    `schedule`). `gradient_cache`: see the module docstring; the wrappers'
+    options (`schedule`, `partial_window`, `measure_noise_scale`,
+    `merge_duplicate_rows`) are then refused, as GradientCache has no windows.
     """
+    if gradient_cache:
+        _refuse_window_options(schedule, partial_window, measure_noise_scale, merge_duplicate_rows)
     if schedule is not None:
         schedule = validate_schedule(schedule)
         accum_steps = accum_steps_at(schedule, 0)
@@ -55,6 +67,11 @@ def accumulating_compile(accum_steps, schedule=None, partial_window="apply", str
 
     def wrapping_compile(original):
         def compile(self, optimizer="rmsprop", *args, **kwargs):
+            if gradient_cache or isinstance(self, GradientCache):
+                _set_up_gradient_cache(self, optimizer, accum_steps, gradient_cache)
+                result = original(self, optimizer, *args, **kwargs)
+                made.append(self.optimizer)
+                return result
             if optimizer is not None:
                 optimizer = _wrap(self, optimizer, kwargs)
                 made.append(optimizer)
@@ -103,3 +120,46 @@ def accumulating_compile(accum_steps, schedule=None, partial_window="apply", str
             stack.enter_context(strategy.scope())
             stack.enter_context(hooks.strategy_scopes_map_onto(strategy))
         yield made
+
+
+def _set_up_gradient_cache(model, optimizer, accum_steps, gradient_cache):
+    """Before `compile` under `gradient_cache`: gives a `GradientCache` model the
+    `accum_steps`; refuses any other model, and a `GradientCache` compiled without
+    `gradient_cache` or with an accumulating optimizer (either would accumulate twice)."""
+    if not isinstance(model, GradientCache):
+        raise ValueError(
+            f"With gradient_cache=True (AccumulatingTrainer's, or AccumulatingHyperModel's) the "
+            "run_fn must wrap its model in accumulator.GradientCache before compiling it "
+            "(`model = GradientCache(model, accum_steps=1)`, then `model.compile(optimizer=...)`: "
+            "the accum_steps is set for it, the data come at the effective batch); it compiled a "
+            f"{type(model).__name__}, which is not one.")
+    if not gradient_cache:
+        raise ValueError(
+            "The training code compiled an accumulator.GradientCache under accumulating_compile "
+            "without gradient_cache=True: its optimizer would be wrapped in a GradientAccumulator "
+            "and every batch accumulated twice. Set gradient_cache=True on the component "
+            "(AccumulatingTrainer(..., gradient_cache=True), or AccumulatingHyperModel(..., "
+            "gradient_cache=True)); or compile a model that is not a GradientCache.")
+    if isinstance(optimizer, AccumulationWindow):
+        raise ValueError(
+            "gradient_cache=True: the GradientCache was compiled with a GradientAccumulator, which "
+            "would accumulate its batches a second time; compile it with the plain optimizer.")
+    accum_steps = validate_accum_steps(accum_steps)
+    if model.accum_steps not in (1, accum_steps):
+        # A value of its own (1, as documented, is the placeholder): say it is replaced.
+        logger.warning("GradientCache(accum_steps=%d) is given accum_steps=%d by accumulating_compile "
+                       "(the component's or the tuner's value).", model.accum_steps, accum_steps)
+    model.accum_steps = accum_steps
+
+
+def _refuse_window_options(schedule, partial_window, measure_noise_scale, merge_duplicate_rows):
+    """GradientCache makes one update of each batch and holds nothing between steps."""
+    given = {"schedule": schedule is not None, "partial_window": partial_window != "apply",
+             "measure_noise_scale": bool(measure_noise_scale),
+             "merge_duplicate_rows": bool(merge_duplicate_rows)}
+    named = [name for name, set_ in given.items() if set_]
+    if named:
+        raise ValueError(
+            f"accumulating_compile(gradient_cache=True) does not support {', '.join(named)}: those "
+            "are options of GradientAccumulator's windows, and GradientCache makes one update of "
+            "each batch, holding nothing between steps.")

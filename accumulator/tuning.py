@@ -11,6 +11,13 @@ reach `AccumulatingTrainer` through `hyperparameters=tuner.outputs[...]`.
 `TrainArgs.num_steps` does, so trials with different `accum_steps` make the
 same number of updates.
 
+For losses that couple the batch (in-batch negatives, contrastive),
+`AccumulatingHyperModel(build_model, ..., gradient_cache=True)`: `build_model`
+returns a compiled `accumulator.GradientCache`, each trial's gets its
+`accum_steps`, and trials train on batches of their effective batch (the
+model cuts them into micro-batches), as `AccumulatingTrainer(gradient_cache=True)`
+trains the best.
+
 Centring the search on the gradient noise scale: `probe_noise_scale(...)`
 trains a fresh model briefly with `GradientAccumulator(measure_noise_scale=True)`
 and returns B_simple, the critical batch of McCandlish et al. (2018), as a
@@ -70,30 +77,44 @@ class AccumulatingHyperModel(keras_tuner.HyperModel):
     Args:
         build_model: builds and compiles the model for `hp`, with a plain
             optimizer; it is wrapped in `GradientAccumulator(hp accum_steps)`.
+            With `gradient_cache`, the model it compiles must be an
+            `accumulator.GradientCache`, which gets the trial's `accum_steps`.
         accum_steps, effective_batch_sizes: the choices to search.
+        gradient_cache: for losses that couple the batch: trials train with
+            `GradientCache` (batches of the effective batch, one update each)
+            instead of `GradientAccumulator` (micro-batches, `accum_steps` per
+            update). Default False.
     """
 
     def __init__(self, build_model, accum_steps=(1, 2, 4, 8),
-                 effective_batch_sizes=(32, 64, 128), name=None, tunable=True):
+                 effective_batch_sizes=(32, 64, 128), name=None, tunable=True, gradient_cache=False):
         super().__init__(name=name, tunable=tunable)
+        if not isinstance(gradient_cache, bool):
+            raise ValueError(f"`gradient_cache` must be True or False; received {gradient_cache!r}.")
         self._build_model = build_model
         self._accum_steps = tuple(accum_steps)
         self._effective_batch_sizes = tuple(effective_batch_sizes)
+        self._gradient_cache = gradient_cache
 
     def build(self, hp):
         accum, _ = declare_accumulation(hp, self._accum_steps, self._effective_batch_sizes)
-        with accumulating_compile(accum):
+        with accumulating_compile(accum, gradient_cache=self._gradient_cache):
             return self._build_model(hp)
 
     def fit(self, hp, model, x=None, y=None, *args, steps_per_epoch=None, batch_size=None, **kwargs):
-        accum, micro = hp.get(ACCUM_STEPS), micro_batch(hp)
+        # One `fit` step: a micro-batch (accum_steps per update), or with
+        # gradient_cache a whole effective batch (one update).
+        if self._gradient_cache:
+            batch, steps_per_update = hp.get(EFFECTIVE_BATCH_SIZE), 1
+        else:
+            batch, steps_per_update = micro_batch(hp), hp.get(ACCUM_STEPS)
         if isinstance(x, tf.data.Dataset):
             # Datasets arrive batched at whatever size; trials need their own.
-            x = x.unbatch().batch(micro)
+            x = x.unbatch().batch(batch)
         else:
-            batch_size = micro
+            batch_size = batch
         if steps_per_epoch is not None:
-            steps_per_epoch = steps_per_epoch * accum
+            steps_per_epoch = steps_per_epoch * steps_per_update
         return model.fit(x, y, *args, steps_per_epoch=steps_per_epoch, batch_size=batch_size, **kwargs)
 
 

@@ -2,7 +2,8 @@
 
 Same inputs, same outputs (`model`, `model_run`), same run_fn contract as the
 stock Trainer, plus the accumulation's parameters (`accum_steps`, `effective_batch_size`,
-`strategy`, `accum_schedule`, `partial_window`, `measure_noise_scale`, `merge_duplicate_rows`).
+`strategy`, `accum_schedule`, `partial_window`, `measure_noise_scale`, `merge_duplicate_rows`,
+`gradient_cache`).
 Change the class name in a pipeline and it trains with
 accumulation; feed `hyperparameters=tuner.outputs["best_hyperparameters"]` and
 the tuned values win over the parameters.
@@ -42,6 +43,7 @@ class AccumulatingTrainerSpec(standard_component_specs.TrainerSpec):
         executor.MEASURE_NOISE_SCALE_KEY: ExecutionParameter(type=int, optional=True),
         executor.NOISE_SCALE_SMOOTHING_KEY: ExecutionParameter(type=float, optional=True),
         executor.MERGE_DUPLICATE_ROWS_KEY: ExecutionParameter(type=int, optional=True),
+        executor.GRADIENT_CACHE_KEY: ExecutionParameter(type=int, optional=True),
     }
 
 
@@ -77,9 +79,24 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             merge_duplicate_rows=True)`: the densified gradient, which XLA
             compiles) instead of Keras' own large-batch update (the default,
             which needs `jit_compile=False` for embedding models on a GPU).
+        gradient_cache: for losses that couple the batch (in-batch negatives,
+            contrastive), where accumulating micro-batch gradients would be wrong
+            (each micro-batch would have only its own negatives). The run_fn wraps
+            its model in `accumulator.GradientCache(model, accum_steps=1)` and
+            compiles it with a plain optimizer; the Trainer sets its
+            `accum_steps` (no `GradientAccumulator`: one update per batch),
+            training datasets from `fn_args.data_accessor` come batched at the
+            *effective* batch (which `GradientCache` cuts into micro-batches,
+            holding one micro-batch's activations at a time), and
+            `fn_args.train_steps` stays `num_steps`. Compiling any other model
+            is refused; so is a `GradientCache` compiled without this flag (it
+            would accumulate twice), and `measure_noise_scale`,
+            `accum_schedule`, `partial_window` other than "apply" and
+            `merge_duplicate_rows` with it. Default False.
 
     `TrainArgs.num_steps` counts optimizer updates: the run_fn sees
-    `fn_args.train_steps = num_steps * accum_steps` micro-steps.
+    `fn_args.train_steps = num_steps * accum_steps` micro-steps (`num_steps`
+    with `gradient_cache`).
     """
 
     SPEC_CLASS = AccumulatingTrainerSpec
@@ -106,6 +123,7 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
         measure_noise_scale: Union[bool, data_types.RuntimeParameter] = False,
         noise_scale_smoothing: Optional[Union[float, data_types.RuntimeParameter]] = None,
         merge_duplicate_rows: bool = False,
+        gradient_cache: bool = False,
     ):
         if [bool(module_file), bool(run_fn)].count(True) != 1:
             raise ValueError("Exactly one of 'module_file', or 'run_fn' must be supplied.")
@@ -123,9 +141,10 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
         # Whether measuring has windows depends on tuned values, when there are any.
         measure = None if hyperparameters is not None else static(measure_noise_scale)
         settings_lib.resolve(None, static(accum_steps), static(effective_batch_size), replicas=1,
-                             partial_window=partial_window, schedule=accum_schedule if measure else None,
+                             partial_window=partial_window,
+                             schedule=accum_schedule if measure or gradient_cache else None,
                              measure_noise_scale=measure, noise_scale_smoothing=static(noise_scale_smoothing),
-                             merge_duplicate_rows=merge_duplicate_rows)
+                             merge_duplicate_rows=merge_duplicate_rows, gradient_cache=gradient_cache)
         if accum_schedule is not None:
             accum_schedule = json.dumps(validate_schedule(accum_schedule))
         if isinstance(measure_noise_scale, bool):
@@ -153,6 +172,7 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             measure_noise_scale=measure_noise_scale,
             noise_scale_smoothing=noise_scale_smoothing,
             merge_duplicate_rows=int(merge_duplicate_rows),
+            gradient_cache=int(gradient_cache),
             model=types.Channel(type=standard_artifacts.Model),
             model_run=types.Channel(type=standard_artifacts.ModelRun),
         )

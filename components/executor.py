@@ -3,8 +3,10 @@
 It resolves the accumulation settings (hyperparameters, then component
 parameters, then defaults) and the distribution strategy before anything
 trains, runs the user's unchanged run_fn with every compiled optimizer wrapped
-in `GradientAccumulator`, and records what happened on the output artifacts
-(ML Metadata) and in the run's TensorBoard logs.
+in `GradientAccumulator` (with `gradient_cache`: every compiled
+`GradientCache` given the `accum_steps`, its optimizer left plain), and records
+what happened on the output artifacts (ML Metadata) and in the run's
+TensorBoard logs.
 """
 
 import json
@@ -31,6 +33,7 @@ PARTIAL_WINDOW_KEY = "partial_window"
 MEASURE_NOISE_SCALE_KEY = "measure_noise_scale"
 NOISE_SCALE_SMOOTHING_KEY = "noise_scale_smoothing"
 MERGE_DUPLICATE_ROWS_KEY = "merge_duplicate_rows"
+GRADIENT_CACHE_KEY = "gradient_cache"
 TENSORBOARD_SUBDIR = "accumulation"
 
 
@@ -48,7 +51,7 @@ class Executor(tfx_trainer_executor.GenericExecutor):
         run_fn = _load_run_fn(exec_properties)
         strategy = strategy_from_environment(exec_properties.get(STRATEGY_KEY) or "auto")
         settings = _resolve_settings(fn_args.hyperparameters, exec_properties, strategy.num_replicas_in_sync)
-        # Train the model: every optimizer the run_fn compiles accumulates.
+        # Train the model: every optimizer the run_fn compiles accumulates (or every GradientCache).
         logging.info("Training model. %s", _describe(settings, strategy, fn_args.train_steps))
         with accumulating_compile(strategy=strategy, **settings.compile_arguments()) as optimizers:
             run_fn(fn_args_utils.for_accumulation(fn_args, settings))
@@ -89,18 +92,23 @@ def _resolve_settings(hyperparameters, exec_properties, replicas):
         _as_bool(exec_properties.get(MEASURE_NOISE_SCALE_KEY)),
         exec_properties.get(NOISE_SCALE_SMOOTHING_KEY),
         exec_properties.get(MERGE_DUPLICATE_ROWS_KEY),
+        exec_properties.get(GRADIENT_CACHE_KEY),
     )
 
 
 def _describe(settings, strategy, train_steps):
     micro_batch = settings.micro_batch or "the run_fn's"
+    if settings.gradient_cache:
+        micro_steps = (f"{train_steps} optimizer updates = {train_steps} steps of GradientCache, "
+                       f"each over the effective batch in {settings.accum_steps} micro-batches")
+    else:
+        micro_steps = (f"{train_steps} optimizer updates = {train_steps and train_steps * settings.accum_steps} "
+                       f"micro-steps; partial windows: {settings.partial_window}")
     return (
         f"Accumulation: accum_steps={settings.accum_steps} ({settings.sources.get('accum_steps')}), "
         f"effective batch {settings.effective_batch_size} ({settings.sources.get('effective_batch_size')}), "
         f"global micro-batch {micro_batch}, "
-        f"{settings.replicas} replica(s) under {type(strategy).__name__}; {train_steps} optimizer updates "
-        f"= {train_steps and train_steps * settings.accum_steps} micro-steps; "
-        f"partial windows: {settings.partial_window}."
+        f"{settings.replicas} replica(s) under {type(strategy).__name__}; {micro_steps}."
     )
 
 
@@ -108,6 +116,12 @@ def _record(output_dict, model_run_dir, settings, strategy, optimizers):
     """Records what the run did on the output artifacts (ML Metadata) and in
     TensorBoard; returns the optimizer updates made. Refuses a run that wrapped
     no optimizer, so no artifact claims an accumulation that did not happen."""
+    if not optimizers and settings.gradient_cache:
+        raise RuntimeError(
+            "AccumulatingTrainer(gradient_cache=True) saw no GradientCache compiled: the run_fn "
+            "never called `compile` on an accumulator.GradientCache, so no accumulation is "
+            "recorded. Wrap the model (`GradientCache(model, accum_steps=1)`) and compile it."
+        )
     if not optimizers:
         raise RuntimeError(
             "AccumulatingTrainer wrapped no optimizer: the run_fn never called "
@@ -117,8 +131,9 @@ def _record(output_dict, model_run_dir, settings, strategy, optimizers):
             "(accumulator.GradientAccumulator) and use the stock Trainer."
         )
     updates = max(int(o.iterations.numpy()) for o in optimizers)
-    # `unapplied_micro_batches`: held in a window left open (partial_window="carry").
-    open_windows = sum(o.held_micro_batches for o in optimizers)
+    # `unapplied_micro_batches`: held in a window left open (partial_window="carry");
+    # a GradientCache's plain optimizer holds none (each batch is one whole update).
+    open_windows = sum(getattr(o, "held_micro_batches", 0) for o in optimizers)
     reading = noise_scale.read(optimizers, settings.measure_noise_scale)
     if reading is not None:
         logging.info("%s", noise_scale.describe(reading, settings.effective_batch_size))

@@ -1,12 +1,14 @@
 """Builds what the user's run_fn sees when it trains with accumulation.
 
 Starting from the stock Trainer's `FnArgs`:
-* `train_steps` counts micro-steps: `TrainArgs.num_steps` (optimizer updates)
-  times `accum_steps`, so `fit(steps_per_epoch=fn_args.train_steps)` makes
-  exactly `num_steps` updates;
+* `train_steps` counts `fit` steps: `TrainArgs.num_steps` (optimizer updates)
+  times `accum_steps` micro-steps, so `fit(steps_per_epoch=fn_args.train_steps)`
+  makes exactly `num_steps` updates; with `gradient_cache`, one step is one
+  update, so it stays `num_steps`;
 * with an effective batch set, datasets made through `data_accessor` for the
-  training files come batched at the global micro-batch; evaluation datasets
-  keep the batch the run_fn asks for;
+  training files come batched at the global micro-batch (with
+  `gradient_cache`: at the effective batch, which the `GradientCache` model
+  cuts into micro-batches); evaluation datasets keep the batch the run_fn asks for;
 * `custom_config["accumulation"]` describes the settings for the curious run_fn.
 """
 
@@ -23,7 +25,8 @@ def _is_training_pattern(file_pattern, train_files):
 
 
 def micro_batched_accessor(data_accessor, train_files, micro_batch):
-    """A DataAccessor whose training datasets come batched at `micro_batch`."""
+    """A DataAccessor whose training datasets come batched at `micro_batch` (the
+    batch of one `fit` step: the effective batch with `gradient_cache`)."""
     if micro_batch is None or data_accessor is None:
         return data_accessor
     make_dataset = data_accessor.tf_dataset_factory
@@ -41,9 +44,9 @@ def for_accumulation(
 ) -> tfx_fn_args_utils.FnArgs:
     result = copy.copy(fn_args)
     if fn_args.train_steps is not None:
-        result.train_steps = fn_args.train_steps * settings.accum_steps
+        result.train_steps = fn_args.train_steps * settings.steps_per_update
     result.data_accessor = micro_batched_accessor(
-        fn_args.data_accessor, fn_args.train_files or [], settings.micro_batch
+        fn_args.data_accessor, fn_args.train_files or [], settings.train_batch
     )
     custom_config = dict(fn_args.custom_config or {})
     custom_config["accumulation"] = {

@@ -4,6 +4,16 @@ Precedence: the hyperparameters artifact (the Tuner's best) over the
 component's parameters over the defaults. Everything is checked here, before
 any training starts, so a bad value fails the component with a message that
 names it.
+
+Two ways to train an effective batch in `accum_steps` micro-batches, and what
+the run_fn sees with each:
+
+* `GradientAccumulator` (the default): training datasets come at the
+  micro-batch, and one optimizer update takes `accum_steps` of `fit`'s steps;
+* `GradientCache` (`gradient_cache=True`, for losses that couple the batch:
+  in-batch negatives, contrastive): training datasets come at the effective
+  batch, one `fit` step is one update, and the model cuts each batch into
+  `accum_steps` micro-batches itself.
 """
 
 import dataclasses
@@ -20,6 +30,7 @@ ACCUM_STEPS = "accum_steps"
 EFFECTIVE_BATCH_SIZE = "effective_batch_size"
 MEASURE_NOISE_SCALE = "measure_noise_scale"
 NOISE_SCALE_SMOOTHING = "noise_scale_smoothing"
+GRADIENT_CACHE = "gradient_cache"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +46,7 @@ class AccumulationSettings:
     measure_noise_scale: bool = False
     noise_scale_smoothing: float = DEFAULT_SMOOTHING
     merge_duplicate_rows: bool = False
+    gradient_cache: bool = False
 
     @property
     def micro_batch(self) -> Optional[int]:
@@ -42,6 +54,18 @@ class AccumulationSettings:
         if self.effective_batch_size is None:
             return None
         return self.effective_batch_size // self.accum_steps
+
+    @property
+    def train_batch(self) -> Optional[int]:
+        """Global batch of the training datasets the run_fn reads, or None: the run_fn's
+        own. The micro-batch, or with `gradient_cache` the effective batch (the model
+        cuts it into micro-batches)."""
+        return self.effective_batch_size if self.gradient_cache else self.micro_batch
+
+    @property
+    def steps_per_update(self) -> int:
+        """`fit` steps per optimizer update: `accum_steps`, or 1 with `gradient_cache`."""
+        return 1 if self.gradient_cache else self.accum_steps
 
     @property
     def micro_batch_per_replica(self) -> Optional[int]:
@@ -56,6 +80,7 @@ class AccumulationSettings:
             "measure_noise_scale": self.measure_noise_scale,
             "noise_scale_smoothing": self.noise_scale_smoothing,
             "merge_duplicate_rows": self.merge_duplicate_rows,
+            "gradient_cache": self.gradient_cache,
         }
 
     def as_properties(self) -> Dict[str, int]:
@@ -67,6 +92,7 @@ class AccumulationSettings:
             "effective_batch_size": self.effective_batch_size or 0,
             "measure_noise_scale": int(self.measure_noise_scale),
             "merge_duplicate_rows": int(self.merge_duplicate_rows),
+            "gradient_cache": int(self.gradient_cache),
         }
 
 
@@ -89,6 +115,7 @@ def resolve(
     measure_noise_scale: Optional[bool] = None,
     noise_scale_smoothing: Optional[float] = None,
     merge_duplicate_rows: Optional[bool] = None,
+    gradient_cache: Optional[bool] = None,
 ) -> AccumulationSettings:
     """Resolves and validates the settings of one run.
 
@@ -99,9 +126,12 @@ def resolve(
     `measure_noise_scale` (default False) and `noise_scale_smoothing` (default
     0.99) follow the same precedence as `accum_steps`; measuring needs windows
     of two or more micro-batches: `accum_steps >= 2`, or a schedule that
-    reaches 2. `merge_duplicate_rows` (default False) is the component's alone.
+    reaches 2. `merge_duplicate_rows` and `gradient_cache` (default False) are
+    the component's alone; `gradient_cache` refuses what would mean nothing or
+    train wrong with `GradientCache` (`refuse_with_gradient_cache`).
     """
     partial_window = validate_partial_window(partial_window or "apply")
+    cache = boolean_parameter(gradient_cache, GRADIENT_CACHE)
     values = hyperparameter_values(hyperparameters)
     sources = {}
     if schedule is not None:
@@ -136,6 +166,9 @@ def resolve(
         pick(MEASURE_NOISE_SCALE, measure_noise_scale, False), name=MEASURE_NOISE_SCALE)
     smoothing = validate_smoothing(
         pick(NOISE_SCALE_SMOOTHING, noise_scale_smoothing, DEFAULT_SMOOTHING), name=NOISE_SCALE_SMOOTHING)
+    merge = boolean_parameter(merge_duplicate_rows, "merge_duplicate_rows")
+    if cache:
+        refuse_with_gradient_cache(schedule, partial_window, measure, merge, sources.get(MEASURE_NOISE_SCALE))
     if measure and max(schedule.values() if schedule else [accum]) < 2:
         where = ("`accum_schedule` never goes above 1" if schedule else
                  f"`{ACCUM_STEPS}` is 1 (from {sources[ACCUM_STEPS]})")
@@ -145,8 +178,45 @@ def resolve(
             f"micro-batch's gradient with its window's. Set `{ACCUM_STEPS}` >= 2 (or a schedule "
             f"that reaches it), or leave `{MEASURE_NOISE_SCALE}` off."
         )
-    # Stored as an int (0/1) by the pipeline; unset means False.
-    merge = merge_duplicate_rows if merge_duplicate_rows is not None else False
-    merge = validate_merge_duplicate_rows(bool(merge) if merge in (0, 1) else merge, name="merge_duplicate_rows")
     return AccumulationSettings(accum, effective, replicas, schedule, partial_window, sources,
-                                measure, smoothing, merge)
+                                measure, smoothing, merge, cache)
+
+
+def boolean_parameter(value, name):
+    """A component's True/False parameter: stored as an int (0/1) by the pipeline, as
+    SchemaGen's `infer_feature_shape`; unset (None) means False."""
+    value = False if value is None else value
+    return validate_merge_duplicate_rows(bool(value) if value in (0, 1) else value, name=name)
+
+
+def refuse_with_gradient_cache(schedule, partial_window, measure_noise_scale, merge_duplicate_rows,
+                               measure_source=None):
+    """Raises, naming the parameter, for what `gradient_cache=True` cannot honour.
+
+    `GradientCache` makes one update of every batch `fit` gives it and holds
+    nothing between steps, so the options of `GradientAccumulator`'s windows
+    mean nothing there, and the gradient noise scale has no honest estimate.
+    """
+    def refuse(what, why):
+        raise ValueError(f"{what} is not supported with `{GRADIENT_CACHE}=True`: {why}")
+
+    if measure_noise_scale:
+        refuse(f"`{MEASURE_NOISE_SCALE}=True`" + (f" (from {measure_source})" if measure_source else ""),
+               "the noise scale compares each micro-batch's gradient, an independent estimate of "
+               "the gradient, with its window's; under GradientCache a micro-batch's gradient is "
+               "its share of the whole batch's loss (its negatives are the whole batch), which is "
+               f"no such estimate. Leave `{MEASURE_NOISE_SCALE}` off.")
+    if schedule is not None:
+        refuse("`accum_schedule`",
+               "GradientCache trains each batch `fit` gives it as one update, so changing the "
+               "effective batch at an epoch would need the dataset's batch to change. Set "
+               f"`{ACCUM_STEPS}` (micro-batches per batch) instead.")
+    if partial_window != "apply":
+        refuse(f"`partial_window={partial_window!r}`",
+               "nothing is held between steps (every batch is one whole update), so there is no "
+               "open window to carry or drop. Leave `partial_window` at 'apply'.")
+    if merge_duplicate_rows:
+        refuse("`merge_duplicate_rows=True`",
+               "it is an option of GradientAccumulator's windows; GradientCache hands the "
+               "optimizer the large batch's gradient as Keras' own large batch would (sparse "
+               "rows concatenated). Leave `merge_duplicate_rows` off.")

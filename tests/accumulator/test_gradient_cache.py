@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 from accumulator import GradientAccumulator, GradientCache
+from accumulator.autowrap import accumulating_compile
 from tests.accumulator import contrastive_models as cm
 from tests.accumulator import reference as ref
 
@@ -171,3 +172,38 @@ def test_bad_accum_steps_is_refused_at_construction(bad):
 def test_a_model_that_is_not_a_keras_3_model_is_refused():
     with pytest.raises(TypeError, match="Keras 3"):
         GradientCache(lambda x: x, 2)
+
+
+# ------------------------------------ accumulating_compile(gradient_cache=True): what the Trainer uses
+
+def test_accumulating_compile_sets_the_accum_steps_and_keeps_the_plain_optimizer():
+    data = cm.interactions()
+    expected = _large_batch("two_tower", keras.optimizers.Adam(1e-2), data)
+    before = keras.Model.compile
+    inner = cm.built("two_tower")
+    model = GradientCache(inner, accum_steps=1)
+    with accumulating_compile(N, gradient_cache=True) as made:
+        model.compile(optimizer=keras.optimizers.Adam(1e-2))
+    assert keras.Model.compile is before
+    assert model.accum_steps == N and type(model.optimizer) is keras.optimizers.Adam
+    assert made == [model.optimizer]
+    model.fit(data, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert ref.max_abs_diff(inner.get_weights(), expected.get_weights()) <= TOLERANCE
+
+
+def test_accumulating_compile_refuses_what_would_accumulate_twice_or_not_at_all():
+    with pytest.raises(ValueError, match="must wrap its model in accumulator.GradientCache.*it compiled a TwoTower"):
+        with accumulating_compile(N, gradient_cache=True):
+            cm.built("two_tower").compile(optimizer="adam")
+    with pytest.raises(ValueError, match="without gradient_cache=True.*accumulated twice"):
+        with accumulating_compile(N):
+            GradientCache(cm.built("two_tower"), 2).compile(optimizer="adam")
+    with pytest.raises(ValueError, match="compiled with a GradientAccumulator.*plain optimizer"):
+        with accumulating_compile(N, gradient_cache=True):
+            GradientCache(cm.built("two_tower"), 2).compile(
+                optimizer=GradientAccumulator(keras.optimizers.Adam(), 2))
+    for options in ({"schedule": {0: 2}}, {"partial_window": "carry"}, {"measure_noise_scale": True},
+                    {"merge_duplicate_rows": True}):
+        with pytest.raises(ValueError, match=f"does not support {next(iter(options))}"):
+            with accumulating_compile(N, gradient_cache=True, **options):
+                pass

@@ -1,5 +1,6 @@
 """Artifacts and executor calls for component tests, without a pipeline."""
 
+import importlib.util
 import json
 import os
 
@@ -17,6 +18,14 @@ TESTDATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata")
 MODULE = os.path.join(TESTDATA, "regression_module.py")
 
 
+def load_module(path, name):
+    """A module file imported on its own (for building its model outside TFX)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def write_examples(root, train=384, evaluation=64):
     rng = np.random.RandomState(0)
     w = rng.randn(4)
@@ -28,6 +37,25 @@ def write_examples(root, train=384, evaluation=64):
                 x = rng.randn(4)
                 feature = {f"x{i}": tf.train.Feature(float_list=tf.train.FloatList(value=[x[i]])) for i in range(4)}
                 feature["y"] = tf.train.Feature(float_list=tf.train.FloatList(value=[np.tanh(x @ w)]))
+                writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+    examples = standard_artifacts.Examples()
+    examples.uri = root
+    examples.split_names = artifact_utils.encode_split_names(["train", "eval"])
+    return examples
+
+
+def write_interactions(root, train=384, evaluation=64, users=40, items=60):
+    """(user, item) pairs as int64 features `user`, `item`: each user prefers a few items."""
+    rng = np.random.RandomState(0)
+    for split, count in (("train", train), ("eval", evaluation)):
+        directory = os.path.join(root, f"Split-{split}")
+        os.makedirs(directory, exist_ok=True)
+        user = rng.randint(0, users, count)
+        item = (user * 7 + rng.randint(0, 5, count)) % items
+        with tf.io.TFRecordWriter(os.path.join(directory, "data.tfrecord.gz"), options="GZIP") as writer:
+            for u, i in zip(user, item):
+                feature = {"user": tf.train.Feature(int64_list=tf.train.Int64List(value=[u])),
+                           "item": tf.train.Feature(int64_list=tf.train.Int64List(value=[i]))}
                 writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
     examples = standard_artifacts.Examples()
     examples.uri = root

@@ -53,6 +53,14 @@ def test_hyperparameters_channel_is_accepted():
         ({"merge_duplicate_rows": "yes"}, ValueError, "`merge_duplicate_rows` must be True or False"),
         ({"measure_noise_scale": True, "accum_steps": 2, "noise_scale_smoothing": 1.5}, ValueError,
          "noise_scale_smoothing"),
+        ({"gradient_cache": "yes"}, ValueError, "`gradient_cache` must be True or False; received 'yes'"),
+        ({"gradient_cache": True, "measure_noise_scale": True, "accum_steps": 2}, ValueError,
+         "`measure_noise_scale=True`.* is not supported with `gradient_cache=True`"),
+        ({"gradient_cache": True, "accum_schedule": {0: 2, 3: 4}}, ValueError,
+         "`accum_schedule` is not supported with `gradient_cache=True`"),
+        ({"gradient_cache": True, "partial_window": "drop"}, ValueError, "`partial_window='drop'` is not supported"),
+        ({"gradient_cache": True, "merge_duplicate_rows": True}, ValueError, "`merge_duplicate_rows=True` is not"),
+        ({"gradient_cache": True, "accum_steps": 3, "effective_batch_size": 64}, ValueError, "divide evenly"),
     ],
 )
 def test_bad_parameters_fail_when_the_pipeline_is_defined(extra, error, message):
@@ -89,3 +97,9 @@ def test_measure_noise_scale_is_stored_as_an_int_and_checked_against_tuned_value
 def test_merge_duplicate_rows_is_stored_as_an_int():
     assert AccumulatingTrainer(**_kwargs(merge_duplicate_rows=True)).exec_properties["merge_duplicate_rows"] == 1
     assert AccumulatingTrainer(**_kwargs()).exec_properties["merge_duplicate_rows"] == 0
+
+
+def test_gradient_cache_is_stored_as_an_int_and_unset_means_false():
+    trainer = AccumulatingTrainer(**_kwargs(gradient_cache=True, accum_steps=4, effective_batch_size=64))
+    assert trainer.exec_properties["gradient_cache"] == 1
+    assert AccumulatingTrainer(**_kwargs()).exec_properties["gradient_cache"] == 0

@@ -20,7 +20,7 @@ def test_precedence():
     assert s.sources == {"accum_steps": "hyperparameters", "effective_batch_size": "component parameter",
                          "measure_noise_scale": "default", "noise_scale_smoothing": "default"}
     assert s.as_properties() == {"accum_steps": 8, "micro_batch_size": 8, "replicas": 2, "effective_batch_size": 64,
-                                 "measure_noise_scale": 0, "merge_duplicate_rows": 0}
+                                 "measure_noise_scale": 0, "merge_duplicate_rows": 0, "gradient_cache": 0}
 
 
 @pytest.mark.parametrize(
@@ -81,3 +81,40 @@ def test_measuring_needs_windows_of_two():
 def test_bad_noise_scale_settings_name_the_parameter(measure, smoothing, message):
     with pytest.raises(ValueError, match=message):
         resolve(None, 4, None, replicas=1, measure_noise_scale=measure, noise_scale_smoothing=smoothing)
+
+
+def test_gradient_cache_batches_at_the_effective_batch_and_counts_one_step_per_update():
+    plain = resolve(None, 4, 64, replicas=2)
+    assert (plain.train_batch, plain.steps_per_update, plain.gradient_cache) == (16, 4, False)
+    cached = resolve({"values": {"accum_steps": 8}}, 4, 64, replicas=2, gradient_cache=1)   # the stored int
+    assert (cached.train_batch, cached.steps_per_update, cached.gradient_cache) == (64, 1, True)
+    assert (cached.accum_steps, cached.micro_batch, cached.micro_batch_per_replica) == (8, 8, 4)
+    assert cached.as_properties()["gradient_cache"] == 1
+    assert cached.compile_arguments()["gradient_cache"] is True
+    # Without an effective batch the run_fn's batch is the effective batch.
+    assert resolve(None, 4, None, replicas=1, gradient_cache=True).train_batch is None
+    assert resolve(None, 4, 64, replicas=1, gradient_cache=None).gradient_cache is False
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(gradient_cache="yes"), "`gradient_cache` must be True or False; received 'yes'"),
+        (dict(gradient_cache=2), "`gradient_cache` must be True or False; received 2"),
+        (dict(gradient_cache=True, measure_noise_scale=True),
+         r"`measure_noise_scale=True` \(from component parameter\) is not supported with `gradient_cache=True`"),
+        (dict(gradient_cache=True, schedule={0: 2, 3: 4}), "`accum_schedule` is not supported with `gradient_cache"),
+        (dict(gradient_cache=True, partial_window="carry"),
+         "`partial_window='carry'` is not supported with `gradient_cache=True`"),
+        (dict(gradient_cache=True, merge_duplicate_rows=True),
+         "`merge_duplicate_rows=True` is not supported with `gradient_cache=True`"),
+    ],
+)
+def test_gradient_cache_refuses_what_it_cannot_honour(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        resolve(None, 4, 64, replicas=1, **kwargs)
+
+
+def test_a_tuned_measure_noise_scale_is_refused_with_gradient_cache_naming_its_source():
+    with pytest.raises(ValueError, match=r"`measure_noise_scale=True` \(from hyperparameters\) is not supported"):
+        resolve({"values": {"measure_noise_scale": True}}, 4, 64, replicas=1, gradient_cache=True)

@@ -1,4 +1,5 @@
-"""KerasTuner: each trial trains with its own accum_steps and micro-batch."""
+"""KerasTuner: each trial trains with its own accum_steps and micro-batch (or, with
+`gradient_cache`, its own GradientCache accum_steps and effective batch)."""
 
 import keras
 import keras_tuner
@@ -6,8 +7,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from accumulator import GradientAccumulator
+from accumulator import GradientAccumulator, GradientCache
 from accumulator.tuning import AccumulatingHyperModel, declare_accumulation
+from tests.accumulator import contrastive_models as cm
 from tests.accumulator import reference as ref
 
 
@@ -78,3 +80,68 @@ def test_trial_with_accumulation_equals_the_big_batch(tmp_path):
     hypermodel.fit(hp, model, tf.data.Dataset.from_tensor_slices((x, y)).batch(50), verbose=0)
     expected = ref.fit_large_batch(ref.mlp(), keras.optimizers.SGD(0.05), x, y, 32)
     assert ref.max_abs_diff(model.get_weights(), expected.get_weights()) <= 1e-6
+
+
+# ------------------------------------------- losses that couple the batch: GradientCache
+
+def _build_gradient_cache(hp):
+    model = GradientCache(cm.built("two_tower"), accum_steps=1)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2))
+    return model
+
+
+def test_gradient_cache_trial_equals_keras_large_batch(tmp_path):
+    """One trial of a two-tower (in-batch softmax): GradientCache in 4 micro-batches of 8,
+    fed batches of 32, trains like Keras' own fit at batch 32."""
+    data = cm.interactions(256)
+    hp = keras_tuner.HyperParameters()
+    hp.Fixed("accum_steps", 4)
+    hp.Fixed("effective_batch_size", 32)
+    hypermodel = AccumulatingHyperModel(_build_gradient_cache, accum_steps=(4,), effective_batch_sizes=(32,),
+                                        gradient_cache=True)
+    model = hypermodel.build(hp)
+    assert isinstance(model, GradientCache) and model.accum_steps == 4
+    assert type(model.optimizer) is keras.optimizers.Adam
+    # Batched at 50 (re-batched at 32 by the trial), repeated: 8 updates are the 256 samples once.
+    hypermodel.fit(hp, model, tf.data.Dataset.from_tensor_slices(data).batch(50).repeat(), steps_per_epoch=8,
+                   verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 8
+    expected = cm.built("two_tower")
+    expected.compile(optimizer=keras.optimizers.Adam(1e-2))
+    expected.fit(data, batch_size=32, shuffle=False, verbose=0)
+    assert ref.max_abs_diff(model.model.get_weights(), expected.get_weights()) <= 1e-5
+    assert ref.max_abs_diff(expected.get_weights(), cm.built("two_tower").get_weights()) > 1e-2
+
+
+def test_each_gradient_cache_trial_has_its_accum_steps_and_effective_batch(tmp_path):
+    data = cm.interactions(256)
+    seen = []
+
+    class Probe(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append((self.model.accum_steps, int(self.model.optimizer.iterations.numpy())))
+
+    tuner = keras_tuner.GridSearch(
+        AccumulatingHyperModel(_build_gradient_cache, accum_steps=(2, 4), effective_batch_sizes=(32, 64),
+                               gradient_cache=True),
+        objective="loss", directory=str(tmp_path), project_name="p", max_trials=4,
+    )
+    tuner.search(data, epochs=1, verbose=0, callbacks=[Probe()])
+    # One update per batch of the effective batch: 256 / b updates, whatever accum_steps.
+    assert sorted(seen) == sorted((a, 256 // b) for a in (2, 4) for b in (32, 64))
+    # steps_per_epoch counts updates, as TrainArgs.num_steps does.
+    hp = tuner.get_best_hyperparameters()[0]
+    model = tuner.hypermodel.build(hp)
+    tuner.hypermodel.fit(hp, model, tf.data.Dataset.from_tensor_slices(data).repeat().batch(100),
+                         steps_per_epoch=3, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 3
+
+
+def test_gradient_cache_hypermodel_refuses_a_model_that_does_not_match():
+    hp = keras_tuner.HyperParameters()
+    with pytest.raises(ValueError, match="must wrap its model in accumulator.GradientCache"):
+        AccumulatingHyperModel(_build, accum_steps=(2,), effective_batch_sizes=(32,), gradient_cache=True).build(hp)
+    with pytest.raises(ValueError, match="without gradient_cache=True.*AccumulatingHyperModel"):
+        AccumulatingHyperModel(_build_gradient_cache, accum_steps=(2,), effective_batch_sizes=(32,)).build(hp)
+    with pytest.raises(ValueError, match="`gradient_cache` must be True or False; received 'yes'"):
+        AccumulatingHyperModel(_build, gradient_cache="yes")
