@@ -13,7 +13,7 @@ Conventions for README.md and docs/**/*.md (DEVELOPERS.md, "Docs"):
 - A block is self-contained, or its page declares a shared setup that the reader
   sees: a python block directly preceded by the line `<!-- docs-test: setup -->`
   (blank lines between are fine) is prepended to every later python block of the
-  same page, and is run itself too.
+  same page (and runs on its own only when no python block follows it).
 - Where a block claims something (the same weights as the large batch, a refusal),
   it asserts it: `np.testing.assert_allclose(..., atol=1e-5)`, so the docs prove
   their own claims. Keep blocks small: tiny synthetic data, a few steps, seconds.
@@ -71,16 +71,22 @@ def fenced_blocks(text):
 
 
 def python_snippets(files=None, root=ROOT):
-    """[(id, code)]: each python block with its page's earlier setup blocks before it."""
+    """[(id, code)]: each python block with its page's earlier setup blocks before it.
+
+    A setup block is a case of its own only when no python block follows it (the
+    blocks after it run it anyway).
+    """
     snippets = []
     for path in files or markdown_files(root):
-        setup = []
+        setup, page = [], []
         for line, language, code, is_setup in fenced_blocks(path.read_text(encoding="utf-8")):
             if language != "python":
                 continue
-            snippets.append((f"{path.relative_to(root).as_posix()}:{line}", "".join(setup) + code))
+            page.append((f"{path.relative_to(root).as_posix()}:{line}", "".join(setup) + code, is_setup))
             if is_setup:
                 setup.append(code)
+        snippets += [(name, code) for i, (name, code, is_setup) in enumerate(page)
+                     if not is_setup or i == len(page) - 1]
     return snippets
 
 
@@ -154,8 +160,8 @@ def test_setup_blocks_are_prepended(tmp_path):
           ```
         """))
     snippets = python_snippets([page], root=tmp_path)
-    assert [name for name, _ in snippets] == ["docs/page.md:3", "docs/page.md:9", "docs/page.md:19"]
-    assert [code for _, code in snippets] == ["a = 1\n", "b = 2\n", "b = 2\nprint(a + b)\n"]
+    assert [name for name, _ in snippets] == ["docs/page.md:3", "docs/page.md:19"]
+    assert [code for _, code in snippets] == ["a = 1\n", "b = 2\nprint(a + b)\n"]
 
 
 def test_docs_build_strict(tmp_path):
