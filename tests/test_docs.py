@@ -9,7 +9,8 @@ Conventions for README.md and docs/**/*.md (DEVELOPERS.md, "Docs"):
   temporary directory (write files there, relative), with `PYTHONPATH` = the
   repository first, `KERAS_BACKEND=tensorflow`, `TF_CPP_MIN_LOG_LEVEL=2`, no
   `TF_USE_LEGACY_KERAS` (a Keras 2 block sets it itself, before importing
-  TensorFlow), and a timeout of `SNIPPET_TIMEOUT` seconds.
+  TensorFlow), and a timeout of `SNIPPET_TIMEOUT` seconds. The blocks run side by
+  side, `DOCS_TEST_WORKERS` at a time (default 2), each test waiting for its own.
 - A block is self-contained, or its page declares a shared setup that the reader
   sees: a python block directly preceded by the line `<!-- docs-test: setup -->`
   (blank lines between are fine) is prepended to every later python block of the
@@ -30,6 +31,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -102,21 +104,47 @@ def _env(tmp_path):
     return env
 
 
-@pytest.mark.parametrize("code", [code for _, code in SNIPPETS], ids=[name for name, _ in SNIPPETS])
-def test_snippet_runs(code, tmp_path):
-    script = tmp_path / "snippet.py"
+def _run(code, folder):
+    """Runs one block in a fresh process in `folder`; (exit code or None on timeout, stdout, stderr)."""
+    script = folder / "snippet.py"
     script.write_text(code, encoding="utf-8")
-    work = tmp_path / "work"
+    work = folder / "work"
     work.mkdir()
     try:
-        done = subprocess.run([sys.executable, str(script)], cwd=work, env=_env(tmp_path),
+        done = subprocess.run([sys.executable, str(script)], cwd=work, env=_env(folder),
                               capture_output=True, text=True, timeout=SNIPPET_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the block ran over {SNIPPET_TIMEOUT} s")
-    if done.returncode:
+    except subprocess.TimeoutExpired as expired:
+        return None, expired.stdout or "", expired.stderr or ""
+    return done.returncode, done.stdout, done.stderr
+
+
+@pytest.fixture(scope="session")
+def snippet_results(request, tmp_path_factory):
+    """{test id: Future}: the selected blocks, started together, DOCS_TEST_WORKERS at a time.
+
+    Each block is its own process, so they run side by side (2 at a time by default,
+    the cores of the project's machines); each test then waits for its own.
+    """
+    workers = int(os.environ.get("DOCS_TEST_WORKERS", min(2, os.cpu_count() or 1)))
+    pool = ThreadPoolExecutor(max(1, workers))
+    futures = {}
+    for item in request.session.items:
+        if getattr(item, "originalname", None) == "test_snippet_runs":
+            futures[item.callspec.id] = pool.submit(
+                _run, item.callspec.params["code"], tmp_path_factory.mktemp("snippet"))
+    yield futures
+    pool.shutdown(cancel_futures=True)
+
+
+@pytest.mark.parametrize("code", [code for _, code in SNIPPETS], ids=[name for name, _ in SNIPPETS])
+def test_snippet_runs(code, request, snippet_results):
+    returncode, stdout, stderr = snippet_results[request.node.callspec.id].result()
+    if returncode is None:
+        pytest.fail(f"the block ran over {SNIPPET_TIMEOUT} s", pytrace=False)
+    if returncode:
         numbered = "\n".join(f"{n:4d}  {line}" for n, line in enumerate(code.splitlines(), 1))
-        pytest.fail(f"the block failed (exit {done.returncode}):\n{numbered}\n\n"
-                    f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-6000:]}", pytrace=False)
+        pytest.fail(f"the block failed (exit {returncode}):\n{numbered}\n\n"
+                    f"stdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-6000:]}", pytrace=False)
 
 
 def test_every_block_is_collected():
