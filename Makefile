@@ -89,7 +89,7 @@ bench: $(VENV)/.installed
 # every warning (a broken link, a page missing from the nav, an unknown API name) into
 # an error; tests/test_docs.py builds it the same way and runs every python block.
 docs: $(VENV)/.installed
-	$(VENV)/bin/python -m mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/python -m mkdocs build --strict
 
 test: test-tfx test-latest test-oldest test-keras2-tf215 test-keras2-latest
 
