@@ -39,7 +39,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SETUP_MARK = "<!-- docs-test: setup -->"
 SNIPPET_TIMEOUT = 240
-MIN_BLOCKS = 25            # the docs hold more; fewer means the collector lost some
+MIN_BLOCKS = 20            # the docs hold more; fewer means the collector lost some
 LANGUAGES = {"python", "bash", "text", "json", "dockerfile", "yaml"}
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
