@@ -1,5 +1,6 @@
 # `make demo` runs the local pipeline (`make demo-retrieval` the second one), `make test`
-# the whole test suite, `make bench` the benchmarks. Each sets up what it needs on a fresh machine first.
+# the whole test suite, `make bench` the benchmarks, `make docs` the manual (site/).
+# Each sets up what it needs on a fresh machine first.
 PYTHON ?= python3
 VENV := .venv
 LATEST := .venv-tf-latest
@@ -26,7 +27,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 export KERAS_BACKEND := tensorflow
 export PYTHONUNBUFFERED := 1
 
-.PHONY: bench demo demo-retrieval test test-tfx test-latest test-oldest test-keras2-tf215 test-keras2-latest \
+.PHONY: bench demo demo-retrieval docs test test-tfx test-latest test-oldest test-keras2-tf215 test-keras2-latest \
 	setup setup-latest setup-oldest setup-keras2 clean
 
 # $(call core_venv,DIR,CONSTRAINTS,PYTHON,VERSION,VARIABLE): a venv on Python VERSION
@@ -54,7 +55,7 @@ $(VENV)/.installed: setup.py constraints/tfx-1.16.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "TFX 1.16 needs Python 3.11 here; got " + sys.version' 
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade "pip<25" setuptools wheel
-	$(VENV)/bin/pip install -q --ignore-requires-python -c constraints/tfx-1.16.txt -e '.[tfx,test,bench]'
+	$(VENV)/bin/pip install -q --ignore-requires-python -c constraints/tfx-1.16.txt -e '.[tfx,test,bench,docs]'
 	touch $@
 
 # The core library alone on the newest TensorFlow and Keras.
@@ -90,6 +91,12 @@ BENCH_ARGS ?=
 bench: $(VENV)/.installed
 	$(VENV)/bin/python -m benchmarks.run $(BENCH_ARGS)
 
+# The manual: MkDocs with the API reference from docstrings, into site/. --strict turns
+# every warning (a broken link, a page missing from the nav, an unknown API name) into
+# an error; tests/test_docs.py builds it the same way and runs every python block.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/python -m mkdocs build --strict
+
 test: test-tfx test-latest test-oldest test-keras2-tf215 test-keras2-latest
 
 test-tfx: $(VENV)/.installed
@@ -108,4 +115,4 @@ test-keras2-latest: $(KERAS2_LATEST)/.installed-py$(KERAS2_LATEST_PY)
 	TF_USE_LEGACY_KERAS=1 $(KERAS2_LATEST)/bin/python -m pytest tests/keras2 $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(LATEST) $(OLDEST) $(KERAS2_TF215) $(KERAS2_LATEST) *.egg-info
+	rm -rf $(VENV) $(LATEST) $(OLDEST) $(KERAS2_TF215) $(KERAS2_LATEST) *.egg-info site

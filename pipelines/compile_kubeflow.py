@@ -8,7 +8,10 @@
 The trainer runs as a Vertex AI CustomJob on `--workers` GPU machines under
 `MultiWorkerMirroredStrategy`; the effective batch stays what you set, the
 micro-batch per replica is effective / (accum_steps x replicas). Compiling
-needs no cloud access; submit the JSON with the Vertex AI SDK or the KFP UI.
+needs no cloud access and reads or writes nothing under `--pipeline_root`: the
+Tuner and Trainer name their code by import path (`pipelines.digits.model.tuner_fn`
+/ `.run_fn`), which the image has (`pip install --no-deps .`), so TFX packages no
+module file as a wheel. Submit the JSON with the Vertex AI SDK or the KFP UI.
 """
 
 import os
@@ -39,7 +42,7 @@ def compile_pipeline(output, project, region, image, pipeline_root, data_root, s
 
     from components.cloud import VertexAccumulatingTrainer, vertex_training_config
     from components.settings import resolve
-    from pipelines.digits.pipeline import create_pipeline
+    from pipelines.digits.pipeline import MODULE, create_pipeline
 
     # The executor's own check, with the replicas the worker pools will have.
     resolve(None, accum_steps, effective_batch_size, replicas=workers * max(gpus_per_worker, 1))
@@ -48,6 +51,7 @@ def compile_pipeline(output, project, region, image, pipeline_root, data_root, s
         pipeline_root=pipeline_root,
         data_root=data_root,
         serving_model_dir=serving_model_dir,
+        module=MODULE,     # by import path: no wheel written under pipeline_root
         accum_steps=accum_steps,
         effective_batch_size=effective_batch_size,
         trainer_class=VertexAccumulatingTrainer,

@@ -15,6 +15,10 @@ from components import AccumulatingTrainer
 from pipelines.digits.data import LABEL_KEY
 
 MODULE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py")
+# The same module by import path: where this project is installed (the cluster's
+# image), the Tuner and Trainer import `tuner_fn` / `run_fn` from it, and nothing
+# is packaged into the pipeline root.
+MODULE = "pipelines.digits.model"
 ACCURACY_THRESHOLD = 0.8
 
 
@@ -52,7 +56,8 @@ def create_pipeline(
     accuracy_threshold: float = ACCURACY_THRESHOLD,
     strategy: str = "auto",
     beam_pipeline_args=None,
-    module_file: str = MODULE_FILE,
+    module_file: Optional[str] = MODULE_FILE,
+    module: Optional[str] = None,
     trainer_class=AccumulatingTrainer,
     trainer_custom_config=None,
     measure_noise_scale: bool = False,
@@ -61,14 +66,25 @@ def create_pipeline(
 
     defaults; the Tuner's best values replace them. `measure_noise_scale`: the
     Trainer estimates the gradient noise scale and records it on its model.
+
+    The Tuner and Trainer get their code from `module_file` (a path, packaged by
+    TFX as a wheel under the pipeline root when the pipeline is compiled or run)
+    or, when `module` is given, by import path (`f"{module}.tuner_fn"`,
+    `f"{module}.run_fn"`): nothing is packaged, so compiling with a remote
+    pipeline root needs no access to it, and the runtime image must have the
+    module installed.
     """
+    if module:
+        code = dict(tuner=dict(tuner_fn=f"{module}.tuner_fn"), trainer=dict(run_fn=f"{module}.run_fn"))
+    else:
+        code = dict(tuner=dict(module_file=module_file), trainer=dict(module_file=module_file))
     example_gen = tfx.components.CsvExampleGen(input_base=data_root)
     statistics_gen = tfx.components.StatisticsGen(examples=example_gen.outputs["examples"])
     schema_gen = tfx.components.SchemaGen(
         statistics=statistics_gen.outputs["statistics"], infer_feature_shape=True
     )
     tuner = tfx.components.Tuner(
-        module_file=module_file,
+        **code["tuner"],
         examples=example_gen.outputs["examples"],
         schema=schema_gen.outputs["schema"],
         train_args=tfx.proto.TrainArgs(num_steps=tuner_updates),
@@ -76,7 +92,7 @@ def create_pipeline(
         custom_config={"max_trials": max_trials},
     )
     trainer = trainer_class(
-        module_file=module_file,
+        **code["trainer"],
         custom_config=trainer_custom_config,
         examples=example_gen.outputs["examples"],
         schema=schema_gen.outputs["schema"],

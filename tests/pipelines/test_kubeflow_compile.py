@@ -51,3 +51,87 @@ def test_effective_batch_must_divide_over_all_replicas(tmp_path):
     # 3 workers x 2 GPUs x accum 4 = 24 does not divide 64.
     with pytest.raises(ValueError, match="divide evenly"):
         _compile(tmp_path, effective_batch_size=64)
+
+
+# Run in a fresh process: Python's audit hooks (which cannot be removed) record every
+# file opened for writing, every directory made and every network connection; TFX's
+# file layer is made to refuse any gs:// path (TensorFlow's GCS client is C++, out of
+# the audit hooks' sight, and reaches the cloud only through it).
+_OFFLINE_COMPILE = r'''
+import json, os, sys
+
+tmp = os.path.realpath(sys.argv[1])
+events = []
+
+def outside(path):
+    path = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else None
+    return path is not None and not os.path.realpath(path).startswith(tmp + os.sep) \
+        and path != os.devnull
+
+def audit(event, args):
+    if event == "open" and args[0] is not None:
+        mode, flags = args[1], args[2]
+        writes = (mode and any(c in mode for c in "wax+")) or (
+            mode is None and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+        if writes and outside(args[0]):
+            events.append(("write", os.fsdecode(args[0])))
+    elif event in ("os.mkdir", "os.rename", "os.remove", "shutil.copyfile") and outside(args[0]):
+        events.append((event, os.fsdecode(args[0])))
+    elif event in ("socket.connect", "socket.getaddrinfo"):
+        events.append((event, repr(args[1] if event == "socket.connect" else args[0])))
+
+sys.addaudithook(audit)
+
+from tfx.dsl.io import fileio
+
+_get_filesystem = fileio._get_filesystem
+
+def refuse_remote(path):
+    if str(path).startswith("gs://"):
+        events.append(("gs", str(path)))
+        raise RuntimeError(f"compiling touched {path}")
+    return _get_filesystem(path)
+
+fileio._get_filesystem = refuse_remote
+
+from pipelines.compile_kubeflow import compile_pipeline
+
+compile_pipeline(
+    output=os.path.join(tmp, "pipeline.json"), project="proj", region="us-central1", image="img:1",
+    pipeline_root="gs://my-bucket/root", data_root="gs://my-bucket/digits",
+    serving_model_dir="gs://my-bucket/serving", workers=2, gpus_per_worker=1,
+    machine_type="n1-standard-8", accelerator_type="NVIDIA_TESLA_T4", accum_steps=4,
+    effective_batch_size=64)
+print("EVENTS " + json.dumps(events))
+'''
+
+
+def test_compiles_offline_with_a_cloud_pipeline_root(tmp_path):
+    """The documented command: a gs:// root, no cloud access, nothing written outside the output."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", HOME=str(tmp_path), TMPDIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, "-c", _OFFLINE_COMPILE, str(tmp_path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = json.loads(done.stdout.rsplit("EVENTS ", 1)[1])
+    assert events == [], events       # no gs:// access, no socket, no write outside tmp_path
+
+    text = (tmp_path / "pipeline.json").read_text()
+    spec = json.loads(text)
+    assert spec["runtimeConfig"]["gcsOutputDirectory"] == "gs://my-bucket/root"
+    # No local path (the module file, a wheel built here) and no wheel under the root.
+    for local in (root, str(tmp_path), os.path.realpath(str(tmp_path)), "/tmp/", "/home/", "file://"):
+        assert local not in text, local
+    assert ".whl" not in text and "_wheels" not in text
+    tasks = spec["pipelineSpec"]["root"]["dag"]["tasks"]
+    params = {name: {k: v["runtimeValue"]["constantValue"] for k, v in task["inputs"]["parameters"].items()}
+              for name, task in tasks.items() if name in ("Tuner", "VertexAccumulatingTrainer")}
+    assert params["VertexAccumulatingTrainer"]["run_fn"] == {"stringValue": "pipelines.digits.model.run_fn"}
+    assert params["Tuner"]["tuner_fn"] == {"stringValue": "pipelines.digits.model.tuner_fn"}
+    for p in params.values():
+        assert "module_file" not in p and "module_path" not in p

@@ -1,0 +1,214 @@
+"""The docs prove themselves: the manual builds, and every python block in it runs.
+
+Conventions for README.md and docs/**/*.md (DEVELOPERS.md, "Docs"):
+
+- Every ```python fenced block is a test case, id `file:line` (the line of its opening
+  fence). It runs in a fresh `python` process (this interpreter: the TFX venv in
+  `make test`), because Keras' global state and the hooks `import accumulator`
+  installs make running blocks in one process unsafe. The process runs in an empty
+  temporary directory (write files there, relative), with `PYTHONPATH` = the
+  repository first, `KERAS_BACKEND=tensorflow`, `TF_CPP_MIN_LOG_LEVEL=2`, no
+  `TF_USE_LEGACY_KERAS` (a Keras 2 block sets it itself, before importing
+  TensorFlow), and a timeout of `SNIPPET_TIMEOUT` seconds. The blocks run side by
+  side, `DOCS_TEST_WORKERS` at a time (default 2), each test waiting for its own.
+- A block is self-contained, or its page declares a shared setup that the reader
+  sees: a python block directly preceded by the line `<!-- docs-test: setup -->`
+  (blank lines between are fine) is prepended to every later python block of the
+  same page (and runs on its own only when no python block follows it).
+- Where a block claims something (the same weights as the large batch, a refusal),
+  it asserts it: `np.testing.assert_allclose(..., atol=1e-5)`, so the docs prove
+  their own claims. Keep blocks small: tiny synthetic data, a few steps, seconds.
+- Shell commands go in ```bash blocks, output in ```text blocks: neither runs. Every
+  fence names its language, so a python block cannot slip past unlabelled.
+
+`test_docs_build_strict` builds the site with `mkdocs build --strict` into a
+temporary folder: a broken link or anchor, a page missing from the nav, or an API
+name mkdocstrings cannot find fails it (`make docs` builds the same into site/).
+"""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SETUP_MARK = "<!-- docs-test: setup -->"
+SNIPPET_TIMEOUT = 240
+MIN_BLOCKS = 20            # the docs hold more; fewer means the collector lost some
+# Pages whose claims are shown by running examples: each must keep at least one.
+PAGES_WITH_EXAMPLES = (
+    "README.md", "docs/guide/index.md", "docs/guide/weighting.md", "docs/guide/partial-windows.md",
+    "docs/guide/batch-norm.md", "docs/guide/schedules.md", "docs/guide/mixed-precision.md",
+    "docs/guide/keras-builtin.md", "docs/guide/embeddings.md", "docs/noise-scale.md", "docs/keras2.md",
+    "docs/distributed.md", "docs/keras-changes.md", "docs/tfx.md", "docs/cluster.md",
+)
+LANGUAGES = {"python", "bash", "text", "json", "dockerfile", "yaml"}
+
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
+
+
+def markdown_files(root=ROOT):
+    """README.md and every page under docs/ (the generated reports included)."""
+    return [root / "README.md"] + sorted((root / "docs").rglob("*.md"))
+
+
+def fenced_blocks(text):
+    """[(line, language, code, is_setup)] of every fenced block, lines counted from 1."""
+    blocks, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        opening = _FENCE.match(lines[i])
+        if not opening:
+            i += 1
+            continue
+        fence, indent = opening["fence"], opening["indent"]
+        language = opening["info"].strip().split()[0] if opening["info"].strip() else ""
+        body, j = [], i + 1
+        while j < len(lines) and not (lines[j].strip().startswith(fence[0] * len(fence))
+                                      and lines[j].strip().strip(fence[0]) == ""):
+            body.append(lines[j][len(indent):] if lines[j].startswith(indent) else lines[j])
+            j += 1
+        before = [line.strip() for line in lines[:i] if line.strip()]
+        is_setup = bool(before) and before[-1] == SETUP_MARK
+        blocks.append((i + 1, language, textwrap.dedent("\n".join(body)) + "\n", is_setup))
+        i = j + 1
+    return blocks
+
+
+def python_snippets(files=None, root=ROOT):
+    """[(id, code)]: each python block with its page's earlier setup blocks before it.
+
+    A setup block is a case of its own only when no python block follows it (the
+    blocks after it run it anyway).
+    """
+    snippets = []
+    for path in files or markdown_files(root):
+        setup, page = [], []
+        for line, language, code, is_setup in fenced_blocks(path.read_text(encoding="utf-8")):
+            if language != "python":
+                continue
+            page.append((f"{path.relative_to(root).as_posix()}:{line}", "".join(setup) + code, is_setup))
+            if is_setup:
+                setup.append(code)
+        snippets += [(name, code) for i, (name, code, is_setup) in enumerate(page)
+                     if not is_setup or i == len(page) - 1]
+    return snippets
+
+
+SNIPPETS = python_snippets()
+
+
+def _env(tmp_path):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TF_USE_LEGACY_KERAS", "ACCUMULATOR_KERAS_HOOKS", "TF_CONFIG")}
+    env.update(KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2", PYTHONDONTWRITEBYTECODE="1",
+               NO_MKDOCS_2_WARNING="1", MPLBACKEND="Agg", HOME=str(tmp_path),
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    return env
+
+
+def _run(code, folder):
+    """Runs one block in a fresh process in `folder`; (exit code or None on timeout, stdout, stderr)."""
+    script = folder / "snippet.py"
+    script.write_text(code, encoding="utf-8")
+    work = folder / "work"
+    work.mkdir()
+    try:
+        done = subprocess.run([sys.executable, str(script)], cwd=work, env=_env(folder),
+                              capture_output=True, text=True, timeout=SNIPPET_TIMEOUT)
+    except subprocess.TimeoutExpired as expired:
+        return None, expired.stdout or "", expired.stderr or ""
+    return done.returncode, done.stdout, done.stderr
+
+
+@pytest.fixture(scope="session")
+def snippet_results(request, tmp_path_factory):
+    """{test id: Future}: the selected blocks, started together, DOCS_TEST_WORKERS at a time.
+
+    Each block is its own process, so they run side by side (2 at a time by default,
+    the cores of the project's machines); each test then waits for its own.
+    """
+    workers = int(os.environ.get("DOCS_TEST_WORKERS", min(2, os.cpu_count() or 1)))
+    pool = ThreadPoolExecutor(max(1, workers))
+    futures = {}
+    for item in request.session.items:
+        if getattr(item, "originalname", None) == "test_snippet_runs":
+            futures[item.callspec.id] = pool.submit(
+                _run, item.callspec.params["code"], tmp_path_factory.mktemp("snippet"))
+    yield futures
+    pool.shutdown(cancel_futures=True)
+
+
+@pytest.mark.parametrize("code", [code for _, code in SNIPPETS], ids=[name for name, _ in SNIPPETS])
+def test_snippet_runs(code, request, snippet_results):
+    returncode, stdout, stderr = snippet_results[request.node.callspec.id].result()
+    if returncode is None:
+        pytest.fail(f"the block ran over {SNIPPET_TIMEOUT} s", pytrace=False)
+    if returncode:
+        numbered = "\n".join(f"{n:4d}  {line}" for n, line in enumerate(code.splitlines(), 1))
+        pytest.fail(f"the block failed (exit {returncode}):\n{numbered}\n\n"
+                    f"stdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-6000:]}", pytrace=False)
+
+
+def test_every_block_is_collected():
+    """The collector must not go quiet: it finds the blocks, every fence says its language."""
+    assert len(SNIPPETS) >= MIN_BLOCKS, [name for name, _ in SNIPPETS]
+    unlabelled = []
+    for path in markdown_files():
+        for line, language, _, _ in fenced_blocks(path.read_text(encoding="utf-8")):
+            if language not in LANGUAGES:
+                unlabelled.append(f"{path.relative_to(ROOT)}:{line} ({language or 'no language'})")
+    assert not unlabelled, f"fences without one of {sorted(LANGUAGES)}: {unlabelled}"
+    pages = {name.split(":")[0] for name, _ in SNIPPETS}
+    missing = sorted(set(PAGES_WITH_EXAMPLES) - pages)
+    assert not missing, f"pages with no python block collected: {missing}"
+
+
+def test_setup_blocks_are_prepended(tmp_path):
+    page = tmp_path / "docs" / "page.md"
+    page.parent.mkdir()
+    page.write_text(textwrap.dedent("""\
+        # A page
+
+        ```python
+        a = 1
+        ```
+
+        <!-- docs-test: setup -->
+
+        ```python
+        b = 2
+        ```
+
+        ```bash
+        echo not run
+        ```
+
+        - a list item:
+
+          ```python
+          print(a + b)
+          ```
+        """))
+    snippets = python_snippets([page], root=tmp_path)
+    assert [name for name, _ in snippets] == ["docs/page.md:3", "docs/page.md:19"]
+    assert [code for _, code in snippets] == ["a = 1\n", "b = 2\nprint(a + b)\n"]
+
+
+def test_docs_build_strict(tmp_path):
+    """`mkdocs build --strict`: broken links, anchors and API names fail."""
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
+         "--site-dir", str(tmp_path / "site")],
+        cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (
+        "mkdocs build --strict failed (needs the `docs` extra: pip install -e '.[docs]'):\n"
+        + done.stdout[-3000:] + done.stderr[-6000:])
+    site = tmp_path / "site"
+    assert (site / "index.html").exists()
+    api = (site / "api" / "gradient-accumulator.html").read_text(encoding="utf-8")
+    assert "micro_batch_weight" in api and "accum_steps" in api   # rendered from the docstrings
