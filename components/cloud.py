@@ -6,8 +6,8 @@ executor on every replica of the worker pools. Vertex sets `TF_CONFIG` on each
 replica, so `strategy="auto"` picks `MultiWorkerMirroredStrategy` there, and
 `effective_batch_size` is divided over all replicas of all pools.
 
-The container image must have this project installed (see README, "Going to
-a cluster").
+The container image must have this project installed (see the manual's
+"Going to a cluster", docs/cluster.md).
 """
 
 from tfx.dsl.components.base import executor_spec
