@@ -99,8 +99,11 @@ class GradientCache(keras.Model):
         variables = self.trainable_variables
         state = [v for v in self.model.variables if not v.trainable]     # seeds, counters
         saved = [tf.identity(v.value) for v in state]
-        # 1. Represent every micro-batch, keeping no activations.
-        representations = [self.model(part, training=True) for part in micro_batches]
+        # 1. Represent every micro-batch, keeping no activations, one after another.
+        representations = []
+        for part in micro_batches:
+            part = _after(representations[-1:], part)
+            representations.append(self.model(part, training=True))
         self._refuse_losses_added_while_running()
         whole = tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *representations)
         # 2. Score the whole batch; its gradient by representation (and by the loss's own variables).
@@ -118,8 +121,9 @@ class GradientCache(keras.Model):
         for v, value in zip(state, saved):
             v.assign(value)
         for part, upstream in zip(micro_batches, slices):
-            with tf.control_dependencies([_any_tensor(g) for g in grads if g is not None]):
-                part = tf.nest.map_structure(tf.identity, part)
+            # Not before the previous micro-batch's gradients (nor, for the first,
+            # before the scores): one micro-batch's activations at a time.
+            part = _after([g for g in grads if g is not None] + [upstream], part)
             with tf.GradientTape() as tape:
                 outputs = self.model(part, training=True)
                 surrogate = tf.add_n([tf.reduce_sum(o * tf.cast(u, o.dtype)) for o, u in
@@ -178,8 +182,13 @@ def _ends(sizes):
     return [start + size for start, size in zip(_starts(sizes), sizes)]
 
 
-def _any_tensor(grad):
-    return grad.values if isinstance(grad, tf.IndexedSlices) else grad
+def _after(dependencies, part):
+    """`part`, read only once every tensor in `dependencies` exists."""
+    tensors = [t.values if isinstance(t, tf.IndexedSlices) else t for t in tf.nest.flatten(dependencies)]
+    if not tensors:
+        return part
+    with tf.control_dependencies(tensors):
+        return tf.nest.map_structure(tf.identity, part)
 
 
 def _add(total, grad):
