@@ -97,7 +97,9 @@ class GradientCache(keras.Model):
         self._refuse_what_would_not_be_exact()
         micro_batches = self._micro_batches(x)
         variables = self.trainable_variables
-        state = [v for v in self.model.variables if not v.trainable]     # seeds, counters
+        # What a forward pass changes and pass 3 must replay: random seeds and
+        # counters (integers), not frozen weights (BatchNormalization is refused).
+        state = [v for v in self.model.variables if not v.trainable and not _is_float(v)]
         saved = [tf.identity(v.value) for v in state]
         # 1. Represent every micro-batch, keeping no activations, one after another.
         representations = []
@@ -180,6 +182,10 @@ def _starts(sizes):
 
 def _ends(sizes):
     return [start + size for start, size in zip(_starts(sizes), sizes)]
+
+
+def _is_float(variable):
+    return tf.as_dtype(variable.dtype).is_floating
 
 
 def _after(dependencies, part):

@@ -555,7 +555,14 @@ class AccumulationWindow:
         """Closes the open window eagerly, under the strategy it was built in."""
         if self._close_function is None:
             strategy = self._window_strategy
-            self._close_function = tf.function(lambda: strategy.run(lambda: self._update([], [], close_only=True)))
+
+            def close_in_each_replica():
+                self._update([], [], close_only=True)
+
+            def close():
+                strategy.run(close_in_each_replica)
+
+            self._close_function = tf.function(close)
         self._close_function()
 
     def _variable_index(self, variable):

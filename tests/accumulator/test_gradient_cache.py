@@ -207,3 +207,35 @@ def test_accumulating_compile_refuses_what_would_accumulate_twice_or_not_at_all(
         with pytest.raises(ValueError, match=f"does not support {next(iter(options))}"):
             with accumulating_compile(N, gradient_cache=True, **options):
                 pass
+
+
+def test_dropout_draws_the_same_masks_in_both_passes():
+    # With one micro-batch the cached step sees the large batch's own masks only if
+    # pass 3 replays pass 1's seeds; without the rewind it would draw new ones.
+    def dropout_model():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((cm.FEATURES,))
+        outputs = keras.layers.Dense(8)(keras.layers.Dropout(0.3)(keras.layers.Dense(16, activation="relu")(inputs)))
+        return keras.Model(inputs, outputs)
+
+    class Wrapped(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.inner = dropout_model()
+
+        def call(self, inputs, training=None):
+            return self.inner(inputs, training=training)
+
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            return cm.contrastive.nt_xent(y_pred[::2], y_pred[1::2])
+
+    x = cm.views()["first"][:128]
+    expected = Wrapped()
+    expected.compile(optimizer=keras.optimizers.SGD(0.5))
+    expected.fit(x, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    inner = Wrapped()
+    model = GradientCache(inner, 1)
+    model.compile(optimizer=keras.optimizers.SGD(0.5))
+    model.fit(x, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert ref.max_abs_diff(inner.get_weights(), expected.get_weights()) <= TOLERANCE
+    assert ref.max_abs_diff(expected.get_weights(), Wrapped().get_weights()) > 1e-3
