@@ -43,14 +43,18 @@ PARTS = ("memory", "time", "quality")
 # Memory and time: activations dominate (per sample and tower: 64 tokens x 256 x 4 bytes per layer).
 TOKENS, VOCAB, EMBED, WIDTH, DIM, TOWERS = 64, 1024, 32, 256, 64, 2
 EFFECTIVE = 512
-CONTENDERS = {  # name: (kind, accum_steps, fit's batch size)
-    "large_batch": ("plain", 1, EFFECTIVE),
-    "cached_N4": ("cached", 4, EFFECTIVE),
-    "cached_N8": ("cached", 8, EFFECTIVE),
-    "plain_b128": ("plain", 1, EFFECTIVE // 4),
-    "plain_b64": ("plain", 1, EFFECTIVE // 8),
+CONTENDERS = {  # name: (kind, accum_steps, fit's batch size, run eagerly)
+    "large_batch": ("plain", 1, EFFECTIVE, False),
+    "cached_N4": ("cached", 4, EFFECTIVE, False),
+    "cached_N8": ("cached", 8, EFFECTIVE, False),
+    "plain_b128": ("plain", 1, EFFECTIVE // 4, False),
+    "plain_b64": ("plain", 1, EFFECTIVE // 8, False),
+    # A diagnosis, not a target: eagerly, each op runs when the Python line does, so the
+    # passes run in the order written; under `fit`'s tf.function the executor orders them.
+    "cached_N4_eager": ("cached", 4, EFFECTIVE, True),
+    "plain_b128_eager": ("plain", 1, EFFECTIVE // 4, True),
 }
-MICRO_PEER = {"cached_N4": "plain_b128", "cached_N8": "plain_b64"}
+MICRO_PEER = {"cached_N4": "plain_b128", "cached_N8": "plain_b64", "cached_N4_eager": "plain_b128_eager"}
 TIMED = ("large_batch", "cached_N4", "cached_N8")
 MEMORY_STEPS, WARMUP_STEPS, TIMED_STEPS = 2, 2, 8
 CLOSE_TARGET = 1.2      # cached peak / (micro-batch peak + representations)
@@ -166,7 +170,7 @@ def measure(contender, parts):
     import numpy as np
     from accumulator import GradientCache, contrastive
 
-    kind, accum, batch = CONTENDERS[contender]
+    kind, accum, batch, eager = CONTENDERS[contender]
     rng = np.random.RandomState(0)
     samples = EFFECTIVE * (WARMUP_STEPS + MEMORY_STEPS + TIMED_STEPS)
     x = {"query": rng.randint(0, VOCAB, (samples, TOKENS)).astype("int32"),
@@ -175,7 +179,7 @@ def measure(contender, parts):
     inner = _activation_two_tower(keras, contrastive)
     inner({k: v[:2] for k, v in x.items()})
     model = GradientCache(inner, accum) if kind == "cached" else inner
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), jit_compile=False)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), jit_compile=False, run_eagerly=eager)
     folder, device_name = _device_folder(tf)
     device = "GPU:0" if folder != "cpu" else "CPU:0"
     cut = lambda start, steps: {k: v[start * batch:(start + steps) * batch] for k, v in x.items()}
@@ -273,7 +277,7 @@ def memory_figures(memory):
     peak = {name: [max(r["peaks_mb"]) for r in rs] for name, rs in runs.items()}
     figures = {name: {"peak": stats.summary(values)} for name, values in peak.items()}
     for name, values in peak.items():
-        if "large_batch" in peak and name != "large_batch":
+        if "large_batch" in peak and name != "large_batch" and not CONTENDERS[name][3]:
             figures[name]["over_large"] = stats.ratio_summary(values, peak["large_batch"])
     for name, peer in MICRO_PEER.items():
         if name in peak and peer in peak:
@@ -342,7 +346,7 @@ def _memory_lines(memory):
         "+ representations | peak / expected | target ≤ " f"{CLOSE_TARGET} |",
         "|---|---|---|---|---|---|---|---|"]
     for name, figure in figures.items():
-        kind, accum, batch = CONTENDERS[name]
+        kind, accum, batch, eager = CONTENDERS[name]
         effective = batch if kind == "plain" else EFFECTIVE
         micro = batch // accum
         lines.append(f"| {name} | {effective} | {micro} | {_mib(figure['peak'])} | "
@@ -350,12 +354,19 @@ def _memory_lines(memory):
                      f"{_mib(figure['expected']) if 'expected' in figure else '—'} | "
                      f"{_ratio(figure['over_expected']) if 'over_expected' in figure else '—'} | "
                      f"{'**' + figure['verdict'] + '**' if 'verdict' in figure else '—'} |")
+    judged = {name: f for name, f in figures.items() if "verdict" in f and not CONTENDERS[name][3]}
     lines += ["", "Target (issue 22): the cached peak stays close to the micro-batch's activations plus the cached "
               f"representations (here: within {CLOSE_TARGET}× the plain micro-batch's peak plus "
-              f"{representation_mb():.2f} MiB). " + " ".join(
-                  f"{name}: **{figure['verdict']}** ({_ratio(figure['over_expected'])}×; "
-                  f"{_ratio(figure['over_large'])}× the large batch's peak)."
-                  for name, figure in figures.items() if "verdict" in figure), ""]
+              f"{representation_mb():.2f} MiB), judged on `fit` as it runs by default (a tf.function). " + " ".join(
+                  f"{name}: **{figure['verdict']}** ({_ratio(figure['over_expected'])}× the expected peak; "
+                  f"{_ratio(figure['over_large'])}× the large batch's)." for name, figure in judged.items())]
+    if "cached_N4_eager" in figures and "over_expected" in figures["cached_N4_eager"]:
+        eager = figures["cached_N4_eager"]["over_expected"]
+        lines[-1] += (f" Diagnosis: run eagerly (`run_eagerly=True`, both sides), the cached peak is "
+                      f"{_ratio(eager)}× its micro-batch's plus the representations: the three passes then run "
+                      "in the order written. Under the tf.function the executor is free to order the ops of "
+                      "independent micro-batches, and the measured peak shows it overlapping them.")
+    lines.append("")
     return lines
 
 
