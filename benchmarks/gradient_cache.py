@@ -112,30 +112,37 @@ def _id_two_tower(keras, contrastive):
 
 
 def interactions(np, seed=1234):
-    """(train dict, held-out (users, items)): each user prefers two of the clusters (one more
-    than the other) and, inside a cluster, the items nearest its taste. Fixed by `seed`."""
+    """(train dict, held-out (users, items), the generator's p(item | user)): each user prefers
+    two of the clusters (one more than the other) and, inside a cluster, the items nearest its
+    taste. Fixed by `seed`."""
     rng = np.random.RandomState(seed)
     cluster_of = np.arange(ITEMS) % CLUSTERS
     offsets = rng.randn(ITEMS, LATENT)
     preferred = np.stack([rng.choice(CLUSTERS, 2, replace=False) for _ in range(USERS)])
     first_weight = rng.uniform(0.5, 1.0, USERS)
     taste = rng.randn(USERS, LATENT)
-    users = np.repeat(np.arange(USERS), PER_USER)
-    pick_first = rng.uniform(size=users.size) < first_weight[users]
-    clusters = np.where(pick_first, preferred[users, 0], preferred[users, 1])
-    items = np.empty(users.size, dtype="int64")
+    probability = np.zeros((USERS, ITEMS))
     for k in range(CLUSTERS):
         members = np.flatnonzero(cluster_of == k)
-        rows = np.flatnonzero(clusters == k)
-        logits = 1.5 * taste[users[rows]] @ offsets[members].T
-        p = np.exp(logits - logits.max(1, keepdims=True))
-        cumulative = np.cumsum(p / p.sum(1, keepdims=True), axis=1)
-        draws = (cumulative < rng.uniform(size=(rows.size, 1))).sum(1)
-        items[rows] = members[np.minimum(draws, members.size - 1)]
+        logits = 1.5 * taste @ offsets[members].T
+        within = np.exp(logits - logits.max(1, keepdims=True))
+        weight = np.where(preferred[:, 0] == k, first_weight, np.where(preferred[:, 1] == k, 1 - first_weight, 0))
+        probability[:, members] = weight[:, None] * within / within.sum(1, keepdims=True)
+    users = np.repeat(np.arange(USERS), PER_USER)
+    cumulative = np.cumsum(probability, axis=1)
+    draws = (cumulative[users] < rng.uniform(size=(users.size, 1)) * cumulative[users, -1:]).sum(1)
+    items = np.minimum(draws, ITEMS - 1)
     held = np.tile(np.arange(PER_USER) < HELD_OUT, USERS)
     order = rng.permutation(int((~held).sum()))
     train = {"user": users[~held][order].astype("int32"), "item": items[~held][order].astype("int32")}
-    return train, (users[held], items[held])
+    return train, (users[held], items[held]), probability
+
+
+def recall_at_k(np, scores, items):
+    """Share of held-out pairs whose item ranks in the top K of its row of `scores` (one row per
+    pair, every item scored; ties count against it)."""
+    positive = scores[np.arange(len(items)), items]
+    return float(np.mean((scores >= positive[:, None]).sum(1) <= K))
 
 
 def _fresh_tf():
@@ -210,14 +217,6 @@ def measure(contender, parts):
             "versions": _versions(tf, keras)}
 
 
-def recall_at_k(np, query, candidate, users, items):
-    """Share of held-out (user, item) pairs whose item ranks in the user's top K of all items
-    (ties count against it)."""
-    scores = query[users] @ candidate.T
-    positive = scores[np.arange(len(items)), items]
-    return float(np.mean((scores >= positive[:, None]).sum(1) <= K))
-
-
 def quality(seed):
     """Recall@10 of the three contenders at every effective batch, for one seed (initial
     weights and shuffling; the interactions stay fixed)."""
@@ -225,7 +224,7 @@ def quality(seed):
     import numpy as np
     from accumulator import GradientAccumulator, GradientCache, contrastive
 
-    train, (users, items) = interactions(np)
+    train, (users, items), probability = interactions(np)
     recall, seconds = {name: {} for name in QUALITY_CONTENDERS}, {name: {} for name in QUALITY_CONTENDERS}
     for effective in QUALITY_BATCHES:
         accum = effective // QUALITY_MICRO
@@ -246,12 +245,12 @@ def quality(seed):
             start = time.perf_counter()
             trained.fit(train, batch_size=batch, epochs=EPOCHS, verbose=0, shuffle=True)
             seconds[name][str(effective)] = round(time.perf_counter() - start, 2)
-            candidate = model.candidate(np.arange(ITEMS)).numpy()
-            recall[name][str(effective)] = recall_at_k(np, model.query(np.arange(USERS)).numpy(), candidate,
-                                                       users, items)
+            query, candidate = model.query(np.arange(USERS)).numpy(), model.candidate(np.arange(ITEMS)).numpy()
+            recall[name][str(effective)] = recall_at_k(np, query[users] @ candidate.T, items)
             keras.backend.clear_session()
     folder, device_name = _device_folder(tf)
-    return {"seed": seed, "recall": recall, "seconds": seconds, "device_folder": folder, "device_name": device_name,
+    return {"seed": seed, "recall": recall, "seconds": seconds, "oracle": recall_at_k(np, probability[users], items),
+            "device_folder": folder, "device_name": device_name,
             "versions": _versions(tf, keras)}
 
 
@@ -318,7 +317,8 @@ def quality_figures(quality):
     plain = [recall["plain_accumulation"][b]["median"] for b in batches]
     return {"batches": batches, "recall": recall, "exactness_gap": gap,
             "exactness": "met" if gap <= EXACT_RECALL else "missed", "gain": gain,
-            "plain_range": max(plain) - min(plain), "seeds": [s["seed"] for s in seeds]}
+            "plain_range": max(plain) - min(plain), "seeds": [s["seed"] for s in seeds],
+            "oracle": seeds[0].get("oracle")}
 
 
 # ------------------------------------------------------------------ the report
@@ -422,7 +422,9 @@ def _quality_lines(quality):
         "", f"Exactness: cached and the large batch coincide at every point and seed within {EXACT_RECALL} recall: "
         f"**{figures['exactness']}** (largest difference {figures['exactness_gap']:.4f}). Negatives: at "
         f"{largest}, cached is {direction} than plain accumulation ({stats.fmt(gain[largest], 3)}); plain "
-        f"accumulation's medians span {figures['plain_range']:.3f} across the effective batches.", "",
+        f"accumulation's medians span {figures['plain_range']:.3f} across the effective batches."
+        + (f" The generator's own p(item | user) ranks the held-out items to recall@10 = {figures['oracle']:.3f}: "
+           "the ceiling." if figures["oracle"] is not None else ""), "",
         "![recall@10 against the effective batch](gradient_cache_recall.png)", ""]
     return lines
 
@@ -527,6 +529,8 @@ def _recall_axes(ax, quality):
         med = [v["median"] for v in s]
         ax.errorbar(batches, med, yerr=[[m - v["min"] for m, v in zip(med, s)], [v["max"] - m for m, v in zip(med, s)]],
                     capsize=3, label=name.replace("_", " "), **styles[name])
+    if figures["oracle"] is not None:
+        ax.axhline(figures["oracle"], color="grey", ls=":", lw=1, label="the generator's own ranking")
     ax.set(xscale="log", xticks=batches, xlabel=f"effective batch (micro-batches of {QUALITY_MICRO})",
            ylabel=f"held-out recall@{K}", title="Two-tower retrieval, in-batch softmax")
     ax.set_xticklabels(batches)
