@@ -26,7 +26,7 @@ def _memory(cached_over_micro):
 def _time(cached_over_large):
     return {"runs": {name: [{"step_seconds": [seconds * (1 + 0.01 * r)] * 4} for r in range(REPEATS)]
                      for name, seconds in (("large_batch", 0.5), ("cached_N4", 0.5 * cached_over_large),
-                                           ("cached_N8", 0.5 * cached_over_large))}}
+                                           ("cached_N8", 0.5 * cached_over_large), ("plain_b128", 0.12))}}
 
 
 def _quality(cached_minus_large):
@@ -55,6 +55,7 @@ def test_the_report_says_met_when_every_target_is_met(tmp_path):
     assert "cached_N4: **met** (1.05" in text and "cached_N8: **met**" in text
     assert "**met** (1.20" in _line(text, "Target: ≤ 1.35")
     assert "| cached_N4 | 0.606 [0.600–0.612] | 1.20" in text
+    assert "plain `fit` takes 0.96 [0.96–0.96]× the large batch's time at b = 128" in text   # 4 steps of 0.12 s
     assert "Exactness: cached and the large batch coincide" in text and "**met** (largest difference 0.0000)" in text
     assert "at 512, cached is higher than plain accumulation (0.040 [0.040–0.041])" in text
     assert "Diagnosis: run eagerly" in text and "recall@10 = 0.900: the ceiling" in text
@@ -68,6 +69,7 @@ def test_the_report_says_missed_when_every_repeat_misses(tmp_path):
     assert "cached_N4: **missed** (2.00" in text and "cached_N8: **missed**" in text
     assert "**missed** (1.60" in _line(text, "Target: ≤ 1.35")
     assert "**missed** (largest difference 0.0500)" in text
+    assert "plain `fit` takes" not in text          # 1.6 is above the extra forward's 4/3: nothing to explain
 
 
 def test_a_target_missed_by_the_median_but_reached_by_one_repeat_is_within_noise():
