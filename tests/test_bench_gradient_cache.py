@@ -56,6 +56,7 @@ def test_the_report_says_met_when_every_target_is_met(tmp_path):
     assert "**met** (1.20" in _line(text, "Target: ≤ 1.35")
     assert "| cached_N4 | 0.606 [0.600–0.612] | 1.20" in text
     assert "plain `fit` takes 0.96 [0.96–0.96]× the large batch's time at b = 128" in text   # 4 steps of 0.12 s
+    assert "the cached step costs 1.25 [1.25–1.25]× (cached_N4)" in text
     assert "Exactness: cached and the large batch coincide" in text and "**met** (largest difference 0.0000)" in text
     assert "at 512, cached is higher than plain accumulation (0.040 [0.040–0.041])" in text
     assert "Diagnosis: run eagerly" in text and "recall@10 = 0.900: the ceiling" in text
