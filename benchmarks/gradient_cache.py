@@ -451,7 +451,7 @@ def _quality_lines(quality):
            "the ceiling." if figures["oracle"] is not None else ""), "",
         "![recall@10 against the effective batch](gradient_cache_recall.png)", ""]
     if seconds:
-        lines[-3] += (f" Training seconds at {largest} ({EPOCHS} epochs): " + ", ".join(
+        lines[-4] += (f" Training seconds at {largest} ({EPOCHS} epochs): " + ", ".join(
             f"{name.replace('_', ' ')} {stats.fmt(seconds[name], 1)}" for name in QUALITY_CONTENDERS)
             + " (tiny towers: per-step overheads, not arithmetic).")
     return lines

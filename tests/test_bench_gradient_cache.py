@@ -35,7 +35,8 @@ def _quality(cached_minus_large):
         recall = {"plain_accumulation": {str(b): 0.40 for b in gc.QUALITY_BATCHES},
                   "large_batch": {str(b): 0.40 + 0.01 * k + 0.001 * seed for k, b in enumerate(gc.QUALITY_BATCHES)}}
         recall["cached"] = {b: v + cached_minus_large for b, v in recall["large_batch"].items()}
-        seeds.append({"seed": seed, "recall": recall, "oracle": 0.9})
+        seconds = {name: {b: 2.0 for b in recall["large_batch"]} for name in recall}
+        seeds.append({"seed": seed, "recall": recall, "oracle": 0.9, "seconds": seconds})
     return {"seeds": seeds}
 
 
@@ -59,7 +60,9 @@ def test_the_report_says_met_when_every_target_is_met(tmp_path):
     assert "the cached step costs 1.25 [1.25–1.25]× (cached_N4)" in text
     assert "Exactness: cached and the large batch coincide" in text and "**met** (largest difference 0.0000)" in text
     assert "at 512, cached is higher than plain accumulation (0.040 [0.040–0.041])" in text
-    assert "Diagnosis: run eagerly" in text and "recall@10 = 0.900: the ceiling" in text
+    assert "Diagnosis: run eagerly" in text and "recall@10 = 0.900: the ceiling." in text
+    assert "the ceiling. Training seconds at 512 (5 epochs): plain accumulation 2.0" in text
+    assert "\n\n![recall@10 against the effective batch](gradient_cache_recall.png)\n" in text
     for name in ("gradient_cache.md", "gradient_cache.json", "gradient_cache.png", "gradient_cache_recall.png"):
         assert (tmp_path / name).exists(), name
     assert json.loads((tmp_path / "gradient_cache.json").read_text())["time"]["runs"]["large_batch"]
