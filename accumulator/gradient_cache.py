@@ -17,7 +17,7 @@ Keras' `fit`, for every batch `fit` gives it, in three passes:
    representation (and to any variable the loss itself uses, such as a learned
    temperature, or weight regularization).
 3. **Back-propagate.** Each micro-batch runs again under a tape, one after
-   another, and sends its slice of that gradient back through the model: the
+   another (a `tf.while_loop`), and sends its slice of that gradient back through the model: the
    parameter gradients add up (dense ones summed, sparse embedding rows
    concatenated in sample order) to the large batch's gradient, which the
    optimizer applies once.
@@ -116,21 +116,11 @@ class GradientCache(keras.Model):
         by_representation = tape.gradient(scaled, whole, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         grads = tape.gradient(scaled, variables)
         del tape
-        sizes = [tf.shape(tf.nest.flatten(r)[0])[0] for r in representations]
-        slices = [tf.nest.map_structure(lambda g, s=s, e=e: g[s:e], by_representation)
-                  for s, e in zip(_starts(sizes), _ends(sizes))]
         # 3. Back-propagate each micro-batch's slice, one micro-batch in memory at a time.
         for v, value in zip(state, saved):
             v.assign(value)
-        for part, upstream in zip(micro_batches, slices):
-            # Not before the previous micro-batch's gradients (nor, for the first,
-            # before the scores): one micro-batch's activations at a time.
-            part = _after([g for g in grads if g is not None] + [upstream], part)
-            with tf.GradientTape() as tape:
-                outputs = self.model(part, training=True)
-                surrogate = tf.add_n([tf.reduce_sum(o * tf.cast(u, o.dtype)) for o, u in
-                                      zip(tf.nest.flatten(outputs), tf.nest.flatten(upstream))])
-            grads = [_add(total, g) for total, g in zip(grads, tape.gradient(surrogate, variables))]
+        grads = [_add(from_loss, from_model) for from_loss, from_model in zip(grads, _summed_over(
+            lambda k: self._backpropagate(x, by_representation, k, variables), self.accum_steps))]
         self.optimizer.apply_gradients(zip(grads, variables))
         seam.loss_tracker(self).update_state(
             loss * tf.distribute.get_strategy().num_replicas_in_sync,
@@ -138,10 +128,27 @@ class GradientCache(keras.Model):
         return self.compute_metrics(x, y, whole, sample_weight=sample_weight)
 
     def _micro_batches(self, x):
+        return [self._micro_batch(x, k) for k in range(self.accum_steps)]
+
+    def _micro_batch(self, x, k):
+        """Micro-batch `k` (an int or a scalar tensor) of `x`, or of anything whose
+        first axis follows the samples (the representations' gradient)."""
         size = tf.shape(tf.nest.flatten(x)[0])[0]
         step = (size + self.accum_steps - 1) // self.accum_steps
-        return [tf.nest.map_structure(lambda t, k=k: t[k * step:(k + 1) * step], x)
-                for k in range(self.accum_steps)]
+        return tf.nest.map_structure(lambda t: t[k * step:(k + 1) * step], x)
+
+    def _backpropagate(self, x, by_representation, k, variables):
+        """Pass 3 for micro-batch `k`: its forward under a tape, and the parameter
+        gradients its slice of the whole batch's gradient sends back."""
+        upstream = self._micro_batch(by_representation, k)
+        # Its forward could run any time; not before the scores, or its activations
+        # would wait for them beside pass 1's.
+        part = _after([upstream], self._micro_batch(x, k))
+        with tf.GradientTape() as tape:
+            outputs = self.model(part, training=True)
+            surrogate = tf.add_n([tf.reduce_sum(o * tf.cast(u, o.dtype)) for o, u in
+                                  zip(tf.nest.flatten(outputs), tf.nest.flatten(upstream))])
+        return tape.gradient(surrogate, variables)
 
     def _refuse_what_would_not_be_exact(self):
         for layer in seam.flatten_layers(self.model):
@@ -172,16 +179,42 @@ class GradientCache(keras.Model):
         return cls(model, **config)
 
 
-def _starts(sizes):
-    starts, total = [], 0
-    for size in sizes:
-        starts.append(total)
-        total = total + size
-    return starts
+def _summed_over(gradients_of, count):
+    """`gradients_of(k)` for k < `count`, added up: dense gradients summed, sparse rows
+    (`tf.IndexedSlices`) concatenated in order, as the large batch's gradient has them.
 
+    Micro-batch 0 runs first, on its own, to tell which variables get which kind;
+    the others run in a `tf.while_loop` with `parallel_iterations=1`: TensorFlow runs
+    its iterations one after another and frees each one's activations before the
+    next (an unrolled graph, even chained by control dependencies, measured to
+    keep about one more micro-batch's activations alive).
+    """
+    first = gradients_of(0)
+    dense = [i for i, g in enumerate(first) if g is not None and not isinstance(g, tf.IndexedSlices)]
+    sparse = [i for i, g in enumerate(first) if isinstance(g, tf.IndexedSlices)]
 
-def _ends(sizes):
-    return [start + size for start, size in zip(_starts(sizes), sizes)]
+    def rows_of(g):
+        arrays = [tf.TensorArray(part.dtype, size=count, infer_shape=False,
+                                 element_shape=tf.TensorShape([None]).concatenate(part.shape[1:]))
+                  for part in (g.values, g.indices)]
+        return [arrays[0].write(0, g.values), arrays[1].write(0, g.indices)]
+
+    def add(k, totals, rows):
+        grads = gradients_of(k)
+        return (k + 1, [total + grads[i] for total, i in zip(totals, dense)],
+                [[values.write(k, grads[i].values), indices.write(k, grads[i].indices)]
+                 for (values, indices), i in zip(rows, sparse)])
+
+    _, totals, rows = tf.while_loop(
+        lambda k, totals, rows: k < count, add,
+        (tf.constant(1), [first[i] for i in dense], [rows_of(first[i]) for i in sparse]),
+        parallel_iterations=1)
+    summed = [None] * len(first)
+    for i, total in zip(dense, totals):
+        summed[i] = total
+    for i, (values, indices) in zip(sparse, rows):
+        summed[i] = tf.IndexedSlices(values.concat(), indices.concat(), first[i].dense_shape)
+    return summed
 
 
 def _is_float(variable):
