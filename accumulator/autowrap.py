@@ -14,6 +14,8 @@ helpers use it; `accumulator.hooks` holds the mechanics):
 * with a `schedule`, the wrappers carry it, and `fit` follows it;
 * with a `strategy`, every `tf.distribute.Strategy.scope()` the training
   function opens maps onto that strategy (and the body runs in its scope);
+* with a `backup` (`accumulator.backup.TrainingBackup`), every `fit` is
+  backed up to its directory and resumes from its latest backup, exactly;
 * with `gradient_cache=True` (losses that couple the batch), nothing is
   wrapped: `compile` on an `accumulator.GradientCache` model sets its
   `accum_steps` and keeps its plain optimizer (one update per batch, the
@@ -44,7 +46,7 @@ logger = logging.getLogger(__name__)
 @contextlib.contextmanager
 def accumulating_compile(accum_steps, schedule=None, partial_window="apply", strategy=None,
                          measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING,
-                         merge_duplicate_rows=False, gradient_cache=False):
+                         merge_duplicate_rows=False, gradient_cache=False, backup=None):
     """Wraps the optimizers `keras.Model.compile` is given; yields the wrappers made
     (with `gradient_cache`: the optimizers of the `GradientCache` models compiled).
 
@@ -57,6 +59,7 @@ def accumulating_compile(accum_steps, schedule=None, partial_window="apply", str
     `schedule`). `gradient_cache`: see the module docstring; the wrappers'
     options (`schedule`, `partial_window`, `measure_noise_scale`,
     `merge_duplicate_rows`) are then refused, as GradientCache has no windows.
+    `backup`: a `TrainingBackup` that every `fit` inside runs through.
     """
     if gradient_cache:
         _refuse_window_options(schedule, partial_window, measure_noise_scale, merge_duplicate_rows)
@@ -119,6 +122,8 @@ def accumulating_compile(accum_steps, schedule=None, partial_window="apply", str
         if strategy is not None and (strategy is not tf.distribute.get_strategy() or tf.distribute.has_strategy()):
             stack.enter_context(strategy.scope())
             stack.enter_context(hooks.strategy_scopes_map_onto(strategy))
+        if backup is not None:
+            stack.enter_context(hooks.fits_backed_up(backup))
         yield made
 
 

@@ -28,7 +28,9 @@ exactly as without the library (tested).
 2. **While `accumulator.autowrap.accumulating_compile` is open** (the TFX
    executor, the KerasTuner helpers), `swapped` makes `keras.Model.compile` (and
    Keras 2's) wrap the optimizers it is given and, given a strategy,
-   `strategy_scopes_map_onto` maps every strategy's scope onto it. Both are
+   `strategy_scopes_map_onto` maps every strategy's scope onto it; given a
+   `TrainingBackup`, `fits_backed_up` makes `keras.Model.fit` back up and
+   resume (`accumulator.backup`; Keras 2's `fit` refuses then). All are
    restored when the context closes.
 3. **While a window's update is traced under a strategy**, the inner optimizer
    *instance* does not all-reduce the gradients it is handed
@@ -163,6 +165,32 @@ def swapped(owner, name, make_replacement):
         yield
     finally:
         restore()
+
+
+@contextlib.contextmanager
+def fits_backed_up(backup):
+    """Context: `keras.Model.fit` runs through `backup.fit` (backed up, resumed from
+    its latest backup); Keras 2's `fit` refuses, as a backup is Keras 3's."""
+
+    def make(original):
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def fit(self, *args, **kwargs):
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            arguments = {k: v for k, v in bound.arguments.items() if k != "self"}
+            arguments.update(arguments.pop("kwargs", None) or {})
+            return backup.fit(original, self, arguments)
+
+        return fit
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(swapped(keras.Model, "fit", make))
+        keras2 = seam.keras2_module()
+        if keras2 is not None and keras2.Model is not keras.Model:
+            stack.enter_context(swapped(keras2.Model, "fit", make))
+        yield
 
 
 def strategy_scopes_map_onto(strategy):

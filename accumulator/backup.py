@@ -1,0 +1,235 @@
+"""Backs a `fit` up to a directory, and resumes it there exactly (preemption).
+
+Keras' `BackupAndRestore` resumes at an epoch: a run killed in the middle of
+an epoch (a TFX run_fn trains one epoch of `train_steps`) starts that epoch
+again from its first batch with the weights of a later step, so micro-batches
+are counted twice, and an accumulation window is left half-full. A
+`TrainingBackup` resumes at the step:
+
+* every `every_steps` fit steps (micro-steps) and at every epoch's end (after
+  the epoch's window is closed), the model's and the optimizer's state
+  (weights, slots, the accumulator's window: its sums, rows, counts) is saved
+  with the position: epoch, step in the epoch, steps in all;
+* a backup is a new folder `step-<steps>` written whole before the file
+  `latest` names it (written to a temporary name, then renamed), so a process
+  killed while saving leaves the previous backup in force; two are kept;
+* the next `fit` with the same arguments restores the latest backup when
+  training begins, and its data start where the backed-up run was: a
+  `tf.data.Dataset` that repeats (`fit(..., steps_per_epoch=k)`, the TFX way)
+  skips the steps already trained; a finite one (no `steps_per_epoch`, each
+  epoch reads it whole) skips the steps of the interrupted epoch. The
+  interrupted epoch runs to its own end (a `fit` of its remaining steps), then
+  the rest as asked; the weights are those of the uninterrupted run when the
+  data are in a fixed order (no shuffle, or a seeded one that does not
+  reshuffle).
+
+Under `MultiWorkerMirroredStrategy` every worker saves (reading the window's
+rows is a collective) and reads the chief's backup: only the chief
+(`chief=True`) writes to `directory`; the others write to a temporary folder
+that is removed at once, as Keras' multi-worker guide does. `directory` must
+be one that every worker reads (a bucket on a cluster).
+
+One `fit` per run (a second is refused): the position is the one `fit`'s.
+Keras 3 models only.
+"""
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+
+import keras
+import tensorflow as tf
+
+from accumulator import seam
+from accumulator.validation import integer_at_least
+
+logger = logging.getLogger(__name__)
+
+LATEST = "latest"
+WEIGHTS = "state.weights.h5"
+PROGRESS = "progress.json"
+KEEP = 2
+
+
+class TrainingBackup:
+    """Saves `fit`'s state every `every_steps` steps to `directory` and resumes there.
+
+    Args:
+        directory: where the backups go (local or `gs://`); one run's alone.
+        every_steps: fit steps (micro-steps) between backups; epoch ends
+            are backed up too.
+        chief: whether this process writes the backups (the chief of a
+            multi-worker cluster; True on one machine).
+
+    After the `fit`, `resumed_from` is the progress it resumed from (a dict
+    with `epoch`, `batch`, `steps`, `updates`, `resumes`), or None for a fresh
+    run; `remove()` deletes the backups once the run's outputs are safe.
+    """
+
+    def __init__(self, directory, every_steps, chief=True):
+        if not directory or not isinstance(directory, str):
+            raise ValueError(f"`directory` must be a non-empty path; received {directory!r}.")
+        self.directory = directory
+        self.every_steps = integer_at_least(every_steps, "every_steps")
+        self.chief = bool(chief)
+        self.resumed_from = None
+        self._fits = 0
+
+    # ------------------------------------------------------------ the files
+    def latest(self):
+        """The progress of the backup in force, or None when there is none."""
+        pointer = os.path.join(self.directory, LATEST)
+        if not tf.io.gfile.exists(pointer):
+            return None
+        with tf.io.gfile.GFile(pointer) as f:
+            name = f.read().strip()
+        with tf.io.gfile.GFile(os.path.join(self.directory, name, PROGRESS)) as f:
+            progress = json.load(f)
+        progress["path"] = os.path.join(self.directory, name)
+        return progress
+
+    def save(self, model, progress):
+        """Writes a backup of `model` at `progress` (every worker calls this)."""
+        target = os.path.join(self.directory, f"step-{progress['steps']}") if self.chief else tempfile.mkdtemp()
+        if tf.io.gfile.exists(target):
+            tf.io.gfile.rmtree(target)
+        tf.io.gfile.makedirs(target)
+        model.save_weights(os.path.join(target, WEIGHTS))
+        if not self.chief:
+            shutil.rmtree(target, ignore_errors=True)
+            return
+        with tf.io.gfile.GFile(os.path.join(target, PROGRESS), "w") as f:
+            json.dump(progress, f, sort_keys=True)
+        pointer = os.path.join(self.directory, LATEST)
+        with tf.io.gfile.GFile(pointer + ".tmp", "w") as f:
+            f.write(os.path.basename(target))
+        tf.io.gfile.rename(pointer + ".tmp", pointer, overwrite=True)
+        self._prune(keep=os.path.basename(target))
+
+    def _prune(self, keep):
+        backups = sorted((int(name.rstrip("/").split("-")[1]), name.rstrip("/"))
+                         for name in tf.io.gfile.listdir(self.directory) if name.startswith("step-"))
+        for _, name in backups[:-KEEP]:
+            if name != keep:
+                tf.io.gfile.rmtree(os.path.join(self.directory, name))
+
+    def remove(self):
+        """Deletes the backups (the chief's); call it when the run's outputs are written."""
+        if self.chief and tf.io.gfile.exists(self.directory):
+            tf.io.gfile.rmtree(self.directory)
+
+    # ------------------------------------------------------------ the fit
+    def fit(self, fit, model, arguments):
+        """Runs `fit(model, **arguments)` backed up, resumed from the latest backup."""
+        if seam.is_keras2_object(model):
+            raise ValueError("TrainingBackup (AccumulatingTrainer's backup_dir) supports Keras 3 models; "
+                             "this run_fn trains a Keras 2 (tf_keras) model. Leave backup_dir unset.")
+        if self._fits:
+            raise ValueError(
+                "TrainingBackup (AccumulatingTrainer's backup_dir) resumes a run that calls `fit` once; "
+                "this one called `fit` a second time. Train in one `fit`, or leave backup_dir unset.")
+        shape = _fit_shape(model, arguments)
+        self._fits += 1
+        progress = self.latest()
+        if progress is not None and progress["fit"] != shape:
+            raise ValueError(
+                f"The backup in {self.directory} is of a fit with {progress['fit']}; this fit has {shape}. "
+                "A backup resumes only the same training: remove it, or use another directory.")
+        if progress is not None:
+            progress["resumes"] += 1
+            self.resumed_from = {k: v for k, v in progress.items() if k != "path"}
+            logger.info("Resuming from the backup at %s: epoch %d, step %d of it, %d steps, %d updates.",
+                        progress["path"], progress["epoch"], progress["batch"], progress["steps"],
+                        progress["updates"])
+        saver = _Backup(self, shape, progress)
+        history = None
+        for call in _calls(arguments, shape, progress):
+            call["callbacks"] = [saver] + list(call.get("callbacks") or [])
+            history = fit(model, **call)
+        return history
+
+
+def _fit_shape(model, arguments):
+    """What a resume must know of the `fit`; refuses data it cannot position."""
+    x, steps, epochs = arguments.get("x"), arguments.get("steps_per_epoch"), arguments.get("epochs", 1)
+    if not isinstance(x, tf.data.Dataset):
+        raise ValueError(
+            "TrainingBackup (AccumulatingTrainer's backup_dir) resumes a `fit` on a tf.data.Dataset, "
+            f"whose position it can restore; this fit got {type(x).__name__}. Give fit a tf.data.Dataset "
+            "(repeated, with steps_per_epoch; or finite, without), or leave backup_dir unset.")
+    cardinality = int(x.cardinality())
+    if steps is None and cardinality == tf.data.INFINITE_CARDINALITY:
+        raise ValueError("TrainingBackup: fit on a dataset that repeats needs `steps_per_epoch`.")
+    if steps is not None and 0 <= cardinality < steps * epochs:
+        raise ValueError(
+            f"TrainingBackup: the dataset has {cardinality} batches, fewer than steps_per_epoch x epochs = "
+            f"{steps * epochs}, so Keras would restart it part-way and a resume could not know where it "
+            "was. Repeat it (`dataset.repeat()`), or drop steps_per_epoch.")
+    if int(getattr(model, "steps_per_execution", 1) or 1) != 1:
+        raise ValueError("TrainingBackup (AccumulatingTrainer's backup_dir) needs compile(steps_per_execution=1): "
+                         "it counts the steps `fit` reports.")
+    return {"epochs": int(epochs), "steps_per_epoch": steps, "initial_epoch": int(arguments.get("initial_epoch") or 0),
+            "batches": steps or (cardinality if cardinality >= 0 else None)}
+
+
+def _calls(arguments, shape, progress):
+    """The `fit` calls that finish the run from `progress`: the interrupted
+    epoch's remaining steps, then the epochs after it."""
+    if progress is None:
+        return [arguments]
+    x, steps, epochs = arguments["x"], shape["steps_per_epoch"], shape["epochs"]
+    epoch, batch, done = progress["epoch"], progress["batch"], progress["steps"]
+    calls = []
+    if batch and epoch < epochs:
+        rest = {**arguments, "x": x.skip(done if steps else batch), "initial_epoch": epoch, "epochs": epoch + 1}
+        if steps:
+            rest["steps_per_epoch"] = steps - batch
+        calls.append(rest)
+        done, epoch = done + (steps - batch if steps else 0), epoch + 1
+    if epoch < epochs or not calls:
+        calls.append({**arguments, "x": x.skip(done) if steps else x, "initial_epoch": min(epoch, epochs)})
+    return calls
+
+
+class _Backup(keras.callbacks.Callback):
+    """Restores the backup when training begins; saves every `every_steps` and at epoch ends."""
+
+    def __init__(self, backup, shape, progress):
+        super().__init__()
+        self.backup, self.shape = backup, shape
+        self.restore = progress
+        progress = progress or {"epoch": shape["initial_epoch"], "batch": 0, "steps": 0, "resumes": 0}
+        self.epoch, self.steps, self.resumes = progress["epoch"], progress["steps"], progress["resumes"]
+        self.offset = progress["batch"]           # steps of the resumed epoch done before the restore
+        self.saved_at = self.steps
+
+    def on_train_begin(self, logs=None):
+        if self.restore is not None:
+            optimizer = self.model.optimizer
+            if optimizer is not None and not optimizer.built:
+                optimizer.build(self.model.trainable_variables)
+            self.model.load_weights(os.path.join(self.restore["path"], WEIGHTS))
+            self.restore = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch != self.epoch:
+            self.epoch, self.offset = epoch, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps += 1
+        done = self.offset + batch + 1
+        # An epoch's last step is backed up at the epoch's end, after its window is closed.
+        if self.steps - self.saved_at >= self.backup.every_steps and done != self.shape["batches"]:
+            self._save(self.epoch, done)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch, self.offset = epoch + 1, 0
+        self._save(epoch + 1, 0)
+
+    def _save(self, epoch, batch):
+        updates = int(self.model.optimizer.iterations.numpy()) if self.model.optimizer is not None else 0
+        self.backup.save(self.model, {"epoch": epoch, "batch": batch, "steps": self.steps, "updates": updates,
+                                      "resumes": self.resumes, "fit": self.shape})
+        self.saved_at = self.steps
