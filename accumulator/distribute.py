@@ -67,6 +67,19 @@ def choose_strategy_kind(tf_config, num_gpus):
     return "default"
 
 
+def cluster_role(tf_config):
+    """`(chief, task, workers)` of this process in a parsed TF_CONFIG: whether it is
+    the chief (the "chief" task; worker 0 where the cluster names none; a process
+    alone), its name ("chief", "worker 1", ...) and how many processes train."""
+    cluster = tf_config.get("cluster", {})
+    workers = sum(len(cluster.get(job, [])) for job in _WORKER_TYPES)
+    if not cluster or workers <= 1:
+        return True, "chief", max(workers, 1)
+    task_type, index = tf_config["task"]["type"], tf_config["task"]["index"]
+    chief = task_type == "chief" or (task_type == "worker" and index == 0 and "chief" not in cluster)
+    return chief, f"{task_type} {index}", workers
+
+
 def strategy_from_environment(kind="auto"):
     """Returns a strategy for `kind` ("auto" reads TF_CONFIG and the local GPUs)."""
     if kind not in KINDS + ("auto",):

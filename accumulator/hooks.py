@@ -173,7 +173,7 @@ def fits_backed_up(backup):
     its latest backup); Keras 2's `fit` refuses, as a backup is Keras 3's."""
 
     def make(original):
-        signature = inspect.signature(original)
+        signature = inspect.signature(inspect.unwrap(original))     # Keras' own parameters
 
         @functools.wraps(original)
         def fit(self, *args, **kwargs):

@@ -3,7 +3,8 @@
 Same inputs, same outputs (`model`, `model_run`), same run_fn contract as the
 stock Trainer, plus the accumulation's parameters (`accum_steps`, `effective_batch_size`,
 `strategy`, `accum_schedule`, `partial_window`, `measure_noise_scale`, `merge_duplicate_rows`,
-`gradient_cache`).
+`gradient_cache`, `backup_dir`, `backup_every`). On a cluster the chief alone
+exports and records (components.cluster).
 Change the class name in a pipeline and it trains with
 accumulation; feed `hyperparameters=tuner.outputs["best_hyperparameters"]` and
 the tuned values win over the parameters.
@@ -24,6 +25,7 @@ from tfx.utils import json_utils
 
 from accumulator.callbacks import validate_schedule
 from accumulator.distribute import KINDS
+from accumulator.validation import integer_at_least
 from components import executor, settings as settings_lib
 
 STRATEGY_CHOICES = ("auto",) + KINDS
@@ -44,6 +46,8 @@ class AccumulatingTrainerSpec(standard_component_specs.TrainerSpec):
         executor.NOISE_SCALE_SMOOTHING_KEY: ExecutionParameter(type=float, optional=True),
         executor.MERGE_DUPLICATE_ROWS_KEY: ExecutionParameter(type=int, optional=True),
         executor.GRADIENT_CACHE_KEY: ExecutionParameter(type=int, optional=True),
+        executor.BACKUP_DIR_KEY: ExecutionParameter(type=str, optional=True),
+        executor.BACKUP_EVERY_KEY: ExecutionParameter(type=int, optional=True),
     }
 
 
@@ -93,6 +97,19 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             would accumulate twice), and `measure_noise_scale`,
             `accum_schedule`, `partial_window` other than "apply" and
             `merge_duplicate_rows` with it. Default False.
+        backup_dir: back training up under this folder (local, or a bucket
+            every worker reads) and resume from it when the executor is
+            restarted: a preempted worker, a retried component. The run's
+            backups go to `<backup_dir>/<run key>`, a digest of the inputs, the
+            parameters and the module file, so only the same training resumes;
+            the resumed run ends with the weights of an uninterrupted one (no
+            micro-batch lost or trained twice) when the run_fn's training data
+            come in a fixed order. Needs a Keras 3 run_fn that calls `fit` once
+            on a tf.data.Dataset. Recorded: `backup_resumes`,
+            `resumed_at_step`, `resumed_at_update`, `backup_dir`. The backups
+            are removed once the model is published. Default None: no backup.
+        backup_every: optimizer updates between backups (default 100); epoch
+            ends are backed up too.
 
     `TrainArgs.num_steps` counts optimizer updates: the run_fn sees
     `fn_args.train_steps = num_steps * accum_steps` micro-steps (`num_steps`
@@ -124,6 +141,8 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
         noise_scale_smoothing: Optional[Union[float, data_types.RuntimeParameter]] = None,
         merge_duplicate_rows: bool = False,
         gradient_cache: bool = False,
+        backup_dir: Optional[Union[str, data_types.RuntimeParameter]] = None,
+        backup_every: Optional[Union[int, data_types.RuntimeParameter]] = None,
     ):
         if [bool(module_file), bool(run_fn)].count(True) != 1:
             raise ValueError("Exactly one of 'module_file', or 'run_fn' must be supplied.")
@@ -149,6 +168,12 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             accum_schedule = json.dumps(validate_schedule(accum_schedule))
         if isinstance(measure_noise_scale, bool):
             measure_noise_scale = int(measure_noise_scale)
+        if backup_dir is not None and not isinstance(backup_dir, data_types.RuntimeParameter) and \
+                (not isinstance(backup_dir, str) or not backup_dir.strip()):
+            raise ValueError(f"`backup_dir` must be a non-empty path (local or gs://) or None; "
+                             f"received {backup_dir!r}.")
+        if static(backup_every) is not None:
+            integer_at_least(backup_every, "backup_every")
         if strategy not in STRATEGY_CHOICES:
             raise ValueError(f"`strategy` must be one of {STRATEGY_CHOICES}; received {strategy!r}.")
 
@@ -173,6 +198,8 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             noise_scale_smoothing=noise_scale_smoothing,
             merge_duplicate_rows=int(merge_duplicate_rows),
             gradient_cache=int(gradient_cache),
+            backup_dir=backup_dir,
+            backup_every=backup_every,
             model=types.Channel(type=standard_artifacts.Model),
             model_run=types.Channel(type=standard_artifacts.ModelRun),
         )

@@ -4,9 +4,15 @@ It resolves the accumulation settings (hyperparameters, then component
 parameters, then defaults) and the distribution strategy before anything
 trains, runs the user's unchanged run_fn with every compiled optimizer wrapped
 in `GradientAccumulator` (with `gradient_cache`: every compiled
-`GradientCache` given the `accum_steps`, its optimizer left plain), and records
-what happened on the output artifacts (ML Metadata) and in the run's
-TensorBoard logs.
+`GradientCache` given the `accum_steps`, its optimizer left plain), backed up
+when `backup_dir` is set (`components.preemption`), and records what happened
+on the output artifacts (ML Metadata) and in the run's TensorBoard logs.
+
+On a cluster (`TF_CONFIG`), every process runs this with the same artifacts:
+the chief exports and records, the others write to temporary folders
+(`components.cluster`). The record is also written as `accumulation/record.json`
+in the ModelRun, from which `components.cloud.VertexExecutor` copies it onto
+the artifacts it publishes.
 """
 
 import json
@@ -15,15 +21,15 @@ from typing import Any, Dict, List
 
 import tensorflow as tf
 from absl import logging
+from google.protobuf import json_format
 from tfx import types
 from tfx.components.trainer import executor as tfx_trainer_executor
 from tfx.components.util import udf_utils
-from tfx.dsl.io import fileio
 from tfx.types import standard_component_specs
 
 from accumulator.autowrap import accumulating_compile
 from accumulator.distribute import strategy_from_environment
-from components import fn_args_utils, noise_scale, settings as settings_lib
+from components import cluster, fn_args_utils, noise_scale, preemption, settings as settings_lib
 
 ACCUM_STEPS_KEY = "accum_steps"
 EFFECTIVE_BATCH_SIZE_KEY = "effective_batch_size"
@@ -34,7 +40,10 @@ MEASURE_NOISE_SCALE_KEY = "measure_noise_scale"
 NOISE_SCALE_SMOOTHING_KEY = "noise_scale_smoothing"
 MERGE_DUPLICATE_ROWS_KEY = "merge_duplicate_rows"
 GRADIENT_CACHE_KEY = "gradient_cache"
+BACKUP_DIR_KEY = preemption.BACKUP_DIR_KEY
+BACKUP_EVERY_KEY = preemption.BACKUP_EVERY_KEY
 TENSORBOARD_SUBDIR = "accumulation"
+RECORD_FILE = "record.json"
 
 
 class Executor(tfx_trainer_executor.GenericExecutor):
@@ -51,15 +60,22 @@ class Executor(tfx_trainer_executor.GenericExecutor):
         run_fn = _load_run_fn(exec_properties)
         strategy = strategy_from_environment(exec_properties.get(STRATEGY_KEY) or "auto")
         settings = _resolve_settings(fn_args.hyperparameters, exec_properties, strategy.num_replicas_in_sync)
+        role = cluster.role_from_environment()
+        cluster.refuse_one_strategy_per_worker(role, strategy)
+        backup = preemption.backup_for(input_dict, exec_properties, settings.steps_per_update, role.chief)
         # Train the model: every optimizer the run_fn compiles accumulates (or every GradientCache).
-        logging.info("Training model. %s", _describe(settings, strategy, fn_args.train_steps))
-        with accumulating_compile(strategy=strategy, **settings.compile_arguments()) as optimizers:
-            run_fn(fn_args_utils.for_accumulation(fn_args, settings))
-        if not fileio.exists(fn_args.serving_model_dir):
-            raise RuntimeError("run_fn failed to generate model.")
-        updates = _record(output_dict, fn_args.model_run_dir, settings, strategy, optimizers)
-        logging.info("Training complete: %d optimizer updates. Model written to %s. ModelRun written to %s",
-                     updates, fn_args.serving_model_dir, fn_args.model_run_dir)
+        logging.info("Training model. %s", _describe(settings, strategy, fn_args.train_steps, role))
+        with cluster.worker_outputs(fn_args, role, backup) as outputs:
+            with accumulating_compile(strategy=strategy, backup=backup, **settings.compile_arguments()) as optimizers:
+                run_fn(fn_args_utils.for_accumulation(outputs.fn_args, settings, role.workers))
+            outputs.check_exported()
+            if role.chief:
+                _record(output_dict, fn_args.model_run_dir, settings, strategy, optimizers, role, backup)
+            outputs.publish()
+        if backup is not None:
+            backup.remove()
+        logging.info("Training complete on %s. Model written to %s.", cluster.describe(role),
+                     fn_args.serving_model_dir if role.chief else "a temporary folder (not the chief)")
 
 
 def _load_run_fn(exec_properties):
@@ -96,7 +112,7 @@ def _resolve_settings(hyperparameters, exec_properties, replicas):
     )
 
 
-def _describe(settings, strategy, train_steps):
+def _describe(settings, strategy, train_steps, role):
     micro_batch = settings.micro_batch or "the run_fn's"
     if settings.gradient_cache:
         micro_steps = (f"{train_steps} optimizer updates = {train_steps} steps of GradientCache, "
@@ -108,11 +124,12 @@ def _describe(settings, strategy, train_steps):
         f"Accumulation: accum_steps={settings.accum_steps} ({settings.sources.get('accum_steps')}), "
         f"effective batch {settings.effective_batch_size} ({settings.sources.get('effective_batch_size')}), "
         f"global micro-batch {micro_batch}, "
-        f"{settings.replicas} replica(s) under {type(strategy).__name__}; {micro_steps}."
+        f"{settings.replicas} replica(s) under {type(strategy).__name__}; {micro_steps}; "
+        f"{cluster.describe(role)}."
     )
 
 
-def _record(output_dict, model_run_dir, settings, strategy, optimizers):
+def _record(output_dict, model_run_dir, settings, strategy, optimizers, role, backup):
     """Records what the run did on the output artifacts (ML Metadata) and in
     TensorBoard; returns the optimizer updates made. Refuses a run that wrapped
     no optimizer, so no artifact claims an accumulation that did not happen."""
@@ -137,27 +154,32 @@ def _record(output_dict, model_run_dir, settings, strategy, optimizers):
     reading = noise_scale.read(optimizers, settings.measure_noise_scale)
     if reading is not None:
         logging.info("%s", noise_scale.describe(reading, settings.effective_batch_size))
-    _write_record(output_dict, model_run_dir, settings, updates, strategy, open_windows, reading)
-    return updates
+    logging.info("%d optimizer updates.", updates)
+    _write_record(output_dict, model_run_dir, settings, updates, strategy, open_windows, reading, role, backup)
 
 
-def _write_record(output_dict, model_run_dir, settings, updates, strategy, open_windows, reading=None):
+def _write_record(output_dict, model_run_dir, settings, updates, strategy, open_windows, reading, role, backup):
+    backup_ints, backup_strings = preemption.properties(backup)
     properties = {**settings.as_properties(), "optimizer_updates": updates,
-                  "unapplied_micro_batches": open_windows}
+                  "unapplied_micro_batches": open_windows, "workers": role.workers, **backup_ints}
+    strings = {"distribution_strategy": type(strategy).__name__, "partial_window": settings.partial_window,
+               **backup_strings}
     for key in (standard_component_specs.MODEL_KEY, standard_component_specs.MODEL_RUN_KEY):
         for artifact in output_dict.get(key, []):
             for name, value in properties.items():
                 artifact.set_int_custom_property(name, int(value))
-            artifact.set_string_custom_property("distribution_strategy", type(strategy).__name__)
-            artifact.set_string_custom_property("partial_window", settings.partial_window)
+            for name, value in strings.items():
+                artifact.set_string_custom_property(name, value)
         noise_scale.record(output_dict.get(key, []), reading)
+    model = output_dict[standard_component_specs.MODEL_KEY][0]
+    cluster.write_json(os.path.join(model_run_dir, TENSORBOARD_SUBDIR, RECORD_FILE), {
+        name: json_format.MessageToDict(value) for name, value in model.mlmd_artifact.custom_properties.items()})
     writer = tf.summary.create_file_writer(os.path.join(model_run_dir, TENSORBOARD_SUBDIR))
     with writer.as_default():
         for name, value in properties.items():
             tf.summary.scalar(f"accumulation/{name}", value, step=0)
         noise_scale.write_summaries(reading, step=updates)
         tf.summary.text("accumulation/settings", json.dumps(
-            {**properties, "strategy": type(strategy).__name__, "partial_window": settings.partial_window,
-             "sources": settings.sources},
+            {**properties, **strings, "strategy": type(strategy).__name__, "sources": settings.sources},
             indent=1, sort_keys=True), step=0)
     writer.flush()

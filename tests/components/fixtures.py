@@ -72,9 +72,9 @@ def hyperparameters_artifact(root, values):
     return artifact
 
 
-def run_executor(tmp, examples, num_steps=5, hyperparameters=None, stock=False, module=MODULE,
-                 custom_config=None, **accumulation):
-    """Runs our executor (or the stock GenericExecutor); returns (outputs, seen, weights)."""
+def executor_arguments(tmp, examples, num_steps=5, hyperparameters=None, module=MODULE, custom_config=None,
+                       **accumulation):
+    """(inputs, outputs, exec_properties) of a Trainer execution writing under `tmp`."""
     tmp = str(tmp)
     model, model_run = standard_artifacts.Model(), standard_artifacts.ModelRun()
     model.uri, model_run.uri = os.path.join(tmp, "model"), os.path.join(tmp, "model_run")
@@ -87,14 +87,49 @@ def run_executor(tmp, examples, num_steps=5, hyperparameters=None, stock=False, 
         "eval_args": proto_utils.proto_to_json(trainer_pb2.EvalArgs(num_steps=2)),
         "module_file": module,
         "custom_config": json_utils.dumps(custom_config),
+        **accumulation,
     }
-    if not stock:
-        properties.update(accumulation)
-    context = base_executor.BaseExecutor.Context(tmp_dir=os.path.join(tmp, "tmp"), unique_id="1")
+    return inputs, outputs, properties
+
+
+def run_executor(tmp, examples, num_steps=5, hyperparameters=None, stock=False, module=MODULE,
+                 custom_config=None, **accumulation):
+    """Runs our executor (or the stock GenericExecutor); returns (outputs, seen, weights)."""
+    inputs, outputs, properties = executor_arguments(
+        tmp, examples, num_steps, hyperparameters, module, custom_config, **({} if stock else accumulation))
+    context = base_executor.BaseExecutor.Context(tmp_dir=os.path.join(str(tmp), "tmp"), unique_id="1")
     executor_class = tfx_executor.GenericExecutor if stock else Executor
     executor_class(context).Do(inputs, outputs, properties)
-    with open(os.path.join(model_run.uri, "seen.json")) as f:
-        seen = json.load(f)
-    data = np.load(os.path.join(model_run.uri, "weights.npz"))
-    weights = [data[f"arr_{i}"] for i in range(len(data.files))]
+    seen, weights = read_run(outputs["model_run"][0].uri)
     return outputs, seen, weights
+
+
+def read_run(model_run_dir):
+    """What the test module's run_fn wrote: (seen, final weights)."""
+    with open(os.path.join(model_run_dir, "seen.json")) as f:
+        seen = json.load(f)
+    data = np.load(os.path.join(model_run_dir, "weights.npz"))
+    return seen, [data[f"arr_{i}"] for i in range(len(data.files))]
+
+
+def write_digits_examples(root, evaluation=256):
+    """The demo's shipped digits (sklearn's 8x8 images) as ExampleGen would write them."""
+    from sklearn.datasets import load_digits
+
+    from pipelines.digits.data import FEATURE_KEYS, LABEL_KEY
+
+    digits = load_digits()
+    splits = {"eval": range(evaluation), "train": range(evaluation, len(digits.target))}
+    for split, rows in splits.items():
+        directory = os.path.join(root, f"Split-{split}")
+        os.makedirs(directory, exist_ok=True)
+        with tf.io.TFRecordWriter(os.path.join(directory, "data.tfrecord.gz"), options="GZIP") as writer:
+            for row in rows:
+                feature = {key: tf.train.Feature(float_list=tf.train.FloatList(value=[digits.data[row][i]]))
+                           for i, key in enumerate(FEATURE_KEYS)}
+                feature[LABEL_KEY] = tf.train.Feature(int64_list=tf.train.Int64List(value=[digits.target[row]]))
+                writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+    examples = standard_artifacts.Examples()
+    examples.uri = root
+    examples.split_names = artifact_utils.encode_split_names(["train", "eval"])
+    return examples

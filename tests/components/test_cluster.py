@@ -1,0 +1,159 @@
+"""AccumulatingTrainer on a cluster, as Vertex AI runs it: 2 processes on 127.0.0.1.
+
+Each replica runs TFX's `run_executor` with the container command TFX's Vertex
+client generates, and the TF_CONFIG Vertex sets (chief + worker), over the same
+examples and the same output artifacts. The module files are unchanged: the
+penguin-style test module (it exports from every worker, as the stock example
+does) and the digits demo's.
+"""
+
+import glob
+
+import os
+import signal
+
+import pytest
+
+from tests.accumulator.reference import max_abs_diff
+from tests.components import fixtures, replicas
+
+STEPS, ACCUM, EFFECTIVE = 6, 4, 32      # 2 replicas x micro-batch 4 x 4 = the stock run's batch 32
+
+
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory):
+    return fixtures.write_examples(str(tmp_path_factory.mktemp("examples")))
+
+
+@pytest.fixture(scope="module")
+def stock(examples, tmp_path_factory):
+    """The stock Trainer in one process at batch 32: the large batch."""
+    _, seen, weights = fixtures.run_executor(tmp_path_factory.mktemp("stock"), examples, num_steps=STEPS, stock=True)
+    assert seen["train_batch"] == EFFECTIVE and seen["iterations"] == STEPS
+    return weights
+
+
+def _custom_properties(artifact):
+    return {name: getattr(value, value.WhichOneof("value"))
+            for name, value in artifact.mlmd_artifact.custom_properties.items()}
+
+
+def _model_dir_entries(outputs):
+    return sorted(os.listdir(outputs["model"][0].uri))
+
+
+def test_two_processes_train_like_the_large_batch_and_only_the_chief_exports_and_records(examples, stock, tmp_path):
+    inputs, outputs, properties = fixtures.executor_arguments(
+        tmp_path / "run", examples, num_steps=STEPS, accum_steps=ACCUM, effective_batch_size=EFFECTIVE)
+    results = replicas.run(replicas.container_command(inputs, outputs, properties), 2, tmp_path / "tmp")
+    assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
+
+    seen, weights = fixtures.read_run(outputs["model_run"][0].uri)     # the chief's run_fn wrote these
+    assert (seen["strategy"], seen["iterations"], seen["train_batch"]) == ("CollectiveAllReduceStrategy", STEPS, 8)  # MultiWorkerMirroredStrategy
+    assert max_abs_diff(weights, stock) <= 1e-5
+    assert _model_dir_entries(outputs) == ["Format-Serving"]
+    assert os.path.exists(os.path.join(outputs["model"][0].uri, "Format-Serving", "saved_model.pb"))
+
+    chief, worker = (replicas.published(out) for _, out, _ in results)
+    recorded = _custom_properties(chief["model"][0])
+    assert {k: recorded[k] for k in ("replicas", "workers", "accum_steps", "micro_batch_size",
+                                     "effective_batch_size", "optimizer_updates")} == {
+        "replicas": 2, "workers": 2, "accum_steps": ACCUM, "micro_batch_size": 8,
+        "effective_batch_size": EFFECTIVE, "optimizer_updates": STEPS}
+    assert recorded["effective_batch_size"] == recorded["replicas"] * 4 * recorded["accum_steps"]
+    assert recorded["distribution_strategy"] == "CollectiveAllReduceStrategy"
+    assert _custom_properties(chief["model_run"][0]) == recorded
+    assert _custom_properties(worker["model"][0]) == {}                  # the worker records nothing
+    summaries = glob.glob(os.path.join(outputs["model_run"][0].uri, "accumulation", "events.out.tfevents.*"))
+    assert len(summaries) == 1                                           # TensorBoard: once
+    assert os.listdir(tmp_path / "tmp" / "replica1") == []              # the worker's exports are gone
+
+
+def test_the_demo_module_trains_on_two_processes_and_the_chief_exports_it(tmp_path):
+    from pipelines.digits import model as digits_module
+    examples = fixtures.write_digits_examples(str(tmp_path / "examples"))
+    inputs, outputs, properties = fixtures.executor_arguments(
+        tmp_path / "run", examples, num_steps=20, module=digits_module.__file__.replace(".pyc", ".py"),
+        accum_steps=2, effective_batch_size=32)
+    results = replicas.run(replicas.container_command(inputs, outputs, properties), 2, tmp_path / "tmp")
+    assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
+    assert _model_dir_entries(outputs) == ["Format-Serving"]
+    recorded = _custom_properties(replicas.published(results[0][1])["model"][0])
+    assert (recorded["workers"], recorded["replicas"], recorded["optimizer_updates"]) == (2, 2, 20)
+    assert _custom_properties(replicas.published(results[1][1])["model"][0]) == {}
+    logs = glob.glob(os.path.join(outputs["model_run"][0].uri, "train", "events.out.tfevents.*"))
+    assert len(logs) == 1                 # the module's TensorBoard callback: the chief's alone
+
+
+def test_a_worker_that_dies_fails_the_run_with_a_clear_message_and_no_model(examples, tmp_path):
+    inputs, outputs, properties = fixtures.executor_arguments(
+        tmp_path / "run", examples, num_steps=STEPS, accum_steps=ACCUM, effective_batch_size=EFFECTIVE)
+    results = replicas.run(replicas.container_command(inputs, outputs, properties), 2, tmp_path / "tmp",
+                           env={1: {"DIE_AFTER_STEPS": 10}}, timeout=300)
+    (chief_code, _, chief_log), (worker_code, _, _) = results
+    assert worker_code == -signal.SIGKILL and chief_code != 0
+    assert "another process failed or became unreachable" in chief_log
+    assert "No model was exported" in chief_log
+    assert not os.path.exists(outputs["model"][0].uri) or _model_dir_entries(outputs) == []
+    assert not glob.glob(os.path.join(outputs["model_run"][0].uri, "accumulation", "*"))
+
+
+def _resumable(examples, tmp_path, **more):
+    return fixtures.executor_arguments(tmp_path / "run", examples, num_steps=STEPS, accum_steps=ACCUM,
+                                       effective_batch_size=EFFECTIVE, backup_dir=str(tmp_path / "backups"),
+                                       backup_every=1, **more)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_killed_run_resumes_from_its_backup_with_the_weights_of_an_uninterrupted_one(
+        workers, examples, stock, tmp_path):
+    """Backups every update (4 micro-steps); the last replica is SIGKILLed after
+    micro-step 10, 2 micro-batches into the third window; the job is restarted."""
+    inputs, outputs, properties = _resumable(examples, tmp_path)
+    command = replicas.container_command(inputs, outputs, properties)
+    killed = replicas.run(command, workers, tmp_path / "tmp1", env={workers - 1: {"DIE_AFTER_STEPS": 10}},
+                          timeout=300)
+    assert killed[-1][0] == -signal.SIGKILL
+    if workers == 2:
+        assert killed[0][0] != 0 and "resumes from the backup" in killed[0][2] and "fit step 8" in killed[0][2]
+    assert not os.path.exists(os.path.join(outputs["model"][0].uri, "Format-Serving"))
+
+    results = replicas.run(command, workers, tmp_path / "tmp2")
+    assert [code for code, _, _ in results] == [0] * workers, results[0][2][-3000:]
+    seen, weights = fixtures.read_run(outputs["model_run"][0].uri)
+    assert max_abs_diff(weights, stock) <= 1e-5
+    recorded = _custom_properties(replicas.published(results[0][1])["model"][0])
+    assert {k: recorded[k] for k in ("backup_resumes", "resumed_at_step", "resumed_at_update",
+                                     "optimizer_updates", "workers")} == {
+        "backup_resumes": 1, "resumed_at_step": 8, "resumed_at_update": 2, "optimizer_updates": STEPS,
+        "workers": workers}
+    assert recorded["backup_dir"].startswith(str(tmp_path / "backups"))
+    assert not os.path.exists(recorded["backup_dir"])          # removed once the model is published
+    assert _model_dir_entries(outputs) == ["Format-Serving"]
+
+
+def test_vertex_executor_runs_the_job_and_publishes_the_chiefs_record(examples, stock, tmp_path, monkeypatch):
+    """`VertexExecutor.Do` through TFX's own Vertex runner, the CustomJob's pools run here."""
+    from tfx.extensions.google_cloud_ai_platform import runner, training_clients
+
+    from components import cloud
+
+    jobs = []
+
+    def launch(project, training_job, enable_vertex, vertex_region):
+        jobs.append(training_job)
+        replicas.run_custom_job(training_job, tmp_path / "tmp")
+
+    monkeypatch.setattr(training_clients.VertexJobClient, "create_client", lambda self: None)
+    monkeypatch.setattr(runner, "_launch_cloud_training", launch)
+    inputs, outputs, properties = fixtures.executor_arguments(
+        tmp_path / "run", examples, num_steps=STEPS, accum_steps=ACCUM, effective_batch_size=EFFECTIVE,
+        custom_config=cloud.vertex_training_config("p", "europe-west4", "img", workers=2, gpus_per_worker=0,
+                                                   restart_job_on_worker_restart=True))
+    cloud.VertexExecutor(None).Do(inputs, outputs, properties)
+    spec = jobs[0]["job_spec"]
+    assert [p["replica_count"] for p in spec["worker_pool_specs"]] == [1, 1]
+    assert spec["scheduling"] == {"restart_job_on_worker_restart": True}
+    recorded = _custom_properties(outputs["model"][0])
+    assert (recorded["workers"], recorded["replicas"], recorded["effective_batch_size"]) == (2, 2, EFFECTIVE)
+    assert max_abs_diff(fixtures.read_run(outputs["model_run"][0].uri)[1], stock) <= 1e-5
