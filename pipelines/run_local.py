@@ -13,6 +13,15 @@ trains a two-tower model with in-batch negatives under
 `AccumulatingTrainer(gradient_cache=True)`, and prints the chosen
 hyperparameters, the Trainer's record and the held-out recall@10 of the
 exported model, beside what the generating distribution and chance reach.
+
+Both run their Beam components (CsvExampleGen, StatisticsGen; digits' Evaluator)
+on Beam's direct runner in memory, one worker, unless told otherwise:
+
+    python -m pipelines.run_local --beam_running_mode=multi_processing --beam_workers=2
+
+starts two SDK worker processes per Beam component and splits the data between
+them; the outputs are the same records and statistics
+(`tests/pipelines/test_beam_multiprocessing.py`).
 """
 
 import json
@@ -34,9 +43,42 @@ TUNER_UPDATES = flags.DEFINE_integer("tuner_updates", None, "Optimizer updates o
 MAX_TRIALS = flags.DEFINE_integer("max_trials", None, "Tuning trials; default: digits 4, retrieval 2 "
                                   "(retrieval: 0 leaves the Tuner out).")
 THRESHOLD = flags.DEFINE_float("accuracy_threshold", 0.8, "digits: Evaluator's accuracy lower bound for blessing.")
+BEAM_RUNNING_MODES = ("in_memory", "multi_threading", "multi_processing")
+BEAM_RUNNING_MODE = flags.DEFINE_enum(
+    "beam_running_mode", "in_memory", BEAM_RUNNING_MODES,
+    "How Beam's direct runner runs the Beam components (CsvExampleGen, StatisticsGen, Evaluator): "
+    "in_memory (one worker, in this process), multi_threading (--beam_workers threads) or "
+    "multi_processing (--beam_workers SDK worker processes).")
+BEAM_WORKERS = flags.DEFINE_integer(
+    "beam_workers", None, "Beam's worker count (direct_num_workers). in_memory takes only 1, its default; "
+    "multi_threading and multi_processing default to the machine's CPU count.", lower_bound=1)
 MEASURE = flags.DEFINE_boolean("measure_noise_scale", True,
                                "digits: the Trainer measures the gradient noise scale (the critical batch). "
                                "Not with retrieval (GradientCache gives no honest estimate).")
+
+
+def beam_pipeline_args(running_mode="in_memory", workers=None):
+    """The pipeline's `beam_pipeline_args` for the direct runner: `running_mode` one of
+    BEAM_RUNNING_MODES, `workers` (direct_num_workers) 1 in memory, else default the CPU count."""
+    if running_mode not in BEAM_RUNNING_MODES:
+        raise ValueError(f"running_mode={running_mode!r}: one of {', '.join(BEAM_RUNNING_MODES)}")
+    if workers is None:
+        workers = 1 if running_mode == "in_memory" else os.cpu_count() or 1
+    if workers < 1 or (running_mode == "in_memory" and workers != 1):
+        raise ValueError(f"workers={workers} with running_mode={running_mode!r}: in_memory takes 1, "
+                         "multi_threading and multi_processing 1 or more")
+    return [f"--direct_running_mode={running_mode}", f"--direct_num_workers={workers}"]
+
+
+@flags.multi_flags_validator(["beam_running_mode", "beam_workers"],
+                             message="--beam_workers above 1 needs --beam_running_mode=multi_processing or "
+                                     "multi_threading: in_memory runs one worker")
+def _beam_flags_agree(values):
+    return values["beam_running_mode"] != "in_memory" or values["beam_workers"] in (None, 1)
+
+
+def _beam_args():
+    return beam_pipeline_args(BEAM_RUNNING_MODE.value, BEAM_WORKERS.value)
 
 
 def latest_artifacts(metadata_path):
@@ -133,6 +175,7 @@ def run_digits(root):
         max_trials=_option(MAX_TRIALS, 2),
         accuracy_threshold=THRESHOLD.value,
         measure_noise_scale=MEASURE.value,
+        beam_pipeline_args=_beam_args(),
     )
     BeamDagRunner().run(pipeline)
     summary = summarize(metadata_path, name)
@@ -176,6 +219,7 @@ def run_retrieval(root):
         train_updates=_option(TRAIN_UPDATES, 0),
         tuner_updates=_option(TUNER_UPDATES, 1),
         max_trials=_option(MAX_TRIALS, 2),
+        beam_pipeline_args=_beam_args(),
     ))
     summary = summarize(metadata_path, name)
     print("\n=== retrieval pipeline ===")

@@ -41,6 +41,17 @@ def eval_config(threshold=ACCURACY_THRESHOLD):
     )
 
 
+def data_components(data_root: str):
+    """The data components, in order: CsvExampleGen (of the CSV under `data_root`),
+    StatisticsGen, SchemaGen. The first two run on Beam."""
+    example_gen = tfx.components.CsvExampleGen(input_base=data_root)
+    statistics_gen = tfx.components.StatisticsGen(examples=example_gen.outputs["examples"])
+    schema_gen = tfx.components.SchemaGen(
+        statistics=statistics_gen.outputs["statistics"], infer_feature_shape=True
+    )
+    return example_gen, statistics_gen, schema_gen
+
+
 def create_pipeline(
     pipeline_name: str,
     pipeline_root: str,
@@ -78,11 +89,7 @@ def create_pipeline(
         code = dict(tuner=dict(tuner_fn=f"{module}.tuner_fn"), trainer=dict(run_fn=f"{module}.run_fn"))
     else:
         code = dict(tuner=dict(module_file=module_file), trainer=dict(module_file=module_file))
-    example_gen = tfx.components.CsvExampleGen(input_base=data_root)
-    statistics_gen = tfx.components.StatisticsGen(examples=example_gen.outputs["examples"])
-    schema_gen = tfx.components.SchemaGen(
-        statistics=statistics_gen.outputs["statistics"], infer_feature_shape=True
-    )
+    example_gen, statistics_gen, schema_gen = data_components(data_root)
     tuner = tfx.components.Tuner(
         **code["tuner"],
         examples=example_gen.outputs["examples"],
