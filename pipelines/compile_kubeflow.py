@@ -31,13 +31,23 @@ MACHINE = flags.DEFINE_string("machine_type", "n1-standard-8", "Machine type of 
 ACCELERATOR = flags.DEFINE_string("accelerator_type", "NVIDIA_TESLA_T4", "GPU type.")
 ACCUM = flags.DEFINE_integer("accum_steps", 4, "Default accum_steps (the Tuner's best wins).")
 EFFECTIVE = flags.DEFINE_integer("effective_batch_size", 64, "Default effective batch (the Tuner's best wins).")
+BACKUP_DIR = flags.DEFINE_string(
+    "backup_dir", None, "Where the Trainer backs training up, so a preempted worker's restart resumes "
+    "(every replica restarts with it); default <pipeline_root>/trainer-backups; 'none': no backup.")
+BACKUP_EVERY = flags.DEFINE_integer("backup_every", 100, "Optimizer updates between the Trainer's backups.")
 OUTPUT = flags.DEFINE_string("output", "digits_pipeline.json", "Where to write the pipeline JSON.")
 
 
 def compile_pipeline(output, project, region, image, pipeline_root, data_root, serving_model_dir,
                      workers, gpus_per_worker, machine_type, accelerator_type, accum_steps,
-                     effective_batch_size):
-    """Writes the KFP v2 pipeline JSON to `output`; returns its path."""
+                     effective_batch_size, backup_dir=None, backup_every=100):
+    """Writes the KFP v2 pipeline JSON to `output`; returns its path.
+
+    `backup_dir` (default `<pipeline_root>/trainer-backups`; "none" for no
+    backup): the Trainer backs up there every `backup_every` optimizer
+    updates, and Vertex restarts every replica when one restarts, so the job
+    resumes together from the backup instead of failing.
+    """
     from tfx.orchestration.kubeflow.v2 import kubeflow_v2_dag_runner
 
     from components.cloud import VertexAccumulatingTrainer, vertex_training_config
@@ -46,6 +56,9 @@ def compile_pipeline(output, project, region, image, pipeline_root, data_root, s
 
     # The executor's own check, with the replicas the worker pools will have.
     resolve(None, accum_steps, effective_batch_size, replicas=workers * max(gpus_per_worker, 1))
+    if backup_dir is None:
+        backup_dir = f"{pipeline_root.rstrip('/')}/trainer-backups"
+    backup_dir = None if backup_dir.lower() == "none" else backup_dir
     pipeline = create_pipeline(
         pipeline_name="digits-accumulation",
         pipeline_root=pipeline_root,
@@ -58,7 +71,10 @@ def compile_pipeline(output, project, region, image, pipeline_root, data_root, s
         trainer_custom_config=vertex_training_config(
             project, region, image, workers=workers, machine_type=machine_type,
             accelerator_type=accelerator_type, gpus_per_worker=gpus_per_worker,
+            restart_job_on_worker_restart=backup_dir is not None,
         ),
+        backup_dir=backup_dir,
+        backup_every=backup_every if backup_dir is not None else None,
         beam_pipeline_args=[f"--project={project}", f"--temp_location={pipeline_root}/beam-tmp"],
     )
     output = os.path.abspath(output)
@@ -76,7 +92,7 @@ def main(argv):
     path = compile_pipeline(
         OUTPUT.value, PROJECT.value, REGION.value, IMAGE.value, PIPELINE_ROOT.value, DATA_ROOT.value,
         SERVING_DIR.value, WORKERS.value, GPUS.value, MACHINE.value, ACCELERATOR.value,
-        ACCUM.value, EFFECTIVE.value,
+        ACCUM.value, EFFECTIVE.value, BACKUP_DIR.value, BACKUP_EVERY.value,
     )
     print(f"Pipeline compiled to {path}")
 

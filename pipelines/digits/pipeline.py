@@ -72,11 +72,15 @@ def create_pipeline(
     trainer_class=AccumulatingTrainer,
     trainer_custom_config=None,
     measure_noise_scale: bool = False,
+    backup_dir: Optional[str] = None,
+    backup_every: Optional[int] = None,
 ) -> tfx.dsl.Pipeline:
     """Builds the pipeline. `accum_steps`/`effective_batch_size` are the Trainer's
 
     defaults; the Tuner's best values replace them. `measure_noise_scale`: the
     Trainer estimates the gradient noise scale and records it on its model.
+    `backup_dir`, `backup_every`: the Trainer backs training up there and a
+    restarted Trainer resumes (AccumulatingTrainer's parameters).
 
     The Tuner and Trainer get their code from `module_file` (a path, packaged by
     TFX as a wheel under the pipeline root when the pipeline is compiled or run)
@@ -110,6 +114,8 @@ def create_pipeline(
         effective_batch_size=effective_batch_size,
         strategy=strategy,
         measure_noise_scale=measure_noise_scale,
+        backup_dir=backup_dir,
+        backup_every=backup_every,
     )
     evaluator = tfx.components.Evaluator(
         examples=example_gen.outputs["examples"],

@@ -8,7 +8,6 @@ does) and the digits demo's.
 """
 
 import glob
-
 import os
 import signal
 

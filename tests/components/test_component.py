@@ -61,6 +61,9 @@ def test_hyperparameters_channel_is_accepted():
         ({"gradient_cache": True, "partial_window": "drop"}, ValueError, "`partial_window='drop'` is not supported"),
         ({"gradient_cache": True, "merge_duplicate_rows": True}, ValueError, "`merge_duplicate_rows=True` is not"),
         ({"gradient_cache": True, "accum_steps": 3, "effective_batch_size": 64}, ValueError, "divide evenly"),
+        ({"backup_dir": ""}, ValueError, "`backup_dir` must be a non-empty path"),
+        ({"backup_dir": 3}, ValueError, "`backup_dir` must be a non-empty path"),
+        ({"backup_dir": "/b", "backup_every": 0}, ValueError, "`backup_every` must be a positive integer"),
     ],
 )
 def test_bad_parameters_fail_when_the_pipeline_is_defined(extra, error, message):

@@ -47,6 +47,27 @@ def test_trainer_runs_on_gpu_worker_pools_with_accumulation(tmp_path):
     assert executor["args"][:2] == ["--executor_class_path", "components.cloud.VertexExecutor"]
 
 
+def test_the_spec_carries_the_pools_the_image_and_the_backup_a_restarted_cluster_resumes_from(tmp_path):
+    spec = _compile(tmp_path, pipeline_root="gs://bucket/root", backup_every=50)
+    trainer = spec["root"]["dag"]["tasks"]["VertexAccumulatingTrainer"]
+    params = {k: v["runtimeValue"]["constantValue"] for k, v in trainer["inputs"]["parameters"].items()}
+    assert params["backup_dir"] == {"stringValue": "gs://bucket/root/trainer-backups"}
+    assert params["backup_every"] == {"intValue": "50"}
+    job = json.loads(params["custom_config"]["stringValue"])["ai_platform_training_args"]
+    assert job["scheduling"] == {"restart_job_on_worker_restart": True}   # a preempted replica restarts them all
+    assert [p["replica_count"] for p in job["worker_pool_specs"]] == [1, 2]
+    assert {p["container_spec"]["image_uri"] for p in job["worker_pool_specs"]} == {"img:1"}
+    executor = spec["deploymentSpec"]["executors"]["VertexAccumulatingTrainer_executor"]["container"]
+    assert executor["image"] == "img:1"
+
+    spec = _compile(tmp_path, backup_dir="none")
+    trainer = spec["root"]["dag"]["tasks"]["VertexAccumulatingTrainer"]
+    assert "backup_dir" not in trainer["inputs"]["parameters"]
+    config = json.loads(trainer["inputs"]["parameters"]["custom_config"]["runtimeValue"]["constantValue"]
+                        ["stringValue"])
+    assert "scheduling" not in config["ai_platform_training_args"]
+
+
 def test_effective_batch_must_divide_over_all_replicas(tmp_path):
     # 3 workers x 2 GPUs x accum 4 = 24 does not divide 64.
     with pytest.raises(ValueError, match="divide evenly"):
