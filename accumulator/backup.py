@@ -10,7 +10,7 @@ are counted twice, and an accumulation window is left half-full. A
   the epoch's window is closed), the model's and the optimizer's state
   (weights, slots, the accumulator's window: its sums, rows, counts) is saved
   with the position: epoch, step in the epoch, steps in all;
-* a backup is a new folder `step-<steps>` written whole before the file
+* a backup is a new folder `step-<steps>-epoch-<e>-<b>` written whole before the file
   `latest` names it (written to a temporary name, then renamed), so a process
   killed while saving leaves the previous backup in force; two are kept;
 * the next `fit` with the same arguments restores the latest backup when
@@ -92,7 +92,10 @@ class TrainingBackup:
 
     def save(self, model, progress):
         """Writes a backup of `model` at `progress` (every worker calls this)."""
-        target = os.path.join(self.directory, f"step-{progress['steps']}") if self.chief else tempfile.mkdtemp()
+        # Named by the position, so a save never rewrites the backup in force (an epoch's
+        # end can follow a backup at the same step).
+        name = f"step-{progress['steps']}-epoch-{progress['epoch']}-{progress['batch']}"
+        target = os.path.join(self.directory, name) if self.chief else tempfile.mkdtemp()
         if tf.io.gfile.exists(target):
             tf.io.gfile.rmtree(target)
         tf.io.gfile.makedirs(target)
@@ -111,6 +114,7 @@ class TrainingBackup:
     def _prune(self, keep):
         backups = sorted((int(name.rstrip("/").split("-")[1]), name.rstrip("/"))
                          for name in tf.io.gfile.listdir(self.directory) if name.startswith("step-"))
+        # Oldest first; the one just written (`keep`) is never removed.
         for _, name in backups[:-KEEP]:
             if name != keep:
                 tf.io.gfile.rmtree(os.path.join(self.directory, name))

@@ -101,9 +101,9 @@ def test_a_backup_is_in_force_only_once_written_whole(tmp_path):
         with pytest.raises(Interrupted):
             _fit(_model(), _dataset(MICRO * 11, True), 22, 1, [_StopAt(13)])
     assert backup.latest()["steps"] == 12
-    assert sorted(os.listdir(tmp_path / "backup")) == [LATEST, "step-12", "step-8"]   # two kept
+    assert sorted(os.listdir(tmp_path / "backup")) == [LATEST, "step-12-epoch-0-12", "step-8-epoch-0-8"]  # two kept
     # A save killed after its folder was begun: `latest` still names the whole one.
-    os.makedirs(tmp_path / "backup" / "step-16")
+    os.makedirs(tmp_path / "backup" / "step-16-epoch-0-16")
     assert backup.latest()["steps"] == 12
     backup.remove()
     assert not os.path.exists(tmp_path / "backup")

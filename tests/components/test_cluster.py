@@ -11,6 +11,7 @@ import glob
 import os
 import signal
 
+import numpy as np
 import pytest
 
 from tests.accumulator.reference import max_abs_diff
@@ -27,9 +28,18 @@ def examples(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stock(examples, tmp_path_factory):
     """The stock Trainer in one process at batch 32: the large batch."""
-    _, seen, weights = fixtures.run_executor(tmp_path_factory.mktemp("stock"), examples, num_steps=STEPS, stock=True)
+    outputs, seen, weights = fixtures.run_executor(tmp_path_factory.mktemp("stock"), examples, num_steps=STEPS,
+                                                   stock=True)
     assert seen["train_batch"] == EFFECTIVE and seen["iterations"] == STEPS
-    return weights
+    return weights, _predictions(outputs)
+
+
+def _predictions(outputs):
+    """The exported model's predictions on fixed inputs (its `serve` endpoint)."""
+    import tensorflow as tf
+    served = tf.saved_model.load(os.path.join(outputs["model"][0].uri, "Format-Serving"))
+    x = np.random.RandomState(1).randn(4, 64, 1).astype("float32")
+    return served.serve([tf.constant(column) for column in x]).numpy()
 
 
 def _custom_properties(artifact):
@@ -49,10 +59,13 @@ def test_two_processes_train_like_the_large_batch_and_only_the_chief_exports_and
 
     seen, weights = fixtures.read_run(outputs["model_run"][0].uri)     # the chief's run_fn wrote these
     assert (seen["strategy"], seen["iterations"], seen["train_batch"]) == ("CollectiveAllReduceStrategy", STEPS, 8)  # MultiWorkerMirroredStrategy
-    print(f"[measured] 2 processes vs the one-process large batch: max |dw| = {max_abs_diff(weights, stock):.1e}")
-    assert max_abs_diff(weights, stock) <= 1e-5
+    stock_weights, stock_predictions = stock
+    print(f"[measured] 2 processes vs the one-process large batch: max |dw| = "
+          f"{max_abs_diff(weights, stock_weights):.1e}, exported predictions "
+          f"{np.abs(_predictions(outputs) - stock_predictions).max():.1e}")
+    assert max_abs_diff(weights, stock_weights) <= 1e-5
     assert _model_dir_entries(outputs) == ["Format-Serving"]
-    assert os.path.exists(os.path.join(outputs["model"][0].uri, "Format-Serving", "saved_model.pb"))
+    assert np.abs(_predictions(outputs) - stock_predictions).max() <= 1e-5     # the exported model itself
 
     chief, worker = (replicas.published(out) for _, out, _ in results)
     recorded = _custom_properties(chief["model"][0])
@@ -122,8 +135,9 @@ def test_a_killed_run_resumes_from_its_backup_with_the_weights_of_an_uninterrupt
     assert [code for code, _, _ in results] == [0] * workers, results[0][2][-3000:]
     seen, weights = fixtures.read_run(outputs["model_run"][0].uri)
     print(f"[measured] {workers} process(es), killed and resumed, vs the large batch: "
-          f"max |dw| = {max_abs_diff(weights, stock):.1e}")
-    assert max_abs_diff(weights, stock) <= 1e-5
+          f"max |dw| = {max_abs_diff(weights, stock[0]):.1e}")
+    assert max_abs_diff(weights, stock[0]) <= 1e-5
+    assert np.abs(_predictions(outputs) - stock[1]).max() <= 1e-5
     recorded = _custom_properties(replicas.published(results[0][1])["model"][0])
     assert {k: recorded[k] for k in ("backup_resumes", "resumed_at_step", "resumed_at_update",
                                      "optimizer_updates", "workers")} == {
@@ -158,4 +172,5 @@ def test_vertex_executor_runs_the_job_and_publishes_the_chiefs_record(examples, 
     assert spec["scheduling"] == {"restart_job_on_worker_restart": True}
     recorded = _custom_properties(outputs["model"][0])
     assert (recorded["workers"], recorded["replicas"], recorded["effective_batch_size"]) == (2, 2, EFFECTIVE)
-    assert max_abs_diff(fixtures.read_run(outputs["model_run"][0].uri)[1], stock) <= 1e-5
+    assert max_abs_diff(fixtures.read_run(outputs["model_run"][0].uri)[1], stock[0]) <= 1e-5
+    assert np.abs(_predictions(outputs) - stock[1]).max() <= 1e-5
