@@ -151,3 +151,27 @@ def test_what_a_backup_cannot_resume_is_refused_before_training(tmp_path):
     assert not np.isnan(model.get_weights()[0]).any()
     with pytest.raises(ValueError, match="every_steps"):
         TrainingBackup(str(tmp_path), every_steps=0)
+
+
+def test_a_gradient_cache_run_resumes_exactly(tmp_path):
+    """In-batch negatives: each step is a whole batch in micro-batches; the backup is the model's and Adam's."""
+    from accumulator import GradientCache
+    from tests.accumulator import contrastive_models as cm
+
+    data = tf.data.Dataset.from_tensor_slices(cm.interactions(64 * 6)).batch(64)   # finite: 6 steps an epoch
+
+    def train(callbacks=()):
+        model = GradientCache(cm.built("two_tower"), accum_steps=4)
+        model.compile(optimizer=keras.optimizers.Adam(1e-2))
+        model.fit(data, epochs=2, verbose=0, callbacks=list(callbacks))
+        return model
+
+    expected = train()
+    with hooks.fits_backed_up(TrainingBackup(str(tmp_path / "backup"), every_steps=2)):
+        with pytest.raises(Interrupted):
+            train([_StopAt(9)])
+    backup = TrainingBackup(str(tmp_path / "backup"), every_steps=2)
+    with hooks.fits_backed_up(backup):
+        resumed = train()
+    assert (backup.resumed_from["epoch"], backup.resumed_from["batch"]) == (1, 2)   # step 8: 2 into epoch 2
+    assert ref.max_abs_diff(resumed.get_weights(), expected.get_weights()) <= 1e-6
