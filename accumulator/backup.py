@@ -95,10 +95,13 @@ class TrainingBackup:
         # Named by the position, so a save never rewrites the backup in force (an epoch's
         # end can follow a backup at the same step).
         name = f"step-{progress['steps']}-epoch-{progress['epoch']}-{progress['batch']}"
-        target = os.path.join(self.directory, name) if self.chief else tempfile.mkdtemp()
-        if tf.io.gfile.exists(target):
-            tf.io.gfile.rmtree(target)
-        tf.io.gfile.makedirs(target)
+        if self.chief:
+            target = os.path.join(self.directory, name)
+            if tf.io.gfile.exists(target):       # a save of this position killed before `latest` named it
+                tf.io.gfile.rmtree(target)
+            tf.io.gfile.makedirs(target)
+        else:
+            target = tempfile.mkdtemp()
         model.save_weights(os.path.join(target, WEIGHTS))
         if not self.chief:
             shutil.rmtree(target, ignore_errors=True)

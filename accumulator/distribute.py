@@ -54,11 +54,14 @@ def parse_tf_config(raw):
     return config
 
 
+def _training_processes(cluster):
+    """How many processes of a TF_CONFIG cluster train (its chief and workers)."""
+    return sum(len(cluster.get(job, [])) for job in _WORKER_TYPES)
+
+
 def choose_strategy_kind(tf_config, num_gpus):
     """The decision alone: one of `KINDS`, from a parsed TF_CONFIG and a GPU count."""
-    cluster = tf_config.get("cluster", {})
-    workers = sum(len(cluster.get(job, [])) for job in _WORKER_TYPES)
-    if workers > 1:
+    if _training_processes(tf_config.get("cluster", {})) > 1:
         return "multi_worker"
     if num_gpus > 1:
         return "mirrored"
@@ -72,8 +75,8 @@ def cluster_role(tf_config):
     the chief (the "chief" task; worker 0 where the cluster names none; a process
     alone), its name ("chief", "worker 1", ...) and how many processes train."""
     cluster = tf_config.get("cluster", {})
-    workers = sum(len(cluster.get(job, [])) for job in _WORKER_TYPES)
-    if not cluster or workers <= 1:
+    workers = _training_processes(cluster)
+    if workers <= 1:
         return True, "chief", max(workers, 1)
     task_type, index = tf_config["task"]["type"], tf_config["task"]["index"]
     chief = task_type == "chief" or (task_type == "worker" and index == 0 and "chief" not in cluster)

@@ -20,12 +20,11 @@ import os
 
 from google.protobuf import json_format
 from ml_metadata.proto import metadata_store_pb2
-from tfx.dsl.io import fileio
-from tfx.types import standard_component_specs
-
 from tfx.dsl.components.base import executor_spec
+from tfx.dsl.io import fileio
 from tfx.extensions.google_cloud_ai_platform import constants as vertex_constants
 from tfx.extensions.google_cloud_ai_platform.trainer import executor as cloud_executor
+from tfx.types import standard_component_specs
 
 from accumulator.validation import integer_at_least
 from components import executor

@@ -130,9 +130,10 @@ def _describe(settings, strategy, train_steps, role):
 
 
 def _record(output_dict, model_run_dir, settings, strategy, optimizers, role, backup):
-    """Records what the run did on the output artifacts (ML Metadata) and in
-    TensorBoard; returns the optimizer updates made. Refuses a run that wrapped
-    no optimizer, so no artifact claims an accumulation that did not happen."""
+    """Records what the run did on the output artifacts (ML Metadata), in
+    `record.json` and in TensorBoard (the chief alone calls this). Refuses a run
+    that wrapped no optimizer, so no artifact claims an accumulation that did not
+    happen."""
     if not optimizers and settings.gradient_cache:
         raise RuntimeError(
             "AccumulatingTrainer(gradient_cache=True) saw no GradientCache compiled: the run_fn "
