@@ -26,41 +26,52 @@ def load_module(path, name):
     return module
 
 
-def write_examples(root, train=384, evaluation=64):
-    rng = np.random.RandomState(0)
-    w = rng.randn(4)
-    for split, count in (("train", train), ("eval", evaluation)):
-        directory = os.path.join(root, f"Split-{split}")
-        os.makedirs(directory, exist_ok=True)
-        with tf.io.TFRecordWriter(os.path.join(directory, "data.tfrecord.gz"), options="GZIP") as writer:
-            for _ in range(count):
-                x = rng.randn(4)
-                feature = {f"x{i}": tf.train.Feature(float_list=tf.train.FloatList(value=[x[i]])) for i in range(4)}
-                feature["y"] = tf.train.Feature(float_list=tf.train.FloatList(value=[np.tanh(x @ w)]))
-                writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+def _float(value):
+    return tf.train.Feature(float_list=tf.train.FloatList(value=[value]))
+
+
+def _int(value):
+    return tf.train.Feature(int64_list=tf.train.Int64List(value=[value]))
+
+
+def _write_split(root, split, features):
+    """Writes `features` (an iterable of {name: tf.train.Feature}) as ExampleGen's `Split-<split>`."""
+    directory = os.path.join(root, f"Split-{split}")
+    os.makedirs(directory, exist_ok=True)
+    with tf.io.TFRecordWriter(os.path.join(directory, "data.tfrecord.gz"), options="GZIP") as writer:
+        for feature in features:
+            writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+
+
+def _examples_artifact(root):
     examples = standard_artifacts.Examples()
     examples.uri = root
     examples.split_names = artifact_utils.encode_split_names(["train", "eval"])
     return examples
+
+
+def write_examples(root, train=384, evaluation=64):
+    rng = np.random.RandomState(0)
+    w = rng.randn(4)
+
+    def rows(count):
+        for _ in range(count):
+            x = rng.randn(4)
+            yield {**{f"x{i}": _float(x[i]) for i in range(4)}, "y": _float(np.tanh(x @ w))}
+
+    for split, count in (("train", train), ("eval", evaluation)):
+        _write_split(root, split, rows(count))
+    return _examples_artifact(root)
 
 
 def write_interactions(root, train=384, evaluation=64, users=40, items=60):
     """(user, item) pairs as int64 features `user`, `item`: each user prefers a few items."""
     rng = np.random.RandomState(0)
     for split, count in (("train", train), ("eval", evaluation)):
-        directory = os.path.join(root, f"Split-{split}")
-        os.makedirs(directory, exist_ok=True)
         user = rng.randint(0, users, count)
         item = (user * 7 + rng.randint(0, 5, count)) % items
-        with tf.io.TFRecordWriter(os.path.join(directory, "data.tfrecord.gz"), options="GZIP") as writer:
-            for u, i in zip(user, item):
-                feature = {"user": tf.train.Feature(int64_list=tf.train.Int64List(value=[u])),
-                           "item": tf.train.Feature(int64_list=tf.train.Int64List(value=[i]))}
-                writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
-    examples = standard_artifacts.Examples()
-    examples.uri = root
-    examples.split_names = artifact_utils.encode_split_names(["train", "eval"])
-    return examples
+        _write_split(root, split, ({"user": _int(u), "item": _int(i)} for u, i in zip(user, item)))
+    return _examples_artifact(root)
 
 
 def hyperparameters_artifact(root, values):
@@ -121,15 +132,6 @@ def write_digits_examples(root, evaluation=256):
     digits = load_digits()
     splits = {"eval": range(evaluation), "train": range(evaluation, len(digits.target))}
     for split, rows in splits.items():
-        directory = os.path.join(root, f"Split-{split}")
-        os.makedirs(directory, exist_ok=True)
-        with tf.io.TFRecordWriter(os.path.join(directory, "data.tfrecord.gz"), options="GZIP") as writer:
-            for row in rows:
-                feature = {key: tf.train.Feature(float_list=tf.train.FloatList(value=[digits.data[row][i]]))
-                           for i, key in enumerate(FEATURE_KEYS)}
-                feature[LABEL_KEY] = tf.train.Feature(int64_list=tf.train.Int64List(value=[digits.target[row]]))
-                writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
-    examples = standard_artifacts.Examples()
-    examples.uri = root
-    examples.split_names = artifact_utils.encode_split_names(["train", "eval"])
-    return examples
+        _write_split(root, split, ({**{key: _float(digits.data[row][i]) for i, key in enumerate(FEATURE_KEYS)},
+                                    LABEL_KEY: _int(digits.target[row])} for row in rows))
+    return _examples_artifact(root)
