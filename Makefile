@@ -59,8 +59,10 @@ $(VENV)/.installed: setup.py constraints/tfx-1.16.txt
 	touch $@
 
 # The core library alone on the newest TensorFlow and Keras.
-$(LATEST)/.installed-py$(LATEST_PY): setup.py constraints/tf-latest.txt
+# Plus KerasHub for the conformance suite (its own constraints file says why --no-deps).
+$(LATEST)/.installed-py$(LATEST_PY): setup.py constraints/tf-latest.txt constraints/tf-latest-conformance.txt
 	$(call core_venv,$(LATEST),constraints/tf-latest.txt,$(PYTHON_LATEST),$(LATEST_PY),PYTHON_LATEST)
+	$(LATEST)/bin/pip install -q --no-deps -r constraints/tf-latest-conformance.txt || { rm -f $@; exit 1; }
 
 # The core library alone on the oldest supported TensorFlow and Keras.
 $(OLDEST)/.installed-py$(OLDEST_PY): setup.py constraints/oldest.txt

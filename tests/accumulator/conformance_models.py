@@ -1,0 +1,248 @@
+"""Models no one here wrote, at toy size, for tests/accumulator/test_conformance.py.
+
+* KerasHub backbones, random init, built offline from their constructors (no preset,
+  no download): each with a small regression head (pooled output -> Dense).
+* Keras layers as keras.io writes them: `TokenAndPositionEmbedding` (the text
+  classification and miniature-GPT examples: `self.pos_emb(ops.arange(0, maxlen))`
+  beside a per-token `Embedding`) with the example's `TransformerBlock`, and the
+  `Patches`/`PatchEncoder` of "Image classification with Vision Transformer".
+* A CLIP-style model: KerasHub's ViT as the image tower, the keras.io text layers as
+  the text tower, scored by the library's `contrastive.symmetric_info_nce`.
+
+Every dropout rate is 0: random draws differ between the large batch and its
+micro-batches by design, so they are left out of an exactness check.
+"""
+
+import keras
+import keras_hub
+import numpy as np
+from keras import layers, ops
+
+from accumulator import contrastive
+
+VOCAB, LENGTH, HIDDEN, INTERMEDIATE = 100, 8, 16, 32
+IMAGE, PATCH = (8, 8, 3), 4
+
+_TEXT = dict(vocabulary_size=VOCAB, num_layers=1, hidden_dim=HIDDEN, intermediate_dim=INTERMEDIATE)
+_BERT_LIKE = dict(_TEXT, num_heads=2, dropout=0.0, max_sequence_length=LENGTH)
+_DECODER = dict(_TEXT, num_query_heads=2, num_key_value_heads=1)
+_VISION = dict(patch_size=PATCH, hidden_dim=HIDDEN, num_layers=1, num_heads=2, intermediate_dim=INTERMEDIATE,
+               image_shape=IMAGE)
+
+# name: (backbone class name in keras_hub.models, constructor arguments, inputs it takes)
+# inputs: "text" token_ids + padding_mask, "segments" also segment_ids, "fnet" token_ids +
+# segment_ids, "seq2seq" encoder_/decoder_ token_ids and padding_mask, "image" images.
+HUB = {
+    "albert": ("AlbertBackbone", dict(_BERT_LIKE, embedding_dim=8), "segments"),
+    "bart": ("BartBackbone", _BERT_LIKE, "seq2seq"),
+    "bert": ("BertBackbone", _BERT_LIKE, "segments"),
+    "bloom": ("BloomBackbone", dict(_TEXT, num_heads=2, dropout=0.0), "text"),
+    "clip_vision": ("CLIPVisionEncoder", _VISION, "image"),
+    "deberta_v3": ("DebertaV3Backbone", dict(_BERT_LIKE, bucket_size=4), "text"),
+    "distil_bert": ("DistilBertBackbone", _BERT_LIKE, "text"),
+    "electra": ("ElectraBackbone", dict(vocab_size=VOCAB, num_layers=1, hidden_dim=HIDDEN, embedding_dim=8,
+                                        intermediate_dim=INTERMEDIATE, num_heads=2, dropout=0.0,
+                                        max_sequence_length=LENGTH), "segments"),
+    "falcon": ("FalconBackbone", dict(_TEXT, num_attention_heads=2), "text"),
+    "f_net": ("FNetBackbone", dict(_TEXT, dropout=0.0, max_sequence_length=LENGTH), "fnet"),
+    "gemma": ("GemmaBackbone", dict(_DECODER, head_dim=8), "text"),
+    "gpt2": ("GPT2Backbone", _BERT_LIKE, "text"),
+    "gpt_neo_x": ("GPTNeoXBackbone", dict(_BERT_LIKE), "text"),
+    "llama": ("LlamaBackbone", _DECODER, "text"),
+    "mistral": ("MistralBackbone", dict(_DECODER, sliding_window=LENGTH), "text"),
+    "opt": ("OPTBackbone", _BERT_LIKE, "text"),
+    "phi3": ("Phi3Backbone", dict(_DECODER, max_sequence_length=LENGTH, pretraining_sequence_length=LENGTH),
+             "text"),
+    "qwen": ("QwenBackbone", _DECODER, "text"),
+    "roberta": ("RobertaBackbone", _BERT_LIKE, "text"),
+    "siglip_vision": ("SigLIPVisionEncoder", _VISION, "image"),
+    "t5": ("T5Backbone", dict(_TEXT, num_heads=2, dropout=0.0), "seq2seq"),
+    "vit": ("ViTBackbone", dict(image_shape=IMAGE, patch_size=PATCH, num_layers=1, num_heads=2,
+                                hidden_dim=HIDDEN, mlp_dim=INTERMEDIATE), "image"),
+    "xlm_roberta": ("XLMRobertaBackbone", _BERT_LIKE, "text"),
+}
+
+
+def hub_inputs(kind, samples, seed=0):
+    """Deterministic inputs of one kind: ids in [1, VOCAB), lengths 5 to 8 (then padding)."""
+    rng = np.random.RandomState(seed)
+    if kind == "image":
+        return rng.rand(samples, *IMAGE).astype("float32")
+    ids = rng.randint(1, VOCAB, (samples, LENGTH)).astype("int32")
+    mask = (np.arange(LENGTH)[None, :] < rng.randint(5, LENGTH + 1, (samples, 1))).astype("int32")
+    ids = ids * mask
+    if kind == "seq2seq":
+        return {"encoder_token_ids": ids, "encoder_padding_mask": mask,
+                "decoder_token_ids": np.roll(ids, 1, axis=0), "decoder_padding_mask": np.roll(mask, 1, axis=0)}
+    segments = (np.arange(LENGTH)[None, :] >= LENGTH // 2).astype("int32") * mask
+    if kind == "fnet":
+        return {"token_ids": ids, "segment_ids": segments}
+    features = {"token_ids": ids, "padding_mask": mask}
+    if kind == "segments":
+        features["segment_ids"] = segments
+    return features
+
+
+def _pooled(outputs):
+    """One vector per sample from whatever a backbone returns."""
+    if isinstance(outputs, dict):
+        if "pooled_output" in outputs:
+            return outputs["pooled_output"]
+        return layers.Concatenate()([_pooled(outputs[k]) for k in sorted(outputs)])
+    return layers.GlobalAveragePooling1D()(outputs) if len(outputs.shape) == 3 else outputs
+
+
+def hub_model(name, seed=1):
+    """KerasHub's backbone `name` (random init) with a Dense(1) head, weights fixed by `seed`."""
+    class_name, config, kind = HUB[name]
+    keras.utils.set_random_seed(seed)
+    backbone = getattr(keras_hub.models, class_name)(**config)
+    example = hub_inputs(kind, 1)
+    if kind == "image":
+        inputs = keras.Input(IMAGE)
+    else:
+        inputs = {k: keras.Input((LENGTH,), dtype="int32", name=k) for k in example}
+    return keras.Model(inputs, layers.Dense(1)(_pooled(backbone(inputs))))
+
+
+# ------------------------------------------------------------------ keras.io's layers
+# As the examples write them (Keras 3 versions), dropout rates set to 0.
+
+class TokenAndPositionEmbedding(layers.Layer):
+    """keras.io, "Text classification with Transformer" and "miniature GPT"."""
+
+    def __init__(self, maxlen, vocab_size, embed_dim):
+        super().__init__()
+        self.token_emb = layers.Embedding(input_dim=vocab_size, output_dim=embed_dim)
+        self.pos_emb = layers.Embedding(input_dim=maxlen, output_dim=embed_dim)
+
+    def call(self, x):
+        maxlen = ops.shape(x)[-1]
+        positions = ops.arange(start=0, stop=maxlen, step=1)
+        positions = self.pos_emb(positions)
+        x = self.token_emb(x)
+        return x + positions
+
+
+class TransformerBlock(layers.Layer):
+    """keras.io, "Text classification with Transformer"."""
+
+    def __init__(self, embed_dim, num_heads, ff_dim, rate=0.0):
+        super().__init__()
+        self.att = layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
+        self.ffn = keras.Sequential([layers.Dense(ff_dim, activation="relu"), layers.Dense(embed_dim)])
+        self.layernorm1 = layers.LayerNormalization(epsilon=1e-6)
+        self.layernorm2 = layers.LayerNormalization(epsilon=1e-6)
+        self.dropout1 = layers.Dropout(rate)
+        self.dropout2 = layers.Dropout(rate)
+
+    def call(self, inputs):
+        attn_output = self.att(inputs, inputs)
+        attn_output = self.dropout1(attn_output)
+        out1 = self.layernorm1(inputs + attn_output)
+        ffn_output = self.ffn(out1)
+        ffn_output = self.dropout2(ffn_output)
+        return self.layernorm2(out1 + ffn_output)
+
+
+class Patches(layers.Layer):
+    """keras.io, "Image classification with Vision Transformer"."""
+
+    def __init__(self, patch_size):
+        super().__init__()
+        self.patch_size = patch_size
+
+    def call(self, images):
+        input_shape = ops.shape(images)
+        batch_size = input_shape[0]
+        height = input_shape[1]
+        width = input_shape[2]
+        channels = input_shape[3]
+        num_patches_h = height // self.patch_size
+        num_patches_w = width // self.patch_size
+        patches = keras.ops.image.extract_patches(images, size=self.patch_size)
+        patches = ops.reshape(
+            patches,
+            (batch_size, num_patches_h * num_patches_w, self.patch_size * self.patch_size * channels),
+        )
+        return patches
+
+
+class PatchEncoder(layers.Layer):
+    """keras.io, "Image classification with Vision Transformer"."""
+
+    def __init__(self, num_patches, projection_dim):
+        super().__init__()
+        self.num_patches = num_patches
+        self.projection = layers.Dense(units=projection_dim)
+        self.position_embedding = layers.Embedding(input_dim=num_patches, output_dim=projection_dim)
+
+    def call(self, patch):
+        positions = ops.expand_dims(ops.arange(start=0, stop=self.num_patches, step=1), axis=0)
+        projected_patches = self.projection(patch)
+        encoded = projected_patches + self.position_embedding(positions)
+        return encoded
+
+
+def keras_io_text_classifier(seed=1):
+    """The text-classification example's model, at toy size (its head: pooled -> Dense)."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input(shape=(LENGTH,), dtype="int32")
+    x = TokenAndPositionEmbedding(LENGTH, VOCAB, HIDDEN)(inputs)
+    x = TransformerBlock(HIDDEN, 2, INTERMEDIATE)(x)
+    x = layers.GlobalAveragePooling1D()(x)
+    x = layers.Dense(20, activation="relu")(x)
+    return keras.Model(inputs, layers.Dense(1)(x))
+
+
+def keras_io_vit(seed=1):
+    """The ViT example's model (patches, encoder, one transformer layer), at toy size."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input(shape=IMAGE)
+    num_patches = (IMAGE[0] // PATCH) * (IMAGE[1] // PATCH)
+    encoded = PatchEncoder(num_patches, HIDDEN)(Patches(PATCH)(inputs))
+    x1 = layers.LayerNormalization(epsilon=1e-6)(encoded)
+    attention = layers.MultiHeadAttention(num_heads=2, key_dim=HIDDEN)(x1, x1)
+    x2 = layers.Add()([attention, encoded])
+    x3 = layers.LayerNormalization(epsilon=1e-6)(x2)
+    x3 = layers.Dense(INTERMEDIATE, activation=keras.activations.gelu)(x3)
+    x3 = layers.Dense(HIDDEN, activation=keras.activations.gelu)(x3)
+    encoded = layers.Add()([x3, x2])
+    x = layers.Flatten()(layers.LayerNormalization(epsilon=1e-6)(encoded))
+    return keras.Model(inputs, layers.Dense(1)(layers.Dense(INTERMEDIATE, activation="gelu")(x)))
+
+
+# ------------------------------------------------------------------ a loss that couples the batch
+
+class HubClip(keras.Model):
+    """CLIP-style: KerasHub's ViT as the image tower, keras.io's layers as the text tower."""
+
+    def __init__(self, dim=8, **kwargs):
+        super().__init__(**kwargs)
+        self.image = keras.Sequential([keras_hub.models.ViTBackbone(**HUB["vit"][1]),
+                                       layers.GlobalAveragePooling1D(), layers.Dense(dim)])
+        self.text = keras.Sequential([TokenAndPositionEmbedding(LENGTH, VOCAB, HIDDEN),
+                                      layers.GlobalAveragePooling1D(), layers.Dense(dim)])
+        self.logit_scale = self.add_weight(shape=(), initializer=keras.initializers.Constant(np.log(1 / 0.07)),
+                                           name="logit_scale")
+
+    def call(self, inputs):
+        return {"image": self.image(inputs["image"]), "text": self.text(inputs["text"])}
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return contrastive.symmetric_info_nce(y_pred["image"], y_pred["text"], self.logit_scale)
+
+
+def clip_pairs(samples, seed=0):
+    """Images that depend on their captions' ids, so the towers have something to align."""
+    rng = np.random.RandomState(seed)
+    text = rng.randint(0, VOCAB, (samples, LENGTH)).astype("int32")
+    image = np.eye(VOCAB, int(np.prod(IMAGE)))[text].mean(1).reshape(samples, *IMAGE)
+    return {"image": (image + 0.1 * rng.rand(samples, *IMAGE)).astype("float32"), "text": text}
+
+
+def hub_clip(seed=1):
+    keras.utils.set_random_seed(seed)
+    model = HubClip()
+    model({k: v[:2] for k, v in clip_pairs(2).items()})
+    return model

@@ -1,0 +1,153 @@
+"""Conformance: models no one here wrote train through the library like Keras' own large batch.
+
+KerasHub's backbones (random init, toy configs, built offline) and Keras layers as
+keras.io writes them, each with a small head, trained by `fit(batch_size=b)` with
+`GradientAccumulator(accum_steps=N)` against Keras' own `fit(batch_size=N·b)` from the
+same initial weights, with AdamW and with SGD; a CLIP-style model (KerasHub's ViT as the
+image tower) through `GradientCache` against Keras' own large batch. Exact: max |Δw| ≤
+1e-5, or, where Keras' own rounding is above that, no more than a noise floor measured
+in the same test: Keras' large batch again with the samples permuted inside each batch
+(the same training in exact arithmetic). Dropout rates are 0 (their draws differ by
+design). Controls show the comparisons can fail.
+
+KerasHub is a test dependency of one environment (.venv-tf-latest,
+constraints/tf-latest-conformance.txt); elsewhere this file is skipped.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+pytest.importorskip("keras_hub", reason="KerasHub is installed only in .venv-tf-latest "
+                                        "(constraints/tf-latest-conformance.txt)")
+
+from accumulator import GradientAccumulator, GradientCache  # noqa: E402
+from tests.accumulator import conformance_models as cm  # noqa: E402
+from tests.accumulator import reference as ref  # noqa: E402
+
+MICRO_BATCH, N, UPDATES = 4, 2, 3
+SAMPLES = MICRO_BATCH * N * UPDATES
+TOLERANCE = 1e-5
+
+OPTIMIZERS = {
+    "adamw": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.05),
+    "sgd": lambda: keras.optimizers.SGD(1e-2, momentum=0.9),
+}
+
+
+def _regression(features, seed=1):
+    return features, np.random.RandomState(seed).randn(SAMPLES, 1).astype("float32")
+
+
+def _take(features, index):
+    return {k: v[index] for k, v in features.items()} if isinstance(features, dict) else features[index]
+
+
+def _permuted_inside_batches(x, y, batch, seed=0):
+    rng = np.random.RandomState(seed)
+    index = np.concatenate([start + rng.permutation(min(batch, SAMPLES - start))
+                            for start in range(0, SAMPLES, batch)])
+    return _take(x, index), y[index]
+
+
+def _trained(make, x, y, optimizer, batch, eager=False, **window):
+    model = make()
+    model.compile(optimizer=GradientAccumulator(optimizer, N, **window) if window or batch == MICRO_BATCH
+                  else optimizer, loss="mse", run_eagerly=eager)
+    model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+def _per_variable(weights_a, weights_b):
+    return [float(np.max(np.abs(a - b))) for a, b in zip(weights_a, weights_b)]
+
+
+def assert_like_keras_large_batch(make, x, y, optimizer_name, eager=False):
+    """Each variable within 1e-5 of Keras' own large batch, or within its noise floor there.
+
+    The floor (measured only where some variable is over 1e-5): twice the larger spread of
+    that variable between Keras' large batch and the same batches with their samples in two
+    other orders. It matters for parameters whose true gradient is zero (an attention key's
+    bias: a softmax ignores it), where Adam turns rounding noise into steps of ~1e-4.
+    """
+    optimizer = OPTIMIZERS[optimizer_name]
+    expected = _trained(make, x, y, optimizer(), MICRO_BATCH * N, eager)
+    moved = ref.max_abs_diff(expected, make().get_weights())
+    assert moved > 100 * TOLERANCE, f"training hardly moved the weights ({moved:.1e}): nothing is compared"
+    got = _trained(make, x, y, optimizer(), MICRO_BATCH, eager)
+    off = _per_variable(got, expected)
+    ref.max_abs_diff(got, expected)
+    if max(off) <= TOLERANCE:
+        return
+    spreads = [_per_variable(_trained(make, *_permuted_inside_batches(x, y, MICRO_BATCH * N, seed), optimizer(),
+                                      MICRO_BATCH * N, eager), expected) for seed in (0, 1)]
+    floor = [2 * max(spread) for spread in zip(*spreads)]
+    names = [v.path for v in make().weights]
+    over = [f"{name}: {o:.2e} (floor {f:.2e})" for name, o, f in zip(names, off, floor) if o > max(TOLERANCE, f)]
+    assert not over, "off Keras' large batch by more than 1e-5 and its noise floor: " + "; ".join(over)
+
+
+# In `fit`'s compiled step; every other family eagerly (`run_eagerly=True`), to keep the
+# file's time small: tracing a train step costs more than training these models.
+TRACED = ("bert", "gpt2", "vit")
+
+
+@pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("family", sorted(cm.HUB))
+def test_keras_hub_backbone_accumulates_like_keras_large_batch(family, optimizer_name):
+    x, y = _regression(cm.hub_inputs(cm.HUB[family][2], SAMPLES))
+    assert_like_keras_large_batch(lambda: cm.hub_model(family), x, y, optimizer_name, eager=family not in TRACED)
+
+
+@pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
+def test_keras_io_token_and_position_embedding_accumulates_like_keras_large_batch(optimizer_name):
+    x, y = _regression(cm.hub_inputs("text", SAMPLES)["token_ids"])
+    assert_like_keras_large_batch(cm.keras_io_text_classifier, x, y, optimizer_name)
+
+
+@pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
+def test_keras_io_vit_patch_encoder_accumulates_like_keras_large_batch(optimizer_name):
+    x, y = _regression(cm.hub_inputs("image", SAMPLES))
+    assert_like_keras_large_batch(cm.keras_io_vit, x, y, optimizer_name, eager=True)
+
+
+def test_control_merging_every_duplicate_row_misses_the_token_table():
+    # keras.io's text model has a per-token table (repeated ids: rows Keras' AdamW keeps
+    # apart) beside its position table: merging every duplicate row is wrong for the first.
+    x, y = _regression(cm.hub_inputs("text", SAMPLES)["token_ids"])
+    make = cm.keras_io_text_classifier
+    expected = _trained(make, x, y, OPTIMIZERS["adamw"](), MICRO_BATCH * N, eager=True)
+    merged = _trained(make, x, y, OPTIMIZERS["adamw"](), MICRO_BATCH, eager=True, merge_duplicate_rows=True)
+    assert ref.max_abs_diff(merged, expected) > 100 * TOLERANCE
+
+
+# ------------------------------------------------------------------ GradientCache
+
+def _clip_large_batch(optimizer, data, eager=False):
+    model = cm.hub_clip()
+    model.compile(optimizer=optimizer, run_eagerly=eager)
+    model.fit(data, batch_size=MICRO_BATCH * N, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+def test_gradient_cache_trains_a_clip_with_keras_hub_vit_like_keras_large_batch():
+    # Both towers look their position tables up once per batch (KerasHub's ViT with
+    # position_ids, keras.io's TokenAndPositionEmbedding); AdamW keeps repeated rows apart.
+    data = cm.clip_pairs(SAMPLES)
+    expected = _clip_large_batch(OPTIMIZERS["adamw"](), data)
+    assert ref.max_abs_diff(expected, cm.hub_clip().get_weights()) > 100 * TOLERANCE
+    inner = cm.hub_clip()
+    model = GradientCache(inner, N)
+    model.compile(optimizer=OPTIMIZERS["adamw"]())
+    model.fit(data, batch_size=MICRO_BATCH * N, shuffle=False, verbose=0)
+    assert ref.max_abs_diff(inner.get_weights(), expected) <= TOLERANCE
+
+
+def test_control_plain_accumulation_of_the_clip_loss_is_far_off():
+    # Each micro-batch of 4 scored against its own 3 negatives, not the batch's 7.
+    data = cm.clip_pairs(SAMPLES)
+    expected = _clip_large_batch(OPTIMIZERS["sgd"](), data, eager=True)
+    plain = cm.hub_clip()
+    plain.compile(optimizer=GradientAccumulator(OPTIMIZERS["sgd"](), N), run_eagerly=True)
+    plain.fit(data, batch_size=MICRO_BATCH, shuffle=False, verbose=0)
+    assert ref.max_abs_diff(plain.get_weights(), expected) > 100 * TOLERANCE
