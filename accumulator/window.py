@@ -40,7 +40,7 @@ import logging
 import numpy as np
 import tensorflow as tf
 
-from accumulator import _tf, seam
+from accumulator import _tf, lookups, seam
 from accumulator.noise_scale import (
     DEFAULT_SMOOTHING, NoiseScaleEstimate, micro_batch_terms, squared_norm, validate_smoothing,
 )
@@ -196,7 +196,11 @@ class AccumulationWindow:
     when a close is traced: ``_indices_with_grads`` (variables that got a
     gradient in any step: what a forced close applies), ``_seen_in_window``
     (eagerly, this window's), ``_dense_seen`` and ``_rows_seen`` (which
-    variables got dense or sparse gradients: how each closes).
+    variables got dense or sparse gradients: how each closes), and
+    ``_once_per_batch`` ({variable index: the rows' count, or None when known
+    only at run time}: the variables whose rows come from a lookup made once
+    per batch, summed position by position across the window; see
+    `accumulator.lookups`).
     """
 
     # ------------------------------------------------------------------ setup
@@ -219,7 +223,8 @@ class AccumulationWindow:
         self.epoch_schedule = None
         self._untracked(_window_listeners=[], _vars=[], _index_by_id={}, _accumulators=[],
                         _overwrite_indices=frozenset(), _window_strategy=None,
-                        _noise_estimate=None, _noise_sums=[], _rows=[], _rows_seen=set(), _dense_seen=set())
+                        _noise_estimate=None, _noise_sums=[], _rows=[], _rows_seen=set(), _dense_seen=set(),
+                        _once_per_batch={})
 
     @staticmethod
     def _validate_window_arguments(accum_steps, partial_window, schedulable, measure_noise_scale,
@@ -588,10 +593,14 @@ class AccumulationWindow:
                 self._seen_in_window.add(index)
             if index in self._overwrite_indices:
                 _tf.keep_maximum(self._accumulators[index], grad)
-            elif isinstance(grad, tf.IndexedSlices) and self._keeps_rows(index):
+            elif isinstance(grad, tf.IndexedSlices) and self._keeps_rows(index, grad):
                 self._rows_seen.add(index)
                 rows = self._rows[index]
-                _tf.append_rows(rows.values, rows.indices, rows.count, grad, weight)
+                if index in self._once_per_batch:
+                    _tf.add_rows_in_place(rows.values, rows.indices, rows.count, grad, weight,
+                                          self._window_strategy)
+                else:
+                    _tf.append_rows(rows.values, rows.indices, rows.count, grad, weight)
             else:
                 self._ensure_dense(index)
                 _tf.add_weighted(self._accumulators[index], grad, weight)
@@ -606,8 +615,13 @@ class AccumulationWindow:
             for total, term in zip(self._noise_sums, terms):
                 total.assign_add(term)
 
-    def _keeps_rows(self, index):
-        """Whether a sparse gradient for variable `index` goes to its row buffers.
+    def _keeps_rows(self, index, grad):
+        """Whether a sparse gradient `grad` for variable `index` goes to its row buffers.
+
+        Rows of a lookup made once per batch (`accumulator.lookups`, decided here
+        from the traced program and remembered, for eager steps, in
+        `_once_per_batch`) are summed position by position in buffers of a size
+        fixed when the step is traced: kept everywhere, XLA included.
 
         Not where the buffers cannot be used: under XLA (`jit_compile=True`),
         which cannot compile buffers that change size, and, for a class whose
@@ -618,7 +632,14 @@ class AccumulationWindow:
         """
         if self._rows[index] is None:
             return False
+        kind = lookups.kind_of_rows(grad.indices)
+        if kind == lookups.ONCE_PER_BATCH:
+            self._once_per_batch[index] = grad.indices.shape.num_elements()
+        elif kind == lookups.PER_SAMPLE:
+            self._once_per_batch.pop(index, None)
         xla = seam.in_xla_context()
+        if index in self._once_per_batch and (not xla or self._once_per_batch[index] is not None):
+            return True
         if not xla and (_tf.replicas_in_sync() == 1 or self.keeps_rows_across_replicas):
             return True
         if self.merge_duplicate_rows or self.inner_sums_repeated_rows:
@@ -734,14 +755,15 @@ class AccumulationWindow:
         """
         variable, rows = self._vars[index], self._rows[index]
         shape = tf.constant(tuple(variable.shape), tf.int64)
+        count = self._once_per_batch.get(index)     # known when traced, for XLA
         if _tf.replicas_in_sync() == 1:
             # Divided where they lie (see _tf.divide_in_place): no second copy of the
             # rows next to the buffer while the inner optimizer runs.
             _tf.divide_in_place([_tf.backing_variable(rows.values)], weight_sum)
-            slices = tf.IndexedSlices(*_tf.read_rows(rows.values, rows.indices, rows.count), shape)
+            slices = tf.IndexedSlices(*_tf.read_rows(rows.values, rows.indices, rows.count, count), shape)
         else:
             slices = _tf.gather_over_replicas(tf.IndexedSlices(
-                *_tf.read_rows(rows.values, rows.indices, rows.count), shape))
+                *_tf.read_rows(rows.values, rows.indices, rows.count, count), shape))
             slices = tf.IndexedSlices(slices.values / tf.cast(weight_sum, slices.values.dtype),
                                       slices.indices, slices.dense_shape)
         if self.merge_duplicate_rows:
