@@ -347,6 +347,27 @@ class AccumulationWindow:
         return list(self._rows)
 
     @property
+    def gradient_kinds(self):
+        """{variable path: how the window holds its gradients}, for the variables that
+        got one in a step so far: "dense" (a sum), "rows" (a sparse gradient's rows,
+        kept apart as the large batch keeps them), "once-per-batch rows" (a lookup
+        whose ids do not depend on the sample: one row per id position, the
+        micro-batches summed into it; see `accumulator.lookups`), "dense + rows",
+        or "maximum" (`overwrite_with_gradient` variables)."""
+        kinds = {}
+        for i in sorted(self._indices_with_grads):
+            variable = self._vars[i]
+            if i in self._overwrite_indices:
+                kind = "maximum"
+            elif i in self._rows_seen:
+                kind = lookups.ONCE_PER_BATCH if i in self._once_per_batch else lookups.PER_SAMPLE
+                kind = "dense + " + kind if i in self._dense_seen else kind
+            else:
+                kind = "dense"
+            kinds[getattr(variable, "path", None) or variable.name] = kind
+        return kinds
+
+    @property
     def held_micro_batches(self):
         """Micro-batches in the open window, as an int (0 before the optimizer is built)."""
         if not self._window_built() or self._passthrough:
