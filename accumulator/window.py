@@ -49,6 +49,12 @@ from accumulator.validation import integer_at_least
 logger = logging.getLogger(__name__)
 
 PARTIAL_WINDOW_MODES = ("apply", "carry", "drop")
+# "auto": read the compiled loss's reduction in `fit` (a mean otherwise); "mean": the
+# window's gradient is the micro-batches' mean, each weighing its loss's denominator;
+# "sum": the loss sums over its samples, and so does the window (see `accumulator.weighting`).
+LOSS_REDUCTIONS = ("auto", "mean", "sum")
+# What `accumulator.weighting` notes for a loss that sums over its samples.
+SUMMED_LOSS = "sum"
 
 __all__ = [
     "AccumulationWindow", "DEFAULT_SMOOTHING", "PARTIAL_WINDOW_MODES", "optimizer_chain",
@@ -73,6 +79,13 @@ def validate_measure_noise_scale(measure, name="measure_noise_scale"):
     if not isinstance(measure, bool):
         raise ValueError(f"`{name}` must be True or False; received {measure!r}.")
     return measure
+
+
+def validate_loss_reduction(reduction, name="loss_reduction"):
+    """Returns `reduction` if it is one of LOSS_REDUCTIONS, or raises naming the parameter."""
+    if reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"`{name}` must be one of {LOSS_REDUCTIONS}; received {reduction!r}.")
+    return reduction
 
 
 def validate_merge_duplicate_rows(merge, name="merge_duplicate_rows"):
@@ -104,7 +117,7 @@ def refuse_unknown_arguments(kwargs, advice=""):
         raise ValueError(
             f"GradientAccumulator got unknown arguments: {sorted(kwargs)}. "
             "It takes `optimizer`, `accum_steps`, `partial_window`, `schedulable`, "
-            "`measure_noise_scale`, `noise_scale_smoothing`, `merge_duplicate_rows` and `name`" + (f"; {advice}" if advice else ".")
+            "`measure_noise_scale`, `noise_scale_smoothing`, `merge_duplicate_rows`, `loss_reduction` and `name`" + (f"; {advice}" if advice else ".")
         )
 
 
@@ -124,6 +137,10 @@ def refuse_nested_accumulation(optimizer):
                 "argument and set `accum_steps` on the GradientAccumulator "
                 f"(accum_steps={inner.gradient_accumulation_steps} for the same window)."
             )
+
+
+def _is_summed(noted_weight):
+    return isinstance(noted_weight, str) and noted_weight == SUMMED_LOSS
 
 
 def _accumulator_dtype(variable):
@@ -205,8 +222,9 @@ class AccumulationWindow:
 
     # ------------------------------------------------------------------ setup
     def _init_window(self, accum_steps, partial_window, schedulable, measure_noise_scale,
-                     noise_scale_smoothing, merge_duplicate_rows):
+                     noise_scale_smoothing, merge_duplicate_rows, loss_reduction="auto"):
         self._accum_steps = accum_steps
+        self.loss_reduction = loss_reduction
         self.merge_duplicate_rows = merge_duplicate_rows
         self.partial_window = partial_window
         # Indices of the variables that got gradients in any traced or eager
@@ -228,8 +246,9 @@ class AccumulationWindow:
 
     @staticmethod
     def _validate_window_arguments(accum_steps, partial_window, schedulable, measure_noise_scale,
-                                   noise_scale_smoothing, merge_duplicate_rows):
+                                   noise_scale_smoothing, merge_duplicate_rows, loss_reduction="auto"):
         accum_steps = validate_accum_steps(accum_steps)
+        loss_reduction = validate_loss_reduction(loss_reduction)
         merge_duplicate_rows = validate_merge_duplicate_rows(merge_duplicate_rows)
         validate_partial_window(partial_window)
         measure_noise_scale = validate_measure_noise_scale(measure_noise_scale)
@@ -242,7 +261,7 @@ class AccumulationWindow:
                 "with windows of 1, which give no estimate. Use accum_steps >= 2."
             )
         return (accum_steps, partial_window, schedulable, measure_noise_scale, noise_scale_smoothing,
-                merge_duplicate_rows)
+                merge_duplicate_rows, loss_reduction)
 
     def _untracked(self, **attributes):
         # Plain Python state, set past TensorFlow's attribute tracking: the
@@ -532,11 +551,33 @@ class AccumulationWindow:
             # Transparent: the inner optimizer sees exactly what it would alone.
             self._hand_to_updater(grads, trainable_variables, reduced=False)
             return
-        if micro_batch_weight is None:
-            micro_batch_weight = 1.0 if noted_weight is None else noted_weight
-        self._update(grads, indices, micro_batch_weight)
+        weight, divisor = self._micro_batch_weights(micro_batch_weight, noted_weight)
+        self._update(grads, indices, weight, divisor=divisor)
 
-    def _update(self, grads, indices, weight=1.0, close_only=False):
+    def _micro_batch_weights(self, micro_batch_weight, noted_weight):
+        """(what the micro-batch's gradient is multiplied by, what it adds to the divisor).
+
+        A loss that is a mean (S_k / D_k, `accumulator.weighting`) weighs D_k in
+        both: the window's gradient is sum(D_k g_k) / sum(D_k). A loss that sums
+        over its samples (reduction "sum" or "none": S_k) weighs 1, and the
+        window divides by 1, not by its micro-batches: its gradient is sum(g_k),
+        the large batch's sum. Under R replicas each replica adds 1 at the
+        window's start, and the close divides the reduced weight by R.
+        """
+        summed = self.loss_reduction == "sum" or (
+            self.loss_reduction == "auto" and micro_batch_weight is None and _is_summed(noted_weight))
+        if summed:
+            if micro_batch_weight is not None:
+                raise ValueError(
+                    "`micro_batch_weight` is for losses that are means; this GradientAccumulator "
+                    "has loss_reduction='sum' (the window sums the micro-batches' gradients, "
+                    "as the large batch sums its samples'): leave it out.")
+            return 1.0, tf.cast(tf.equal(self._micro_step, 0), tf.float32)
+        if micro_batch_weight is None:
+            micro_batch_weight = 1.0 if noted_weight is None or _is_summed(noted_weight) else noted_weight
+        return micro_batch_weight, micro_batch_weight
+
+    def _update(self, grads, indices, weight=1.0, close_only=False, divisor=None):
         """The window's whole flow: add a micro-batch, count it, and when the window is
         full close it: reduce it over the replicas, apply its mean, reset it.
 
@@ -552,7 +593,7 @@ class AccumulationWindow:
             with_grads = set(self._indices_with_grads)
         else:
             # 1. Add: each replica adds `weight * grad` to its own buffers.
-            self._accumulate(grads, indices, weight)
+            self._accumulate(grads, indices, weight, weight if divisor is None else divisor)
 
         def count_and_close(distribution):      # `distribution`: None without a strategy
             if close_only:
@@ -601,8 +642,9 @@ class AccumulationWindow:
             )
         return index
 
-    def _accumulate(self, grads, indices, weight=1.0):
-        """Replica-local: adds `weight * grad` into the window's buffers.
+    def _accumulate(self, grads, indices, weight=1.0, divisor=1.0):
+        """Replica-local: adds `weight * grad` into the window's buffers, and `divisor`
+        to the window's weight (see `_micro_batch_weights`).
 
         `overwrite_with_gradient` variables keep the window's running maximum.
         """
@@ -625,7 +667,7 @@ class AccumulationWindow:
             else:
                 self._ensure_dense(index)
                 _tf.add_weighted(self._accumulators[index], grad, weight)
-        self._weight_sum.assign_add(weight)
+        self._weight_sum.assign_add(tf.cast(divisor, tf.float32))
         if self._noise_sums:
             # This replica's micro-batch: R^2 |g|^2, R/w and 1 (R the replicas,
             # as in the window gradient; see `accumulator.noise_scale`).
@@ -827,6 +869,7 @@ class AccumulationWindow:
             "measure_noise_scale": self.measure_noise_scale,
             "noise_scale_smoothing": self.noise_scale_smoothing,
             "merge_duplicate_rows": self.merge_duplicate_rows,
+            "loss_reduction": self.loss_reduction,
         }
 
     # ------------------------------------------------ what each Keras supplies
