@@ -13,7 +13,8 @@ RMSprop (and clipping) treat repeated rows one by one, so the two differ.
 The decision is made per gradient from the traced program, never from the ids'
 values (two micro-batches that happen to look up equal ids are still two
 lookups): the ids are "once per batch" when they are computed from constants
-and shapes only. Any path to the data (a function argument, an iterator), to a
+and shapes only, and shaped as one lookup for the batch (a scalar, a vector,
+or a leading axis of 1; see `_shaped_once_per_batch`). Any path to the data (a function argument, an iterator), to a
 variable's value (it may change between micro-batches: a seed generator, a
 counter) or through a stateful op (random ids drawn per batch, as sampled
 softmax draws them) makes them per sample, which keeps the rows apart: what the
@@ -41,7 +42,34 @@ def kind_of_rows(indices):
     """
     if not _is_symbolic(indices):
         return None
-    return ONCE_PER_BATCH if _from_constants_and_shapes(indices) else PER_SAMPLE
+    ids = _forward_ids(indices)
+    once = _shaped_once_per_batch(ids) and _from_constants_and_shapes(indices)
+    return ONCE_PER_BATCH if once else PER_SAMPLE
+
+
+def _forward_ids(indices):
+    """The ids the forward lookup used: a gather's gradient flattens them (`Reshape`)."""
+    op = indices.op
+    while op.type in ("Reshape", "Identity") and op.inputs[0].dtype.is_integer:
+        indices, op = op.inputs[0], op.inputs[0].op
+    return indices
+
+
+def _shaped_once_per_batch(ids):
+    """Whether `ids` are shaped like one lookup for the batch: a scalar, a vector of
+    ids, or a leading axis of 1 (``(1, L)``, broadcast over the samples after the
+    lookup). Ids with a leading axis larger than 1 (``(b, L)``: positions
+    broadcast to every sample *before* the lookup, or token type ids of zeros)
+    are one lookup per sample: the large batch keeps their rows apart.
+
+    (Keras gives a batch of static size its size as a Python number, so a
+    traced program cannot tell a batch axis from a constant one: the shape is
+    what tells.)
+    """
+    shape = ids.shape
+    if shape.rank is None:
+        return False
+    return shape.rank <= 1 or shape[0] == 1
 
 
 def _is_symbolic(tensor):
