@@ -233,6 +233,7 @@ class AccumulationWindow:
         # call: what a forced close of the window applies.
         self._indices_with_grads = set()
         self._close_function = None
+        self._warned_eager_rows = False
         # Fixed at construction: a traced train step cannot switch paths later.
         self.schedulable = bool(schedulable)
         self._passthrough = accum_steps == 1 and not self.schedulable
@@ -702,6 +703,14 @@ class AccumulationWindow:
             self._once_per_batch[index] = grad.indices.shape.num_elements()
         elif kind == lookups.PER_SAMPLE:
             self._once_per_batch.pop(index, None)
+        elif index not in self._once_per_batch and not self._warned_eager_rows:
+            self._warned_eager_rows = True
+            logger.warning(
+                "GradientAccumulator got a sparse gradient in an eager step (no tf.function, or "
+                "run_eagerly=True): with no traced program to read, it cannot tell a lookup made "
+                "once per batch (a position table's arange) from a lookup per sample, and keeps "
+                "every micro-batch's rows apart. A once-per-batch lookup then trains unlike the "
+                "large batch with Adam-like optimizers; run the step in a tf.function.")
         xla = seam.in_xla_context()
         if index in self._once_per_batch and (not xla or self._once_per_batch[index] is not None):
             return True
