@@ -250,7 +250,7 @@ def gather_over_replicas(slices):
     return tf.distribute.get_replica_context().all_reduce(SUM, slices)
 
 
-def rows_of_replicas_of_the_large_batch(slices, rows_per_lookup, replicas):
+def rows_of_replicas_of_the_large_batch(slices, rows_per_lookup, replicas, row_shape):
     """A once-per-batch lookup's rows of a window, as Keras' large batch has them
     under `replicas` replicas (`tf.IndexedSlices`, gathered replica after replica).
 
@@ -261,14 +261,14 @@ def rows_of_replicas_of_the_large_batch(slices, rows_per_lookup, replicas):
     k * replicas + r of the batch, and lies in the large batch's share
     chunk // K (K micro-batches in the window): the chunks are summed so.
     """
-    rest = slices.values.shape[1:]
-    values = tf.reshape(slices.values, [replicas, -1, rows_per_lookup] + rest.as_list())
+    rest = list(row_shape)
+    values = tf.reshape(slices.values, [replicas, -1, rows_per_lookup] + rest)
     held = tf.shape(values)[1]
-    perm = [1, 0] + list(range(2, values.shape.rank))
-    chunks = tf.reshape(tf.transpose(values, perm), [-1, rows_per_lookup] + rest.as_list())
+    perm = [1, 0] + list(range(2, 3 + len(rest)))
+    chunks = tf.reshape(tf.transpose(values, perm), [-1, rows_per_lookup] + rest)
     shares = tf.math.unsorted_segment_sum(chunks, tf.range(held * replicas) // held, replicas)
     indices = tf.tile(slices.indices[:rows_per_lookup], [replicas])
-    return tf.IndexedSlices(tf.reshape(shares, [-1] + rest.as_list()), indices, slices.dense_shape)
+    return tf.IndexedSlices(tf.reshape(shares, [-1] + rest), indices, slices.dense_shape)
 
 
 def merge_duplicate_rows(slices):

@@ -839,7 +839,8 @@ class AccumulationWindow:
             slices = _tf.gather_over_replicas(tf.IndexedSlices(
                 *_tf.read_rows(rows.values, rows.indices, rows.count), shape))
             if count is not None:
-                slices = _tf.rows_of_replicas_of_the_large_batch(slices, count, _tf.replicas_in_sync())
+                slices = _tf.rows_of_replicas_of_the_large_batch(
+                    slices, count, _tf.replicas_in_sync(), tuple(variable.shape)[1:])
             slices = tf.IndexedSlices(slices.values / tf.cast(weight_sum, slices.values.dtype),
                                       slices.indices, slices.dense_shape)
         if self.merge_duplicate_rows:
