@@ -108,7 +108,7 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
             possibly inside a `mixed_precision.LossScaleOptimizer`, or the name
             of one.
         accum_steps, partial_window, schedulable, measure_noise_scale,
-        noise_scale_smoothing, merge_duplicate_rows, name: as for the Keras 3
+        noise_scale_smoothing, merge_duplicate_rows, loss_reduction, name: as for the Keras 3
             class. Keras 2's optimizers sum repeated rows themselves, so
             `merge_duplicate_rows` changes nothing here.
     """
@@ -120,10 +120,10 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
 
     def __init__(self, optimizer, accum_steps=1, partial_window="apply", schedulable=False,
                  measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING,
-                 merge_duplicate_rows=False, name=None, **kwargs):
+                 merge_duplicate_rows=False, loss_reduction="auto", name=None, **kwargs):
         window_args = self._validate_window_arguments(
             accum_steps, partial_window, schedulable, measure_noise_scale, noise_scale_smoothing,
-            merge_duplicate_rows)
+            merge_duplicate_rows, loss_reduction)
         optimizer = _resolve_optimizer(optimizer)
         kwargs.pop("is_legacy_optimizer", None)     # in every Keras 2 optimizer config
         refuse_unknown_arguments(kwargs, "set clipping, weight decay and EMA on the inner optimizer.")
