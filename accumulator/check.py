@@ -52,7 +52,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_TOLERANCE = 1e-5
 DEFAULT_FLOOR_FACTOR = 10.0
 DEFAULT_UPDATES = 3
-KINDS = ("dense", "rows", "once-per-batch rows", "batch-norm statistics", "non-trainable state")
+KINDS = ("dense", "rows", "once-per-batch rows", "dense + rows", "dense + once-per-batch rows", "maximum",
+         "batch-norm statistics", "non-trainable state")
 _RANDOM_LAYER_NAMES = ("Dropout", "GaussianNoise", "GaussianDropout", "AlphaDropout")
 
 
@@ -323,14 +324,15 @@ def _kinds(model, optimizer):
             kinds.append("batch-norm statistics")
         elif id(variable) not in trainable:
             kinds.append(None if layer in _norm_layers(model) else "non-trainable state")
-        elif path in gradient_kinds:
-            kinds.append(gradient_kinds[path])
         else:
-            kinds.append("rows" if embedding is not None and isinstance(layer, embedding) else "dense")
+            table = embedding is not None and isinstance(layer, embedding)
+            kind = gradient_kinds.get(path, "dense")
+            # A table whose rows the window merged (merge_duplicate_rows) is still a table of rows.
+            kinds.append("rows" if table and kind == "dense" else kind)
     return kinds
 
 
-def _causes(differing, random_layers, norm_layers):
+def _causes(differing, random_layers, norm_layers, merged):
     kinds = {v.kind for v in differing}
     causes = []
     if random_layers:
@@ -345,11 +347,16 @@ def _causes(differing, random_layers, norm_layers):
             "weights after it cannot match the large batch's. A plain BatchNormalization's moving "
             "statistics also drift; accumulator.AccumBatchNormalization updates them with the effective "
             "batch's.")
-    if kinds & {"rows", "once-per-batch rows"}:
+    if merged and any("rows" in kind for kind in kinds):
         causes.append(
-            "Embedding rows differ: with merge_duplicate_rows=True adaptive optimizers see summed rows "
-            "(not Keras' large batch); a lookup whose ids do not depend on the sample needs its rows "
-            "summed across the window.")
+            "merge_duplicate_rows=True sums each id's rows before the optimizer: adaptive optimizers "
+            "(Adam, RMSprop, ...) then see (g1 + g2)^2 where Keras' large batch applies its rows one by one. "
+            "Leave it off (it is needed only under XLA).")
+    elif any("rows" in kind for kind in kinds):
+        causes.append(
+            "Embedding rows differ from Keras' large batch: rows of a per-sample lookup must stay apart, "
+            "rows of a lookup whose ids do not depend on the sample (a position table) must be summed "
+            "across the window; the kind column says how the window held them.")
     if differing and not causes and kinds <= {"dense"}:
         causes.append("Dense variables differ: look for a loss or layer that couples the samples of a "
                       "batch (in-batch negatives: accumulator.GradientCache), or a custom train_step.")
@@ -452,8 +459,9 @@ def check_exact(model_fn: Callable[[], Any], data, optimizer_fn: Optional[Callab
                 "tolerance": float(tolerance), "floor_factor": float(floor_factor), **accumulator_options}
     report = ExactnessReport(
         exact=not differing, verdict="differs" if differing else "exact", variables=variables, floor=floor,
-        rule=rule, kinds=sorted({v.kind for v in differing}, key=KINDS.index),
-        random_layers=random_layers, causes=_causes(differing, random_layers, norm_layers), settings=settings)
+        rule=rule, kinds=sorted({v.kind for v in differing}, key=lambda k: (KINDS + (k,)).index(k)),
+        random_layers=random_layers, causes=_causes(differing, random_layers, norm_layers,
+                                                     bool(accumulator_options.get("merge_duplicate_rows"))), settings=settings)
     logger.info("%s", report)
     return report
 

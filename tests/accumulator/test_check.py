@@ -17,10 +17,13 @@ import pytest
 import tensorflow as tf
 
 import accumulator
+from accumulator import lookups
 from accumulator.check import ExactnessReport, check_exact, load_target, main
 
+from tests.accumulator import test_lookups as lookup_models
+
 ROOT = Path(__file__).resolve().parents[2]
-FEATURES, VOCAB, TOKENS = 6, 40, 10
+FEATURES = 6
 
 
 def _regression(samples=96):
@@ -36,17 +39,6 @@ def _mlp(middle=()):
 
 def _adam():
     return keras.optimizers.Adam(1e-2)
-
-
-def _tokens(samples=96):
-    rng = np.random.RandomState(1)
-    return (rng.randint(0, VOCAB, size=(samples, TOKENS)).astype("int32"),
-            rng.randn(samples, 1).astype("float32"))
-
-
-def _embedding_model():
-    return keras.Sequential([keras.Input((TOKENS,), dtype="int32"), keras.layers.Embedding(VOCAB, 8),
-                             keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
 
 
 # ------------------------------------------------ what the command line loads
@@ -81,22 +73,37 @@ def test_an_mlp_with_adam_is_exact_and_the_check_moved_the_weights():
     assert "verdict: EXACT" in text and report.variables[0].path in text
 
 
-def test_an_embedding_model_is_exact_by_default_and_differs_with_merged_rows():
-    """merge_duplicate_rows=True with Adam: rows summed before Adam's square, not Keras' rows."""
-    data = tf.data.Dataset.from_tensor_slices(_tokens()).batch(8).repeat()     # batch from the dataset
+def test_token_and_position_embedding_is_exact_and_differs_with_merged_rows():
+    """keras.io's TokenAndPositionEmbedding: a per-token table beside a once-per-batch position
+    table. merge_duplicate_rows=True with Adam sums the token rows before Adam's square."""
+    data = tf.data.Dataset.from_tensor_slices(lookup_models.text_data(96)).batch(8).repeat()   # batch: 8
     common = dict(loss="mse", verbose=False)
-    exact = check_exact(_embedding_model, data, _adam, 4, **common)
-    merged = check_exact(_embedding_model, data, _adam, 4, accumulator_options={"merge_duplicate_rows": True},
+    exact = check_exact(lookup_models.text_model, data, _adam, 4, **common)
+    merged = check_exact(lookup_models.text_model, data, _adam, 4, accumulator_options={"merge_duplicate_rows": True},
                          **common)
     assert exact.exact, str(exact)
     assert exact.settings["batch_size"] == 8
+    tables = sorted(v.kind for v in exact.variables if v.path.endswith("embeddings"))
+    assert tables == ["once-per-batch rows", "rows"]
     assert not merged.exact and merged.verdict == "differs"
-    table = next(v for v in merged.variables if v.path.endswith("embeddings"))
-    assert table.differs and table.kind == "rows"
-    assert table.delta > 100 * table.limit
+    tokens = next(v for v in merged.variables if v.path.endswith("embeddings") and v.differs)
+    assert tokens.kind == "rows" and tokens.delta > 100 * tokens.limit
     assert "rows" in merged.kinds
-    assert any("merge_duplicate_rows" in cause for cause in merged.causes)
-    assert "DIFFERS" in str(merged) and table.path in str(merged)
+    assert any("merge_duplicate_rows=True sums" in cause for cause in merged.causes)
+    assert "DIFFERS" in str(merged) and tokens.path in str(merged)
+
+
+def test_position_rows_kept_apart_are_caught(monkeypatch):
+    """Control: a window that keeps the position table's rows apart (as before lookups were
+    told apart) is not Keras' large batch, and the check names that table."""
+    monkeypatch.setattr(lookups, "kind_of_rows", lambda indices: lookups.PER_SAMPLE)
+    report = check_exact(lookup_models.text_model, lookup_models.text_data(96), _adam, 4, batch_size=8,
+                         loss="mse", verbose=False)
+    assert not report.exact
+    differing = [v for v in report.variables if v.differs]
+    positions = [v for v in differing if v.path.endswith("embeddings")]
+    assert positions and all(v.kind == "rows" for v in positions)
+    assert any("position table" in cause for cause in report.causes)
 
 
 # ------------------------------------------------------------------ inexact
