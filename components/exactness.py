@@ -139,13 +139,15 @@ def verify(run_fn, fn_args, settings, mode) -> Optional[Verdict]:
         return _not_checked(f"accum_steps={settings.accum_steps}: nothing accumulates", mode)
     logging.info("verify_exactness: running the run_fn up to its fit, then check_exact (%d updates, "
                  "accum_steps=%d).", UPDATES, settings.accum_steps)
-    reached = probe(run_fn, fn_args)
-    if reached is None:
-        return _not_checked("the run_fn never called Model.fit", mode)
     try:
+        reached = probe(run_fn, fn_args)
+        if reached is None:
+            return _not_checked("the run_fn never called Model.fit", mode)
         report = check_exact(**_check_arguments(reached, settings))
     except Exception as err:      # noqa: BLE001 (any model the check cannot run on is reported, not fatal)
         return _not_checked(f"{type(err).__name__}: {err}", mode)
+    finally:
+        _forget_the_check()
     logging.info("verify_exactness:\n%s", report)
     detail = ", ".join(f"{v.path} ({v.kind})" for v in report.differing)
     if report.exact:
@@ -157,6 +159,15 @@ def verify(run_fn, fn_args, settings, mode) -> Optional[Verdict]:
             "or set verify_exactness=True to train anyway and record the verdict.")
     logging.warning("verify_exactness: accumulation differs from Keras' large batch: %s.", detail)
     return Verdict("differs", report.max_delta, "; ".join([detail] + report.causes), report)
+
+
+def _forget_the_check():
+    """Keras' global state as before the check (layer names, the graph), so the run_fn's
+    training sees its models named as without it."""
+    keras.backend.clear_session()
+    keras2 = seam.keras2_module()
+    if keras2 is not None and keras2.Model is not keras.Model:
+        keras2.backend.clear_session()
 
 
 def record(output_dict, verdict: Optional[Verdict]) -> None:

@@ -8,6 +8,7 @@ anything trains (no model written, the run_fn never finished).
 
 import os
 
+import keras
 import pytest
 
 from components import exactness
@@ -38,9 +39,11 @@ def _properties(artifact):
 
 
 def test_an_exact_run_fn_is_recorded_exact_and_trains_as_without_the_check(examples, tmp_path):
+    keras.backend.clear_session()       # each run starts from fresh Keras names
     outputs, seen, weights = fixtures.run_executor(tmp_path / "checked", examples, num_steps=3, accum_steps=4,
                                                    effective_batch_size=32, verify_exactness="record")
-    _, _, unchecked = fixtures.run_executor(tmp_path / "plain", examples, num_steps=3, accum_steps=4,
+    keras.backend.clear_session()
+    plain, _, unchecked = fixtures.run_executor(tmp_path / "plain", examples, num_steps=3, accum_steps=4,
                                             effective_batch_size=32)
     for artifact in (outputs["model"][0], outputs["model_run"][0]):
         verdict, delta, detail = _properties(artifact)
@@ -48,8 +51,17 @@ def test_an_exact_run_fn_is_recorded_exact_and_trains_as_without_the_check(examp
     assert seen["iterations"] == 3 and seen["optimizer"] == "GradientAccumulator"
     # The probe stopped at fit: the run that followed trained from the same start.
     assert max(float(abs(a - b).max()) for a, b in zip(weights, unchecked)) == 0.0
+    # ... and with the same layer names: the check's models are forgotten.
+    assert _layer_names(outputs) == _layer_names(plain)
     with open(os.path.join(outputs["model_run"][0].uri, "accumulation", "record.json")) as f:
         assert '"exactness"' in f.read()
+
+
+def _layer_names(outputs):
+    import tensorflow as tf
+
+    loaded = tf.saved_model.load(os.path.join(outputs["model"][0].uri, "Format-Serving"))
+    return sorted(v.name for v in loaded.variables)
 
 
 def test_batch_normalization_is_recorded_as_differing_and_still_trains(examples, tmp_path):
