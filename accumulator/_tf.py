@@ -250,6 +250,27 @@ def gather_over_replicas(slices):
     return tf.distribute.get_replica_context().all_reduce(SUM, slices)
 
 
+def rows_of_replicas_of_the_large_batch(slices, rows_per_lookup, replicas):
+    """A once-per-batch lookup's rows of a window, as Keras' large batch has them
+    under `replicas` replicas (`tf.IndexedSlices`, gathered replica after replica).
+
+    Each replica held its share of each micro-batch: one lookup's rows per
+    micro-batch. Keras' large batch gives each replica one contiguous share of
+    the batch, one lookup there, so it has `replicas` sets of rows, each summed
+    over the samples of one share. Micro-batch k's share on replica r is chunk
+    k * replicas + r of the batch, and lies in the large batch's share
+    chunk // K (K micro-batches in the window): the chunks are summed so.
+    """
+    rest = slices.values.shape[1:]
+    values = tf.reshape(slices.values, [replicas, -1, rows_per_lookup] + rest.as_list())
+    held = tf.shape(values)[1]
+    perm = [1, 0] + list(range(2, values.shape.rank))
+    chunks = tf.reshape(tf.transpose(values, perm), [-1, rows_per_lookup] + rest.as_list())
+    shares = tf.math.unsorted_segment_sum(chunks, tf.range(held * replicas) // held, replicas)
+    indices = tf.tile(slices.indices[:rows_per_lookup], [replicas])
+    return tf.IndexedSlices(tf.reshape(shares, [-1] + rest.as_list()), indices, slices.dense_shape)
+
+
 def merge_duplicate_rows(slices):
     """`slices` with the rows of each index summed: one row per index."""
     unique, positions = tf.unique(slices.indices)

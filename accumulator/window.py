@@ -216,8 +216,10 @@ class AccumulationWindow:
     variables got dense or sparse gradients: how each closes), and
     ``_once_per_batch`` ({variable index: the rows' count, or None when known
     only at run time}: the variables whose rows come from a lookup made once
-    per batch, summed position by position across the window; see
-    `accumulator.lookups`).
+    per batch, summed position by position across the window on one device;
+    under R replicas each replica keeps its micro-batches' rows, and the close
+    sums them into the R sets of rows Keras' large batch has, one per replica's
+    share of the batch; see `accumulator.lookups`).
     """
 
     # ------------------------------------------------------------------ setup
@@ -659,7 +661,7 @@ class AccumulationWindow:
             elif isinstance(grad, tf.IndexedSlices) and self._keeps_rows(index, grad):
                 self._rows_seen.add(index)
                 rows = self._rows[index]
-                if index in self._once_per_batch:
+                if index in self._once_per_batch and _tf.replicas_in_sync() == 1:
                     _tf.add_rows_in_place(rows.values, rows.indices, rows.count, grad, weight,
                                           self._window_strategy)
                 else:
@@ -826,7 +828,9 @@ class AccumulationWindow:
             slices = tf.IndexedSlices(*_tf.read_rows(rows.values, rows.indices, rows.count, count), shape)
         else:
             slices = _tf.gather_over_replicas(tf.IndexedSlices(
-                *_tf.read_rows(rows.values, rows.indices, rows.count, count), shape))
+                *_tf.read_rows(rows.values, rows.indices, rows.count), shape))
+            if count is not None:
+                slices = _tf.rows_of_replicas_of_the_large_batch(slices, count, _tf.replicas_in_sync())
             slices = tf.IndexedSlices(slices.values / tf.cast(weight_sum, slices.values.dtype),
                                       slices.indices, slices.dense_shape)
         if self.merge_duplicate_rows:
