@@ -106,6 +106,16 @@ def test_position_rows_kept_apart_are_caught(monkeypatch):
     assert any("position table" in cause for cause in report.causes)
 
 
+def test_a_sum_reduced_loss_with_sample_weights_is_exact():
+    """Keras' large batch applies the gradient of the sum over its samples; so must the window."""
+    x, y = _regression()
+    weights = np.random.RandomState(2).uniform(0.5, 2.0, size=len(x)).astype("float32")
+    report = check_exact(_mlp, (x, y, weights), lambda: keras.optimizers.SGD(1e-2), 4, batch_size=8,
+                         loss=keras.losses.MeanSquaredError(reduction="sum"), verbose=False)
+    assert report.exact, str(report)
+    assert min(v.moved for v in report.variables) > 1e-3
+
+
 # ------------------------------------------------------------------ inexact
 def test_batch_normalization_differs_and_names_its_statistics():
     report = check_exact(lambda: _mlp([keras.layers.BatchNormalization()]), _regression(), _adam, 4,
