@@ -45,7 +45,7 @@ PAGES_WITH_EXAMPLES = (
     "README.md", "docs/guide/index.md", "docs/guide/weighting.md", "docs/guide/partial-windows.md",
     "docs/guide/batch-norm.md", "docs/guide/schedules.md", "docs/guide/mixed-precision.md",
     "docs/guide/keras-builtin.md", "docs/guide/embeddings.md", "docs/noise-scale.md", "docs/keras2.md",
-    "docs/distributed.md", "docs/keras-changes.md", "docs/tfx.md", "docs/cluster.md",
+    "docs/distributed.md", "docs/keras-changes.md", "docs/tfx.md", "docs/cluster.md", "docs/guide/check.md",
 )
 LANGUAGES = {"python", "bash", "text", "json", "dockerfile", "yaml"}
 
