@@ -509,8 +509,12 @@ class AccumulationWindow:
         if not grads:
             return
         if self._passthrough:
-            # Transparent: the inner optimizer sees exactly what it would alone.
-            self._hand_to_updater(grads, trainable_variables, reduced=False)
+            # Transparent: the inner optimizer sees exactly what it would alone. Its
+            # count waits for the gradients: the step Keras runs on a dataset of
+            # unknown size that has run out makes no update and counts none.
+            with tf.control_dependencies([g.values if isinstance(g, tf.IndexedSlices) else g
+                                          for g in grads if g is not None]):
+                self._hand_to_updater(grads, trainable_variables, reduced=False)
             return
         if micro_batch_weight is None:
             micro_batch_weight = 1.0 if noted_weight is None else noted_weight
