@@ -212,3 +212,15 @@ def test_docs_build_strict(tmp_path):
     assert (site / "index.html").exists()
     api = (site / "api" / "gradient-accumulator.html").read_text(encoding="utf-8")
     assert "micro_batch_weight" in api and "accum_steps" in api   # rendered from the docstrings
+
+
+def test_the_exactness_promise_says_what_a_gpu_needs():
+    """Where the promise is made (README, the home page), the GPU caveat and its setting."""
+    for page in (ROOT / "README.md", ROOT / "docs" / "index.md"):
+        text = page.read_text(encoding="utf-8")
+        promise = text.index("same weights\nwithin float tolerance")
+        assert "on GPUs with TF32 off" in text[promise:promise + 120], page.name
+        caveat = text[text.index("### On GPUs"):]
+        caveat = caveat[:caveat.index("\n## ")]
+        for needed in ("NVIDIA_TF32_OVERRIDE=0", "enable_op_determinism", "9.1e-5", "1.9e-3"):
+            assert needed in caveat, (page.name, needed)
