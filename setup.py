@@ -33,7 +33,8 @@ setup(
         "test": ["pytest>=7", "pytest-timeout", "portpicker"],
         "bench": ["matplotlib"],
         # The manual (`make docs`: MkDocs, Material theme, API reference from docstrings).
-        "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=0.26"],
+        # Ruff formats the API signatures (mkdocstrings leaves them one clipped line without it).
+        "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=0.26", "ruff"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",
