@@ -121,7 +121,11 @@ class GradientCache(keras.Model):
             v.assign(value)
         grads = [_add(from_loss, from_model) for from_loss, from_model in zip(grads, _summed_over(
             lambda k: self._backpropagate(x, by_representation, k, variables), self.accum_steps))]
-        self.optimizer.apply_gradients(zip(grads, variables))
+        # The count waits for the gradients: the step Keras runs on a dataset of
+        # unknown size that has run out makes no update and counts none.
+        with tf.control_dependencies([g.values if isinstance(g, tf.IndexedSlices) else g
+                                      for g in grads if g is not None]):
+            self.optimizer.apply_gradients(zip(grads, variables))
         seam.loss_tracker(self).update_state(
             loss * tf.distribute.get_strategy().num_replicas_in_sync,
             sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])

@@ -30,7 +30,9 @@ accum_steps)` returns this class when `optimizer` is a Keras 2 optimizer.
 from __future__ import annotations
 
 import contextlib
+import copy
 
+import numpy as np
 import tensorflow as tf
 
 from accumulator import _tf, seam, weighting
@@ -263,9 +265,17 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
+        spec = config.pop("optimizer")
         inner = keras2.optimizers.deserialize(
-            config.pop("optimizer"), custom_objects=custom_objects, use_legacy_optimizer=False)
+            copy.deepcopy(spec), custom_objects=custom_objects, use_legacy_optimizer=False)
+        if isinstance(inner, str):   # Keras 2 deserializes no AdamW, Lion, Adafactor by name
+            inner = getattr(keras2.optimizers, spec["class_name"]).from_config(spec["config"])
         return cls(inner, **config)
+
+    def load_own_variables(self, store):
+        # As arrays: a replica-local variable's assign under a strategy divides
+        # what it is given by the replica count, which an h5 dataset refuses.
+        super().load_own_variables({key: np.asarray(store[key]) for key in store.keys()})
 
 
 @_register

@@ -459,6 +459,8 @@ class AccumulationWindow:
         window stay per replica micro-batch: a window resumed under another
         number of replicas mixes the two in its one estimate.)
         """
+        if self._window_strategy is None:   # not built: no window, no replicas
+            return [np.asarray(v.numpy()) for v in self.variables]
         seen = [rows for i, rows in enumerate(self._rows) if i in self._rows_seen]
         state = {id(v): np.asarray(v.numpy()) for v in self.variables if id(v) not in
                  {id(r.values) for r in seen} | {id(r.indices) for r in seen} | {id(r.count) for r in seen}}
@@ -471,6 +473,10 @@ class AccumulationWindow:
 
     def restore_window_state(self, state):
         """Assigns `state` (as `window_state` returns it) to `variables`; rows go to replica 0."""
+        if self._window_strategy is None:   # not built: no window, no replicas
+            for variable, value in zip(self.variables, state):
+                _tf.backing_variable(variable).assign(value, read_value=False)
+            return
         value_of = {id(v): np.asarray(value) for v, value in zip(self.variables, state)}
         weight = value_of[id(self._weight_sum)]
         value_of[id(self._weight_sum)] = weight * np.asarray(self._window_strategy.num_replicas_in_sync, weight.dtype)
@@ -551,8 +557,12 @@ class AccumulationWindow:
         if not grads:
             return
         if self._passthrough:
-            # Transparent: the inner optimizer sees exactly what it would alone.
-            self._hand_to_updater(grads, trainable_variables, reduced=False)
+            # Transparent: the inner optimizer sees exactly what it would alone. Its
+            # count waits for the gradients: the step Keras runs on a dataset of
+            # unknown size that has run out makes no update and counts none.
+            with tf.control_dependencies([g.values if isinstance(g, tf.IndexedSlices) else g
+                                          for g in grads if g is not None]):
+                self._hand_to_updater(grads, trainable_variables, reduced=False)
             return
         weight, divisor = self._micro_batch_weights(micro_batch_weight, noted_weight)
         self._update(grads, indices, weight, divisor=divisor)
