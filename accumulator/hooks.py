@@ -30,7 +30,7 @@ exactly as without the library (tested).
    Keras 2's) wrap the optimizers it is given and, given a strategy,
    `strategy_scopes_map_onto` maps every strategy's scope onto it; given a
    `TrainingBackup`, `fits_backed_up` makes `keras.Model.fit` back up and
-   resume (`accumulator.backup`; Keras 2's `fit` refuses then). All are
+   resume (`accumulator.backup`; Keras 2's `fit` too). All are
    restored when the context closes.
 2b. **While the TFX executor runs the user's run_fn**, `strategies_made_map_onto`
    makes every `MirroredStrategy`, `OneDeviceStrategy` and
@@ -179,8 +179,8 @@ def swapped(owner, name, make_replacement):
 
 @contextlib.contextmanager
 def fits_backed_up(backup):
-    """Context: `keras.Model.fit` runs through `backup.fit` (backed up, resumed from
-    its latest backup); Keras 2's `fit` refuses, as a backup is Keras 3's."""
+    """Context: `keras.Model.fit` (and Keras 2's) runs through `backup.fit` (backed up,
+    resumed from its latest backup)."""
 
     def make(original):
         signature = inspect.signature(inspect.unwrap(original))     # Keras' own parameters

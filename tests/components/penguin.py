@@ -55,7 +55,7 @@ def transform(module_file, root):
     """TFX's Transform executor over the shipped penguin data; returns
     (transformed examples, transform graph) artifacts."""
     from tfx.components.transform import executor as transform_executor
-    from tfx.dsl.components.base import base_executor
+    from tfx.dsl.components.base import base_beam_executor
     from tfx.types import artifact_utils, standard_artifacts, standard_component_specs as keys
 
     def artifact(kind, path, splits=None):
@@ -69,7 +69,8 @@ def transform(module_file, root):
     schema = artifact(standard_artifacts.Schema, os.path.join(DATA, "schema"))
     transformed = artifact(standard_artifacts.Examples, os.path.join(root, "transformed"))
     graph = artifact(standard_artifacts.TransformGraph, os.path.join(root, "graph"))
-    context = base_executor.BaseExecutor.Context(tmp_dir=os.path.join(root, "tmp"), unique_id="1")
+    context = base_beam_executor.BaseBeamExecutor.Context(
+        beam_pipeline_args=["--direct_num_workers=1"], tmp_dir=os.path.join(root, "tmp"), unique_id="1")
     transform_executor.Executor(context).Do(
         {keys.EXAMPLES_KEY: [examples], keys.SCHEMA_KEY: [schema]},
         {keys.TRANSFORM_GRAPH_KEY: [graph], keys.TRANSFORMED_EXAMPLES_KEY: [transformed]},

@@ -186,6 +186,31 @@ def test_a_killed_run_resumes_from_its_backup_with_the_weights_of_an_uninterrupt
     assert _model_dir_entries(outputs) == ["Format-Serving"]
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_killed_keras_2_run_resumes_from_its_backup_exactly(workers, examples, tmp_path):
+    """The tf_keras module (what a TFX module gets under TF_USE_LEGACY_KERAS=1), killed after
+    micro-step 10 (the last replica), restarted: it resumes at the backup of step 8, 2 updates."""
+    pytest.importorskip("tf_keras")
+    module = os.path.join(fixtures.TESTDATA, "keras2_regression_module.py")
+    stock_weights = fixtures.run_executor(tmp_path / "stock", examples, num_steps=STEPS, stock=True,
+                                          module=module)[2]
+    inputs, outputs, properties = _resumable(examples, tmp_path, module=module)
+    command = replicas.container_command(inputs, outputs, properties)
+    killed = replicas.run(command, workers, tmp_path / "tmp1", env={workers - 1: {"DIE_AFTER_STEPS": 10}},
+                          timeout=300)
+    assert killed[-1][0] == -signal.SIGKILL, killed[-1][2][-3000:]
+    results = replicas.run(command, workers, tmp_path / "tmp2")
+    assert [code for code, _, _ in results] == [0] * workers, results[0][2][-3000:]
+    seen, weights = fixtures.read_run(outputs["model_run"][0].uri)
+    assert (seen["keras"][:2], seen["optimizer_module"], seen["iterations"]) == ("2.", "accumulator.keras2", STEPS)
+    print(f"[measured] Keras 2, {workers} process(es), killed and resumed, vs the stock Trainer: "
+          f"max |dw| = {max_abs_diff(weights, stock_weights):.1e}")
+    assert max_abs_diff(weights, stock_weights) <= 1e-5
+    recorded = _custom_properties(replicas.published(results[0][1])["model"][0])
+    assert {k: recorded[k] for k in ("backup_resumes", "resumed_at_step", "resumed_at_update")} == {
+        "backup_resumes": 1, "resumed_at_step": 8, "resumed_at_update": 2}
+
+
 def test_vertex_executor_runs_the_job_and_publishes_the_chiefs_record(examples, stock, tmp_path, monkeypatch):
     """`VertexExecutor.Do` through TFX's own Vertex runner, the CustomJob's pools run here."""
     from tfx.extensions.google_cloud_ai_platform import runner, training_clients
