@@ -175,7 +175,8 @@ def _fit_shape(model, arguments):
             f"TrainingBackup: the dataset has {cardinality} batches, fewer than steps_per_epoch x epochs = "
             f"{steps * epochs}, so Keras would restart it part-way and a resume could not know where it "
             "was. Repeat it (`dataset.repeat()`), or drop steps_per_epoch.")
-    if int(getattr(model, "steps_per_execution", 1) or 1) != 1:
+    # Keras 2 holds it in a variable (a MirroredVariable under a strategy).
+    if int(tf.convert_to_tensor(getattr(model, "steps_per_execution", 1) or 1).numpy()) != 1:
         raise ValueError("TrainingBackup (AccumulatingTrainer's backup_dir) needs compile(steps_per_execution=1): "
                          "it counts the steps `fit` reports.")
     return {"epochs": int(epochs), "steps_per_epoch": steps, "initial_epoch": int(arguments.get("initial_epoch") or 0),
