@@ -27,6 +27,7 @@ from tfx.components.trainer import executor as tfx_trainer_executor
 from tfx.components.util import udf_utils
 from tfx.types import standard_component_specs
 
+from accumulator import hooks
 from accumulator.autowrap import accumulating_compile
 from accumulator.distribute import strategy_from_environment
 from components import cluster, exactness, fn_args_utils, noise_scale, preemption, settings as settings_lib
@@ -68,7 +69,8 @@ class Executor(tfx_trainer_executor.GenericExecutor):
         # Train the model: every optimizer the run_fn compiles accumulates (or every GradientCache).
         logging.info("Training model. %s", _describe(settings, strategy, fn_args.train_steps, role))
         with cluster.worker_outputs(fn_args, role, backup) as outputs:
-            with accumulating_compile(strategy=strategy, backup=backup, **settings.compile_arguments()) as optimizers:
+            with accumulating_compile(strategy=strategy, backup=backup, **settings.compile_arguments()) as optimizers, \
+                    hooks.strategies_made_map_onto(strategy):     # the run_fn's own MirroredStrategy(), ...
                 run_fn(fn_args_utils.for_accumulation(outputs.fn_args, settings, role.workers))
             outputs.check_exported()
             if role.chief:
