@@ -100,6 +100,7 @@ def _stock_two_lines_on_two_processes(tmp_path):
     return [proc.wait(timeout=300) for proc in procs]
 
 
+@pytest.mark.apart      # TFX's penguin module (tests/components/test_penguin.py) makes one too, in make test
 def test_a_run_fn_that_makes_its_own_mirrored_strategy_trains_on_two_processes(examples, stock, tmp_path):
     """TFX's penguin example constructs `MirroredStrategy()` in its run_fn: TF 2.16 segfaults
     making it beside a MultiWorkerMirroredStrategy (the control); under AccumulatingTrainer it
@@ -186,6 +187,7 @@ def test_a_killed_run_resumes_from_its_backup_with_the_weights_of_an_uninterrupt
     assert _model_dir_entries(outputs) == ["Format-Serving"]
 
 
+@pytest.mark.apart      # the penguin module's killed worker resumes under Keras 2 in make test
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_killed_keras_2_run_resumes_from_its_backup_exactly(workers, examples, tmp_path):
     """The tf_keras module (what a TFX module gets under TF_USE_LEGACY_KERAS=1), killed after
