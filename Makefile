@@ -27,7 +27,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 export KERAS_BACKEND := tensorflow
 export PYTHONUNBUFFERED := 1
 
-.PHONY: bench demo demo-retrieval docs test test-tfx test-latest test-oldest test-keras2-tf215 test-keras2-latest \
+.PHONY: bench demo demo-retrieval docs test test-apart test-tfx test-latest test-oldest test-keras2-tf215 test-keras2-latest \
 	setup setup-latest setup-oldest setup-keras2 clean
 
 # $(call core_venv,DIR,CONSTRAINTS,PYTHON,VERSION,VARIABLE): a venv on Python VERSION
@@ -102,7 +102,12 @@ docs: $(VENV)/.installed
 test: test-tfx test-latest test-oldest test-keras2-tf215 test-keras2-latest
 
 test-tfx: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests -m "not apart" $(PYTEST_ARGS)
+
+# What make test leaves out (`@pytest.mark.apart`: slow multi-process runs whose
+# behaviour a test in make test covers too): about 15 minutes on 2 cores.
+test-apart: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest tests -m apart $(PYTEST_ARGS)
 
 test-latest: $(LATEST)/.installed-py$(LATEST_PY)
 	$(LATEST)/bin/python -m pytest tests/accumulator $(PYTEST_ARGS)

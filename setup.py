@@ -25,14 +25,16 @@ setup(
     extras_require={
         # Keras 2 on TF >= 2.16 (TF 2.15's tf.keras is Keras 2 already).
         "keras2": ["tf_keras>=2.16,<2.22"],
-        # accumulator.tuning: accumulation as KerasTuner hyperparameters.
-        "tuning": ["keras-tuner>=1.4"],
+        # accumulator.tuning: accumulation as KerasTuner hyperparameters. KerasTuner
+        # imports TensorBoard, which TensorFlow >= 2.21 no longer installs.
+        "tuning": ["keras-tuner>=1.4", "tensorboard"],
         # The TFX 1.16 stack; install with constraints/tfx-1.16.txt (see README).
         "tfx": ["tfx==1.16.0", "kfp-pipeline-spec==0.7.0", "scikit-learn"],
         "test": ["pytest>=7", "pytest-timeout", "portpicker"],
         "bench": ["matplotlib"],
         # The manual (`make docs`: MkDocs, Material theme, API reference from docstrings).
-        "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=0.26"],
+        # Ruff formats the API signatures (mkdocstrings leaves them one clipped line without it).
+        "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=0.26", "ruff"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",

@@ -38,12 +38,22 @@ else:
 
 hooks.install_unless_opted_out()
 
+
+def __getattr__(name):
+    # Imported on first use, so `python -m accumulator.check` runs the module once.
+    if name == "check_exact":
+        from accumulator.check import check_exact
+        return check_exact
+    raise AttributeError(f"module 'accumulator' has no attribute {name!r}")
+
+
 __all__ = [
     "AccumulationSchedule",
     "AccumulationWindow",
     "EpochWindows",
     "GradientAccumulator",
     "NoiseScaleEstimate",
+    "check_exact",
     "noise_scale",
     "strategy_from_environment",
     "validate_accum_steps",

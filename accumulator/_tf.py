@@ -125,9 +125,67 @@ def append_rows(values, indices, count, grad, weight):
     count.assign(end, read_value=False)
 
 
-def read_rows(values, indices, count):
-    """The window's rows: the first `count` of the buffers (all of them: no copy)."""
-    count = backing_variable(count).read_value()
+def add_rows_in_place(values, indices, count, grad, weight, strategy):
+    """Adds `weight * grad`'s rows to a variable's window rows position by position.
+
+    For a lookup made once per batch (`accumulator.lookups`): every micro-batch
+    looks up the same ids, and the large batch has one row per id position with
+    all its samples summed into it. The window's first micro-batch writes its
+    rows, the others add theirs to them. With the row count known when the
+    step is traced, the buffers get exactly that room then (outside the graph),
+    so the step holds no buffer that changes size: XLA compiles it.
+    """
+    values, indices, count = backing_variable(values), backing_variable(indices), backing_variable(count)
+    new_values = tf.cast(grad.values, values.dtype) * tf.cast(weight, values.dtype)
+    new_indices = tf.cast(tf.reshape(grad.indices, [-1]), tf.int64)
+    rows = new_indices.shape[0]
+    if rows is not None:
+        _make_room(values, indices, rows, strategy)
+    held = count.read_value()
+    n = tf.shape(new_indices, out_type=tf.int64)[0] if rows is None else tf.constant(rows, tf.int64)
+    if rows is None:
+        # Room for the rows: grown (in the graph) when the ids' count is known only at run time.
+        def grow():
+            for buffer, new in ((values, new_values), (indices, new_indices)):
+                buffer.assign(tf.concat([buffer[:held], tf.zeros_like(new)[held:]], 0), read_value=False)
+        tf.cond(tf.shape(indices, out_type=tf.int64)[0] < n, grow, lambda: None)
+        tf.debugging.assert_equal(
+            tf.logical_or(tf.equal(held, 0), tf.equal(held, n)), True,
+            message="a lookup made once per batch looked up a different number of ids "
+                    "in two micro-batches of one window")
+    total = tf.where(held > 0, values[:n] + new_values, new_values)
+    for buffer, new in ((values, total), (indices, new_indices)):
+        tf.raw_ops.ResourceStridedSliceAssign(
+            ref=buffer.handle, begin=tf.zeros([1], tf.int64), end=tf.reshape(n, [1]),
+            strides=tf.ones([1], tf.int64), value=new)
+    count.assign(n, read_value=False)
+
+
+def _make_room(values, indices, rows, strategy):
+    """Gives row buffers room for `rows` rows, outside the graph, keeping the rows they hold.
+
+    A buffer made while the step is traced is not initialized yet (it reads as
+    an empty vector); it gets its room here and keeps it, since a variable
+    assigned before the function runs is not initialized again.
+    """
+    with tf.init_scope():
+        for buffer in [c for b in (values, indices) for c in local_components(b, strategy)]:
+            rest = tuple(buffer.shape[1:])
+            current = runtime_shape(buffer)
+            if len(current) == 1 + len(rest) and current[0] >= rows:
+                continue
+            held = buffer[:rows] if len(current) == 1 + len(rest) else tf.zeros((0,) + rest, buffer.dtype)
+            padding = tf.zeros((rows - int(held.shape[0]),) + rest, buffer.dtype)
+            buffer.assign(tf.concat([held, padding], 0), read_value=False)
+
+
+def read_rows(values, indices, count, static_count=None):
+    """The window's rows: the first `count` of the buffers (all of them: no copy).
+
+    `static_count`: the count, when the step knows it as it is traced (rows of a
+    lookup made once per batch): a slice of static size, which XLA compiles.
+    """
+    count = backing_variable(count).read_value() if static_count is None else static_count
     return backing_variable(values)[:count], backing_variable(indices)[:count]
 
 
@@ -190,6 +248,27 @@ def gather_over_replicas(slices):
     if replicas_in_sync() == 1:
         return slices
     return tf.distribute.get_replica_context().all_reduce(SUM, slices)
+
+
+def rows_of_replicas_of_the_large_batch(slices, rows_per_lookup, replicas, row_shape):
+    """A once-per-batch lookup's rows of a window, as Keras' large batch has them
+    under `replicas` replicas (`tf.IndexedSlices`, gathered replica after replica).
+
+    Each replica held its share of each micro-batch: one lookup's rows per
+    micro-batch. Keras' large batch gives each replica one contiguous share of
+    the batch, one lookup there, so it has `replicas` sets of rows, each summed
+    over the samples of one share. Micro-batch k's share on replica r is chunk
+    k * replicas + r of the batch, and lies in the large batch's share
+    chunk // K (K micro-batches in the window): the chunks are summed so.
+    """
+    rest = list(row_shape)
+    values = tf.reshape(slices.values, [replicas, -1, rows_per_lookup] + rest)
+    held = tf.shape(values)[1]
+    perm = [1, 0] + list(range(2, 3 + len(rest)))
+    chunks = tf.reshape(tf.transpose(values, perm), [-1, rows_per_lookup] + rest)
+    shares = tf.math.unsorted_segment_sum(chunks, tf.range(held * replicas) // held, replicas)
+    indices = tf.tile(slices.indices[:rows_per_lookup], [replicas])
+    return tf.IndexedSlices(tf.reshape(shares, [-1] + rest), indices, slices.dense_shape)
 
 
 def merge_duplicate_rows(slices):

@@ -30,7 +30,10 @@ that is removed at once, as Keras' multi-worker guide does. `directory` must
 be one that every worker reads (a bucket on a cluster).
 
 One `fit` per run (a second is refused): the position is the one `fit`'s.
-Keras 3 models only.
+Keras 3 and Keras 2 (`tf_keras`, TF 2.15's `keras`) models: a Keras 3 model's
+state is saved with `save_weights` (`.weights.h5`), a Keras 2 model's as a
+TensorFlow checkpoint (`save_weights` in the TF format), which holds the
+optimizer's slots and the accumulator's window as the model tracks them.
 """
 
 import json
@@ -49,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 LATEST = "latest"
 WEIGHTS = "state.weights.h5"
+KERAS2_WEIGHTS = "state"            # a TensorFlow checkpoint: state.index, state.data-*
 PROGRESS = "progress.json"
 KEEP = 2
 
@@ -102,7 +106,7 @@ class TrainingBackup:
             tf.io.gfile.makedirs(target)
         else:
             target = tempfile.mkdtemp()
-        model.save_weights(os.path.join(target, WEIGHTS))
+        model.save_weights(os.path.join(target, _weights_file(model)))
         if not self.chief:
             shutil.rmtree(target, ignore_errors=True)
             return
@@ -130,9 +134,6 @@ class TrainingBackup:
     # ------------------------------------------------------------ the fit
     def fit(self, fit, model, arguments):
         """Runs `fit(model, **arguments)` backed up, resumed from the latest backup."""
-        if seam.is_keras2_object(model):
-            raise ValueError("TrainingBackup (AccumulatingTrainer's backup_dir) supports Keras 3 models; "
-                             "this run_fn trains a Keras 2 (tf_keras) model. Leave backup_dir unset.")
         if self._fits:
             raise ValueError(
                 "TrainingBackup (AccumulatingTrainer's backup_dir) resumes a run that calls `fit` once; "
@@ -150,7 +151,7 @@ class TrainingBackup:
             logger.info("Resuming from the backup at %s: epoch %d, step %d of it, %d steps, %d updates.",
                         progress["path"], progress["epoch"], progress["batch"], progress["steps"],
                         progress["updates"])
-        saver = _Backup(self, shape, progress)
+        saver = _callback_class(model)(self, shape, progress)
         history = None
         for call in _calls(arguments, shape, progress):
             call["callbacks"] = [saver] + list(call.get("callbacks") or [])
@@ -174,7 +175,8 @@ def _fit_shape(model, arguments):
             f"TrainingBackup: the dataset has {cardinality} batches, fewer than steps_per_epoch x epochs = "
             f"{steps * epochs}, so Keras would restart it part-way and a resume could not know where it "
             "was. Repeat it (`dataset.repeat()`), or drop steps_per_epoch.")
-    if int(getattr(model, "steps_per_execution", 1) or 1) != 1:
+    # Keras 2 holds it in a variable (a MirroredVariable under a strategy).
+    if int(tf.convert_to_tensor(getattr(model, "steps_per_execution", 1) or 1).numpy()) != 1:
         raise ValueError("TrainingBackup (AccumulatingTrainer's backup_dir) needs compile(steps_per_execution=1): "
                          "it counts the steps `fit` reports.")
     return {"epochs": int(epochs), "steps_per_epoch": steps, "initial_epoch": int(arguments.get("initial_epoch") or 0),
@@ -200,7 +202,24 @@ def _calls(arguments, shape, progress):
     return calls
 
 
-class _Backup(keras.callbacks.Callback):
+def _weights_file(model):
+    return KERAS2_WEIGHTS if seam.is_keras2_object(model) else WEIGHTS
+
+
+_callback_classes = {}
+
+
+def _callback_class(model):
+    """`_Backup` as a callback of the model's Keras (a Keras 3 callback does not run in Keras 2's `fit`)."""
+    package = seam.keras_package_of(model) or keras
+    if package not in _callback_classes:
+        base = package.callbacks.Callback
+        _callback_classes[package] = _Backup if base is keras.callbacks.Callback else \
+            type("_Backup", (_BackupSteps, base), {})
+    return _callback_classes[package]
+
+
+class _BackupSteps:
     """Restores the backup when training begins; saves every `every_steps` and at epoch ends."""
 
     def __init__(self, backup, shape, progress):
@@ -215,9 +234,9 @@ class _Backup(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         if self.restore is not None:
             optimizer = self.model.optimizer
-            if optimizer is not None and not optimizer.built:
-                optimizer.build(self.model.trainable_variables)
-            self.model.load_weights(os.path.join(self.restore["path"], WEIGHTS))
+            if optimizer is not None and not getattr(optimizer, "built", False):
+                optimizer.build(self.model.trainable_variables)      # its slots and window, to load into
+            self.model.load_weights(os.path.join(self.restore["path"], _weights_file(self.model)))
             self.restore = None
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -240,3 +259,7 @@ class _Backup(keras.callbacks.Callback):
         self.backup.save(self.model, {"epoch": epoch, "batch": batch, "steps": self.steps, "updates": updates,
                                       "resumes": self.resumes, "fit": self.shape})
         self.saved_at = self.steps
+
+
+class _Backup(_BackupSteps, keras.callbacks.Callback):
+    pass

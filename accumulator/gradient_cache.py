@@ -45,7 +45,7 @@ but not the numbers the large batch would draw.
 import keras
 import tensorflow as tf
 
-from accumulator import seam
+from accumulator import lookups, seam
 from accumulator.window import validate_accum_steps
 
 
@@ -121,7 +121,11 @@ class GradientCache(keras.Model):
             v.assign(value)
         grads = [_add(from_loss, from_model) for from_loss, from_model in zip(grads, _summed_over(
             lambda k: self._backpropagate(x, by_representation, k, variables), self.accum_steps))]
-        self.optimizer.apply_gradients(zip(grads, variables))
+        # The count waits for the gradients: the step Keras runs on a dataset of
+        # unknown size that has run out makes no update and counts none.
+        with tf.control_dependencies([g.values if isinstance(g, tf.IndexedSlices) else g
+                                      for g in grads if g is not None]):
+            self.optimizer.apply_gradients(zip(grads, variables))
         seam.loss_tracker(self).update_state(
             loss * tf.distribute.get_strategy().num_replicas_in_sync,
             sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
@@ -181,7 +185,10 @@ class GradientCache(keras.Model):
 
 def _summed_over(gradients_of, count):
     """`gradients_of(k)` for k < `count`, added up: dense gradients summed, sparse rows
-    (`tf.IndexedSlices`) concatenated in order, as the large batch's gradient has them.
+    (`tf.IndexedSlices`) concatenated in order, as the large batch's gradient has them,
+    except the rows of a lookup made once per batch (`accumulator.lookups`: ids that
+    do not depend on the sample), which the large batch has once per id position
+    with every sample summed into it: those are summed position by position.
 
     Micro-batch 0 runs first, on its own, to tell which variables get which kind;
     the others run in a `tf.while_loop` with `parallel_iterations=1`: TensorFlow runs
@@ -190,8 +197,11 @@ def _summed_over(gradients_of, count):
     keep about one more micro-batch's activations alive).
     """
     first = gradients_of(0)
+    shared = {i for i, g in enumerate(first) if isinstance(g, tf.IndexedSlices)
+              and lookups.kind_of_rows(g.indices) == lookups.ONCE_PER_BATCH}
     dense = [i for i, g in enumerate(first) if g is not None and not isinstance(g, tf.IndexedSlices)]
-    sparse = [i for i, g in enumerate(first) if isinstance(g, tf.IndexedSlices)]
+    sparse = [i for i, g in enumerate(first) if isinstance(g, tf.IndexedSlices) and i not in shared]
+    shared = sorted(shared)
 
     def rows_of(g):
         arrays = [tf.TensorArray(part.dtype, size=count, infer_shape=False,
@@ -201,17 +211,19 @@ def _summed_over(gradients_of, count):
 
     def add(k, totals, rows):
         grads = gradients_of(k)
-        return (k + 1, [total + grads[i] for total, i in zip(totals, dense)],
+        return (k + 1, [total + (grads[i] if i in dense else grads[i].values)
+                        for total, i in zip(totals, dense + shared)],
                 [[values.write(k, grads[i].values), indices.write(k, grads[i].indices)]
                  for (values, indices), i in zip(rows, sparse)])
 
     _, totals, rows = tf.while_loop(
         lambda k, totals, rows: k < count, add,
-        (tf.constant(1), [first[i] for i in dense], [rows_of(first[i]) for i in sparse]),
+        (tf.constant(1), [first[i] for i in dense] + [first[i].values for i in shared],
+         [rows_of(first[i]) for i in sparse]),
         parallel_iterations=1)
     summed = [None] * len(first)
-    for i, total in zip(dense, totals):
-        summed[i] = total
+    for i, total in zip(dense + shared, totals):
+        summed[i] = total if i in dense else tf.IndexedSlices(total, first[i].indices, first[i].dense_shape)
     for i, (values, indices) in zip(sparse, rows):
         summed[i] = tf.IndexedSlices(values.concat(), indices.concat(), first[i].dense_shape)
     return summed

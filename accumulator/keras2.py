@@ -30,7 +30,9 @@ accum_steps)` returns this class when `optimizer` is a Keras 2 optimizer.
 from __future__ import annotations
 
 import contextlib
+import copy
 
+import numpy as np
 import tensorflow as tf
 
 from accumulator import _tf, seam, weighting
@@ -108,7 +110,7 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
             possibly inside a `mixed_precision.LossScaleOptimizer`, or the name
             of one.
         accum_steps, partial_window, schedulable, measure_noise_scale,
-        noise_scale_smoothing, merge_duplicate_rows, name: as for the Keras 3
+        noise_scale_smoothing, merge_duplicate_rows, loss_reduction, name: as for the Keras 3
             class. Keras 2's optimizers sum repeated rows themselves, so
             `merge_duplicate_rows` changes nothing here.
     """
@@ -120,10 +122,10 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
 
     def __init__(self, optimizer, accum_steps=1, partial_window="apply", schedulable=False,
                  measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING,
-                 merge_duplicate_rows=False, name=None, **kwargs):
+                 merge_duplicate_rows=False, loss_reduction="auto", name=None, **kwargs):
         window_args = self._validate_window_arguments(
             accum_steps, partial_window, schedulable, measure_noise_scale, noise_scale_smoothing,
-            merge_duplicate_rows)
+            merge_duplicate_rows, loss_reduction)
         optimizer = _resolve_optimizer(optimizer)
         kwargs.pop("is_legacy_optimizer", None)     # in every Keras 2 optimizer config
         refuse_unknown_arguments(kwargs, "set clipping, weight decay and EMA on the inner optimizer.")
@@ -263,9 +265,17 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
+        spec = config.pop("optimizer")
         inner = keras2.optimizers.deserialize(
-            config.pop("optimizer"), custom_objects=custom_objects, use_legacy_optimizer=False)
+            copy.deepcopy(spec), custom_objects=custom_objects, use_legacy_optimizer=False)
+        if isinstance(inner, str):   # Keras 2 deserializes no AdamW, Lion, Adafactor by name
+            inner = getattr(keras2.optimizers, spec["class_name"]).from_config(spec["config"])
         return cls(inner, **config)
+
+    def load_own_variables(self, store):
+        # As arrays: a replica-local variable's assign under a strategy divides
+        # what it is given by the replica count, which an h5 dataset refuses.
+        super().load_own_variables({key: np.asarray(store[key]) for key in store.keys()})
 
 
 @_register

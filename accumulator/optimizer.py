@@ -148,6 +148,18 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
             each index first: adaptive optimizers then see (g1 + g2)^2 for a
             row looked up twice, the densified gradient's mathematics (what
             `tf_keras` does, and what the mean gradient of the loss implies).
+            Rows of a lookup made once per batch (ids that do not depend on the
+            sample, as a position table's `arange`) are one row per id position
+            either way, as in the large batch (`accumulator.lookups`).
+        loss_reduction: "auto" (the default), "mean" or "sum": how the loss
+            reduces over its samples, so the window applies what the large
+            batch applies. "auto" reads the compiled loss's reduction in `fit`
+            (a "sum" or "none" loss sums, every other reduction is a mean whose
+            denominator each micro-batch weighs); a custom loop or a
+            `compute_loss` override that does not call `super()` is a mean of
+            equal micro-batches unless told: pass "sum" for a loss that sums
+            over its samples (`tf.reduce_sum`), `micro_batch_weight` for a
+            mean of unequal ones.
         name: optional name of the wrapper.
     """
 
@@ -164,10 +176,10 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
 
     def __init__(self, optimizer, accum_steps=1, partial_window="apply", schedulable=False,
                  measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING,
-                 merge_duplicate_rows=False, name=None, **kwargs):
+                 merge_duplicate_rows=False, loss_reduction="auto", name=None, **kwargs):
         window_args = self._validate_window_arguments(
             accum_steps, partial_window, schedulable, measure_noise_scale, noise_scale_smoothing,
-            merge_duplicate_rows)
+            merge_duplicate_rows, loss_reduction)
         optimizer = _resolve_optimizer(optimizer)
         for arg_name, default in _BASE_ARG_DEFAULTS.items():
             if arg_name in kwargs and kwargs.pop(arg_name) != default:

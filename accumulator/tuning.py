@@ -9,7 +9,11 @@ reach `AccumulatingTrainer` through `hyperparameters=tuner.outputs[...]`.
 
 `steps_per_epoch` given to `search`/`fit` counts optimizer updates, as
 `TrainArgs.num_steps` does, so trials with different `accum_steps` make the
-same number of updates.
+same number of updates (in a plain `fit` it counts `fit`'s steps: micro-batches).
+
+At a fixed effective batch `accum_steps` changes memory and speed, not the
+training: `AccumulatingHyperModel(..., micro_batch_size=M)` searches the effective
+batch alone, with the fewest `accum_steps` whose micro-batches fit in M.
 
 For losses that couple the batch (in-batch negatives, contrastive),
 `AccumulatingHyperModel(build_model, ..., gradient_cache=True)`: `build_model`
@@ -67,6 +71,23 @@ def declare_accumulation(hp, accum_steps=(1, 2, 4, 8), effective_batch_sizes=(32
     return accum, effective
 
 
+def accum_steps_that_fit(micro_batch_size, accum_steps=(1, 2, 4, 8), effective_batch_sizes=(32, 64, 128)):
+    """The fewest micro-batches (the fastest) among `accum_steps` that cut every effective
+    batch evenly into micro-batches of at most `micro_batch_size` (the largest that fits
+    in memory): one `accum_steps` for the whole search, fitted to its largest batch."""
+    micro_batch_size = integer_at_least(micro_batch_size, "micro_batch_size")
+    accum_steps = sorted(integer_at_least(v, f"accum_steps[{i}]") for i, v in enumerate(accum_steps))
+    batches = [integer_at_least(v, f"effective_batch_sizes[{i}]") for i, v in enumerate(effective_batch_sizes)]
+    fitting = [a for a in accum_steps if all(b % a == 0 and b // a <= micro_batch_size for b in batches)]
+    if not fitting:
+        raise ValueError(
+            f"`micro_batch_size`={micro_batch_size}: no `accum_steps` choice {accum_steps} cuts every "
+            f"effective batch {batches} into even micro-batches of at most {micro_batch_size}; add a "
+            "larger accum_steps choice or a larger micro_batch_size."
+        )
+    return fitting[0]
+
+
 def micro_batch(hp):
     return hp.get(EFFECTIVE_BATCH_SIZE) // hp.get(ACCUM_STEPS)
 
@@ -84,13 +105,29 @@ class AccumulatingHyperModel(keras_tuner.HyperModel):
             `GradientCache` (batches of the effective batch, one update each)
             instead of `GradientAccumulator` (micro-batches, `accum_steps` per
             update). Default False.
+        micro_batch_size: the largest micro-batch that fits in memory. Given,
+            only the effective batch (and `build_model`'s own hyperparameters)
+            is searched, with one `accum_steps`: the fewest whose micro-batch
+            fits for the largest effective batch (`accum_steps_that_fit`). At
+            a fixed effective batch `accum_steps` changes memory and speed,
+            not the training, so trials that differ only in it would train
+            alike. Without it, `accum_steps` is searched too.
     """
 
     def __init__(self, build_model, accum_steps=(1, 2, 4, 8),
-                 effective_batch_sizes=(32, 64, 128), name=None, tunable=True, gradient_cache=False):
+                 effective_batch_sizes=(32, 64, 128), name=None, tunable=True, gradient_cache=False,
+                 micro_batch_size=None):
         super().__init__(name=name, tunable=tunable)
         if not isinstance(gradient_cache, bool):
             raise ValueError(f"`gradient_cache` must be True or False; received {gradient_cache!r}.")
+        if micro_batch_size is not None:   # one accum_steps: trials differ in the rest
+            accum_steps = (accum_steps_that_fit(micro_batch_size, accum_steps, effective_batch_sizes),)
+        if micro_batch_size is None and len(set(accum_steps)) > 1:
+            logger.warning(
+                "AccumulatingHyperModel searches accum_steps %s: at a fixed effective batch, trials that "
+                "differ only in accum_steps train alike (the accumulation is exact). Pass "
+                "micro_batch_size= (the largest that fits) to search the effective batch alone.",
+                tuple(accum_steps))
         self._build_model = build_model
         self._accum_steps = tuple(accum_steps)
         self._effective_batch_sizes = tuple(effective_batch_sizes)

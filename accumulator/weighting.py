@@ -5,7 +5,9 @@ weights, over unmasked steps) divided by the loss's own denominator D_k: its
 element count (`sum_over_batch_size`), its unmasked steps (masked sequences), or
 its summed sample weight (`mean_with_sample_weight`). The large batch's loss is
 sum(S_k) / sum(D_k), so its gradient is sum(D_k * g_k) / sum(D_k): each micro-batch
-weighs its denominator, not 1. With equal micro-batches the two agree; with a
+weighs its denominator, not 1. A loss reduced by "sum" (or "none", whose gradient
+is its sum's) has no denominator: the large batch's loss is sum(S_k), and the
+window's gradient is the sum of the micro-batches' (`SUMMED_LOSS` is noted). With equal micro-batches the two agree; with a
 short last batch, sample weights or masks, only the weighted one is exact.
 
 In `fit`, D_k comes through a public seam: Keras' train step calls
@@ -22,12 +24,15 @@ that computes its loss without it (or overrides `compute_loss` without calling
 """
 
 import functools
+import logging
 import threading
 
 import tensorflow as tf
 
 from accumulator import seam
-from accumulator.window import AccumulationWindow
+from accumulator.window import SUMMED_LOSS, AccumulationWindow
+
+logger = logging.getLogger(__name__)
 
 
 class _Notes(threading.local):
@@ -117,8 +122,19 @@ def _ones_loss_class(keras_package):
     return Ones
 
 
+def _warn_if_regularized(model):
+    if getattr(model, "losses", None):
+        logger.warning(
+            "The model's loss sums over its samples (reduction 'sum' or 'none') and the model "
+            "adds losses of its own (weight regularizers, add_loss): the window sums the "
+            "micro-batches' gradients, as the large batch sums its samples', and so counts "
+            "those losses once per micro-batch, where the large batch counts them once. "
+            "Use a mean reduction ('sum_over_batch_size') for the large batch's weights.")
+
+
 def loss_denominator(model, x, y, y_pred, sample_weight):
-    """D of the model's compiled loss on this batch (of its first output's loss).
+    """D of the model's compiled loss on this batch (of its first output's loss), or
+    `SUMMED_LOSS` when that loss sums over its samples (reduction "sum" or "none").
 
     Keras 3: the ratio of the loss's sum to its own reduction, both on ones.
     Keras 2 (whose `sum_over_batch_size` divides by the loss elements, or by the
@@ -135,7 +151,8 @@ def loss_denominator(model, x, y, y_pred, sample_weight):
     loss = keras_package.losses.get(loss)
     reduction = getattr(loss, "reduction", "sum_over_batch_size")
     if reduction in (None, "none", "sum"):
-        return tf.constant(1.0)
+        _warn_if_regularized(model)
+        return SUMMED_LOSS
     compute = loss.call if isinstance(loss, keras_package.losses.Loss) else loss
     y_p_tensor = tf.convert_to_tensor(y_p)
     values = compute(tf.cast(tf.convert_to_tensor(y_t), y_p_tensor.dtype), y_p_tensor)

@@ -40,7 +40,7 @@ import logging
 import numpy as np
 import tensorflow as tf
 
-from accumulator import _tf, seam
+from accumulator import _tf, lookups, seam
 from accumulator.noise_scale import (
     DEFAULT_SMOOTHING, NoiseScaleEstimate, micro_batch_terms, squared_norm, validate_smoothing,
 )
@@ -49,6 +49,12 @@ from accumulator.validation import integer_at_least
 logger = logging.getLogger(__name__)
 
 PARTIAL_WINDOW_MODES = ("apply", "carry", "drop")
+# "auto": read the compiled loss's reduction in `fit` (a mean otherwise); "mean": the
+# window's gradient is the micro-batches' mean, each weighing its loss's denominator;
+# "sum": the loss sums over its samples, and so does the window (see `accumulator.weighting`).
+LOSS_REDUCTIONS = ("auto", "mean", "sum")
+# What `accumulator.weighting` notes for a loss that sums over its samples.
+SUMMED_LOSS = "sum"
 
 __all__ = [
     "AccumulationWindow", "DEFAULT_SMOOTHING", "PARTIAL_WINDOW_MODES", "optimizer_chain",
@@ -73,6 +79,13 @@ def validate_measure_noise_scale(measure, name="measure_noise_scale"):
     if not isinstance(measure, bool):
         raise ValueError(f"`{name}` must be True or False; received {measure!r}.")
     return measure
+
+
+def validate_loss_reduction(reduction, name="loss_reduction"):
+    """Returns `reduction` if it is one of LOSS_REDUCTIONS, or raises naming the parameter."""
+    if reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"`{name}` must be one of {LOSS_REDUCTIONS}; received {reduction!r}.")
+    return reduction
 
 
 def validate_merge_duplicate_rows(merge, name="merge_duplicate_rows"):
@@ -104,7 +117,7 @@ def refuse_unknown_arguments(kwargs, advice=""):
         raise ValueError(
             f"GradientAccumulator got unknown arguments: {sorted(kwargs)}. "
             "It takes `optimizer`, `accum_steps`, `partial_window`, `schedulable`, "
-            "`measure_noise_scale`, `noise_scale_smoothing`, `merge_duplicate_rows` and `name`" + (f"; {advice}" if advice else ".")
+            "`measure_noise_scale`, `noise_scale_smoothing`, `merge_duplicate_rows`, `loss_reduction` and `name`" + (f"; {advice}" if advice else ".")
         )
 
 
@@ -124,6 +137,10 @@ def refuse_nested_accumulation(optimizer):
                 "argument and set `accum_steps` on the GradientAccumulator "
                 f"(accum_steps={inner.gradient_accumulation_steps} for the same window)."
             )
+
+
+def _is_summed(noted_weight):
+    return isinstance(noted_weight, str) and noted_weight == SUMMED_LOSS
 
 
 def _accumulator_dtype(variable):
@@ -196,19 +213,27 @@ class AccumulationWindow:
     when a close is traced: ``_indices_with_grads`` (variables that got a
     gradient in any step: what a forced close applies), ``_seen_in_window``
     (eagerly, this window's), ``_dense_seen`` and ``_rows_seen`` (which
-    variables got dense or sparse gradients: how each closes).
+    variables got dense or sparse gradients: how each closes), and
+    ``_once_per_batch`` ({variable index: the rows' count, or None when known
+    only at run time}: the variables whose rows come from a lookup made once
+    per batch, summed position by position across the window on one device;
+    under R replicas each replica keeps its micro-batches' rows, and the close
+    sums them into the R sets of rows Keras' large batch has, one per replica's
+    share of the batch; see `accumulator.lookups`).
     """
 
     # ------------------------------------------------------------------ setup
     def _init_window(self, accum_steps, partial_window, schedulable, measure_noise_scale,
-                     noise_scale_smoothing, merge_duplicate_rows):
+                     noise_scale_smoothing, merge_duplicate_rows, loss_reduction="auto"):
         self._accum_steps = accum_steps
+        self.loss_reduction = loss_reduction
         self.merge_duplicate_rows = merge_duplicate_rows
         self.partial_window = partial_window
         # Indices of the variables that got gradients in any traced or eager
         # call: what a forced close of the window applies.
         self._indices_with_grads = set()
         self._close_function = None
+        self._warned_eager_rows = False
         # Fixed at construction: a traced train step cannot switch paths later.
         self.schedulable = bool(schedulable)
         self._passthrough = accum_steps == 1 and not self.schedulable
@@ -219,12 +244,14 @@ class AccumulationWindow:
         self.epoch_schedule = None
         self._untracked(_window_listeners=[], _vars=[], _index_by_id={}, _accumulators=[],
                         _overwrite_indices=frozenset(), _window_strategy=None,
-                        _noise_estimate=None, _noise_sums=[], _rows=[], _rows_seen=set(), _dense_seen=set())
+                        _noise_estimate=None, _noise_sums=[], _rows=[], _rows_seen=set(), _dense_seen=set(),
+                        _once_per_batch={})
 
     @staticmethod
     def _validate_window_arguments(accum_steps, partial_window, schedulable, measure_noise_scale,
-                                   noise_scale_smoothing, merge_duplicate_rows):
+                                   noise_scale_smoothing, merge_duplicate_rows, loss_reduction="auto"):
         accum_steps = validate_accum_steps(accum_steps)
+        loss_reduction = validate_loss_reduction(loss_reduction)
         merge_duplicate_rows = validate_merge_duplicate_rows(merge_duplicate_rows)
         validate_partial_window(partial_window)
         measure_noise_scale = validate_measure_noise_scale(measure_noise_scale)
@@ -237,7 +264,7 @@ class AccumulationWindow:
                 "with windows of 1, which give no estimate. Use accum_steps >= 2."
             )
         return (accum_steps, partial_window, schedulable, measure_noise_scale, noise_scale_smoothing,
-                merge_duplicate_rows)
+                merge_duplicate_rows, loss_reduction)
 
     def _untracked(self, **attributes):
         # Plain Python state, set past TensorFlow's attribute tracking: the
@@ -342,6 +369,27 @@ class AccumulationWindow:
         return list(self._rows)
 
     @property
+    def gradient_kinds(self):
+        """{variable path: how the window holds its gradients}, for the variables that
+        got one in a step so far: "dense" (a sum), "rows" (a sparse gradient's rows,
+        kept apart as the large batch keeps them), "once-per-batch rows" (a lookup
+        whose ids do not depend on the sample: one row per id position, the
+        micro-batches summed into it; see `accumulator.lookups`), "dense + rows",
+        or "maximum" (`overwrite_with_gradient` variables)."""
+        kinds = {}
+        for i in sorted(self._indices_with_grads):
+            variable = self._vars[i]
+            if i in self._overwrite_indices:
+                kind = "maximum"
+            elif i in self._rows_seen:
+                kind = lookups.ONCE_PER_BATCH if i in self._once_per_batch else lookups.PER_SAMPLE
+                kind = "dense + " + kind if i in self._dense_seen else kind
+            else:
+                kind = "dense"
+            kinds[getattr(variable, "path", None) or variable.name] = kind
+        return kinds
+
+    @property
     def held_micro_batches(self):
         """Micro-batches in the open window, as an int (0 before the optimizer is built)."""
         if not self._window_built() or self._passthrough:
@@ -411,6 +459,8 @@ class AccumulationWindow:
         window stay per replica micro-batch: a window resumed under another
         number of replicas mixes the two in its one estimate.)
         """
+        if self._window_strategy is None:   # not built: no window, no replicas
+            return [np.asarray(v.numpy()) for v in self.variables]
         seen = [rows for i, rows in enumerate(self._rows) if i in self._rows_seen]
         state = {id(v): np.asarray(v.numpy()) for v in self.variables if id(v) not in
                  {id(r.values) for r in seen} | {id(r.indices) for r in seen} | {id(r.count) for r in seen}}
@@ -423,6 +473,10 @@ class AccumulationWindow:
 
     def restore_window_state(self, state):
         """Assigns `state` (as `window_state` returns it) to `variables`; rows go to replica 0."""
+        if self._window_strategy is None:   # not built: no window, no replicas
+            for variable, value in zip(self.variables, state):
+                _tf.backing_variable(variable).assign(value, read_value=False)
+            return
         value_of = {id(v): np.asarray(value) for v, value in zip(self.variables, state)}
         weight = value_of[id(self._weight_sum)]
         value_of[id(self._weight_sum)] = weight * np.asarray(self._window_strategy.num_replicas_in_sync, weight.dtype)
@@ -503,14 +557,40 @@ class AccumulationWindow:
         if not grads:
             return
         if self._passthrough:
-            # Transparent: the inner optimizer sees exactly what it would alone.
-            self._hand_to_updater(grads, trainable_variables, reduced=False)
+            # Transparent: the inner optimizer sees exactly what it would alone. Its
+            # count waits for the gradients: the step Keras runs on a dataset of
+            # unknown size that has run out makes no update and counts none.
+            with tf.control_dependencies([g.values if isinstance(g, tf.IndexedSlices) else g
+                                          for g in grads if g is not None]):
+                self._hand_to_updater(grads, trainable_variables, reduced=False)
             return
-        if micro_batch_weight is None:
-            micro_batch_weight = 1.0 if noted_weight is None else noted_weight
-        self._update(grads, indices, micro_batch_weight)
+        weight, divisor = self._micro_batch_weights(micro_batch_weight, noted_weight)
+        self._update(grads, indices, weight, divisor=divisor)
 
-    def _update(self, grads, indices, weight=1.0, close_only=False):
+    def _micro_batch_weights(self, micro_batch_weight, noted_weight):
+        """(what the micro-batch's gradient is multiplied by, what it adds to the divisor).
+
+        A loss that is a mean (S_k / D_k, `accumulator.weighting`) weighs D_k in
+        both: the window's gradient is sum(D_k g_k) / sum(D_k). A loss that sums
+        over its samples (reduction "sum" or "none": S_k) weighs 1, and the
+        window divides by 1, not by its micro-batches: its gradient is sum(g_k),
+        the large batch's sum. Under R replicas each replica adds 1 at the
+        window's start, and the close divides the reduced weight by R.
+        """
+        summed = self.loss_reduction == "sum" or (
+            self.loss_reduction == "auto" and micro_batch_weight is None and _is_summed(noted_weight))
+        if summed:
+            if micro_batch_weight is not None:
+                raise ValueError(
+                    "`micro_batch_weight` is for losses that are means; this GradientAccumulator "
+                    "has loss_reduction='sum' (the window sums the micro-batches' gradients, "
+                    "as the large batch sums its samples'): leave it out.")
+            return 1.0, tf.cast(tf.equal(self._micro_step, 0), tf.float32)
+        if micro_batch_weight is None:
+            micro_batch_weight = 1.0 if noted_weight is None or _is_summed(noted_weight) else noted_weight
+        return micro_batch_weight, micro_batch_weight
+
+    def _update(self, grads, indices, weight=1.0, close_only=False, divisor=None):
         """The window's whole flow: add a micro-batch, count it, and when the window is
         full close it: reduce it over the replicas, apply its mean, reset it.
 
@@ -526,7 +606,7 @@ class AccumulationWindow:
             with_grads = set(self._indices_with_grads)
         else:
             # 1. Add: each replica adds `weight * grad` to its own buffers.
-            self._accumulate(grads, indices, weight)
+            self._accumulate(grads, indices, weight, weight if divisor is None else divisor)
 
         def count_and_close(distribution):      # `distribution`: None without a strategy
             if close_only:
@@ -575,8 +655,9 @@ class AccumulationWindow:
             )
         return index
 
-    def _accumulate(self, grads, indices, weight=1.0):
-        """Replica-local: adds `weight * grad` into the window's buffers.
+    def _accumulate(self, grads, indices, weight=1.0, divisor=1.0):
+        """Replica-local: adds `weight * grad` into the window's buffers, and `divisor`
+        to the window's weight (see `_micro_batch_weights`).
 
         `overwrite_with_gradient` variables keep the window's running maximum.
         """
@@ -588,14 +669,18 @@ class AccumulationWindow:
                 self._seen_in_window.add(index)
             if index in self._overwrite_indices:
                 _tf.keep_maximum(self._accumulators[index], grad)
-            elif isinstance(grad, tf.IndexedSlices) and self._keeps_rows(index):
+            elif isinstance(grad, tf.IndexedSlices) and self._keeps_rows(index, grad):
                 self._rows_seen.add(index)
                 rows = self._rows[index]
-                _tf.append_rows(rows.values, rows.indices, rows.count, grad, weight)
+                if index in self._once_per_batch and _tf.replicas_in_sync() == 1:
+                    _tf.add_rows_in_place(rows.values, rows.indices, rows.count, grad, weight,
+                                          self._window_strategy)
+                else:
+                    _tf.append_rows(rows.values, rows.indices, rows.count, grad, weight)
             else:
                 self._ensure_dense(index)
                 _tf.add_weighted(self._accumulators[index], grad, weight)
-        self._weight_sum.assign_add(weight)
+        self._weight_sum.assign_add(tf.cast(divisor, tf.float32))
         if self._noise_sums:
             # This replica's micro-batch: R^2 |g|^2, R/w and 1 (R the replicas,
             # as in the window gradient; see `accumulator.noise_scale`).
@@ -606,8 +691,13 @@ class AccumulationWindow:
             for total, term in zip(self._noise_sums, terms):
                 total.assign_add(term)
 
-    def _keeps_rows(self, index):
-        """Whether a sparse gradient for variable `index` goes to its row buffers.
+    def _keeps_rows(self, index, grad):
+        """Whether a sparse gradient `grad` for variable `index` goes to its row buffers.
+
+        Rows of a lookup made once per batch (`accumulator.lookups`, decided here
+        from the traced program and remembered, for eager steps, in
+        `_once_per_batch`) are summed position by position in buffers of a size
+        fixed when the step is traced: kept everywhere, XLA included.
 
         Not where the buffers cannot be used: under XLA (`jit_compile=True`),
         which cannot compile buffers that change size, and, for a class whose
@@ -618,7 +708,22 @@ class AccumulationWindow:
         """
         if self._rows[index] is None:
             return False
+        kind = lookups.kind_of_rows(grad.indices)
+        if kind == lookups.ONCE_PER_BATCH:
+            self._once_per_batch[index] = grad.indices.shape.num_elements()
+        elif kind == lookups.PER_SAMPLE:
+            self._once_per_batch.pop(index, None)
+        elif index not in self._once_per_batch and not self._warned_eager_rows:
+            self._warned_eager_rows = True
+            logger.warning(
+                "GradientAccumulator got a sparse gradient in an eager step (no tf.function, or "
+                "run_eagerly=True): with no traced program to read, it cannot tell a lookup made "
+                "once per batch (a position table's arange) from a lookup per sample, and keeps "
+                "every micro-batch's rows apart. A once-per-batch lookup then trains unlike the "
+                "large batch with Adam-like optimizers; run the step in a tf.function.")
         xla = seam.in_xla_context()
+        if index in self._once_per_batch and (not xla or self._once_per_batch[index] is not None):
+            return True
         if not xla and (_tf.replicas_in_sync() == 1 or self.keeps_rows_across_replicas):
             return True
         if self.merge_duplicate_rows or self.inner_sums_repeated_rows:
@@ -734,14 +839,18 @@ class AccumulationWindow:
         """
         variable, rows = self._vars[index], self._rows[index]
         shape = tf.constant(tuple(variable.shape), tf.int64)
+        count = self._once_per_batch.get(index)     # known when traced, for XLA
         if _tf.replicas_in_sync() == 1:
             # Divided where they lie (see _tf.divide_in_place): no second copy of the
             # rows next to the buffer while the inner optimizer runs.
             _tf.divide_in_place([_tf.backing_variable(rows.values)], weight_sum)
-            slices = tf.IndexedSlices(*_tf.read_rows(rows.values, rows.indices, rows.count), shape)
+            slices = tf.IndexedSlices(*_tf.read_rows(rows.values, rows.indices, rows.count, count), shape)
         else:
             slices = _tf.gather_over_replicas(tf.IndexedSlices(
                 *_tf.read_rows(rows.values, rows.indices, rows.count), shape))
+            if count is not None:
+                slices = _tf.rows_of_replicas_of_the_large_batch(
+                    slices, count, _tf.replicas_in_sync(), tuple(variable.shape)[1:])
             slices = tf.IndexedSlices(slices.values / tf.cast(weight_sum, slices.values.dtype),
                                       slices.indices, slices.dense_shape)
         if self.merge_duplicate_rows:
@@ -784,6 +893,7 @@ class AccumulationWindow:
             "measure_noise_scale": self.measure_noise_scale,
             "noise_scale_smoothing": self.noise_scale_smoothing,
             "merge_duplicate_rows": self.merge_duplicate_rows,
+            "loss_reduction": self.loss_reduction,
         }
 
     # ------------------------------------------------ what each Keras supplies

@@ -15,9 +15,9 @@ FIT_RATIOS = [("acc_vs_plain_b", "accumulator", "plain_b", "accumulator / plain 
               ("acc_vs_builtin", "accumulator", "keras_builtin", "accumulator / Keras built-in"),
               ("builtin_vs_plain_b", "keras_builtin", "plain_b", "Keras built-in / plain b"),
               ("plain_Nb_vs_plain_b", "plain_Nb", "plain_b", "plain N·b / plain b")]
-LOOP_RATIOS = [("acc_loop_vs_seeds", "accumulator_loop", "seeds_loop", "accumulator / seeds' loop"),
+LOOP_RATIOS = [("acc_loop_vs_seeds", "accumulator_loop", "seeds_loop", "accumulator / hand-written loop"),
                ("acc_loop_vs_plain_b_loop", "accumulator_loop", "plain_b_loop", "accumulator / plain b"),
-               ("seeds_vs_plain_b_loop", "seeds_loop", "plain_b_loop", "seeds' loop / plain b")]
+               ("seeds_vs_plain_b_loop", "seeds_loop", "plain_b_loop", "hand-written loop / plain b")]
 NOISE_RATIO = ("noise_scale", "accumulator_noise_scale", "accumulator", "noise scale on / off")
 
 

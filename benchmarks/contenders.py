@@ -44,7 +44,7 @@ LABELS = {
     "accumulator_noise_scale": "GradientAccumulator + noise scale (fit)",
     "keras_builtin": "Keras built-in (fit)",
     "plain_b_loop": "plain b (loop)",
-    "seeds_loop": "seeds' tape loop (loop)",
+    "seeds_loop": "hand-written tape loop (loop)",
     "accumulator_loop": "GradientAccumulator (loop)",
     "plain_b_mirrored": "plain b (fit, MirroredStrategy, 1 device)",
     "accumulator_mirrored": "GradientAccumulator (fit, MirroredStrategy, 1 device)",

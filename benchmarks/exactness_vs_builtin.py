@@ -1,7 +1,9 @@
 """Prints max |Δw| against the large-batch run: GradientAccumulator vs Keras' built-in.
 
-Same models, data and optimizers as tests/accumulator/test_exactness.py
-(32 updates, micro-batch 8, accum 4). Run: `.venv/bin/python -m benchmarks.exactness_vs_builtin`.
+The models, data and optimizers of the exactness tests (32 updates, micro-batch 8,
+accum 4; `tests/test_bench_exactness.py` checks that the optimizers here are the
+tests' own). Run from the repository's root, after `pip install .`:
+`python -m benchmarks.exactness_vs_builtin` (it needs no test tools).
 """
 
 import keras
@@ -9,7 +11,28 @@ import tensorflow as tf
 
 from accumulator import GradientAccumulator
 from tests.accumulator import reference as ref
-from tests.accumulator.test_exactness import ACCUM, MICRO_BATCH, OPTIMIZERS, UPDATES
+
+MICRO_BATCH = 8
+ACCUM = 4
+UPDATES = 32
+
+OPTIMIZERS = {
+    "sgd_nesterov": lambda: keras.optimizers.SGD(
+        keras.optimizers.schedules.PiecewiseConstantDecay([8, 16], [0.1, 0.05, 0.02]),
+        momentum=0.9, nesterov=True, clipnorm=0.5,
+    ),
+    "adam": lambda: keras.optimizers.Adam(
+        keras.optimizers.schedules.ExponentialDecay(1e-2, 8, 0.5), clipnorm=0.1,
+    ),
+    "adamw": lambda: keras.optimizers.AdamW(
+        keras.optimizers.schedules.CosineDecay(1e-2, UPDATES, warmup_target=2e-2, warmup_steps=4),
+        weight_decay=0.05, global_clipnorm=0.2,
+    ),
+    "rmsprop": lambda: keras.optimizers.RMSprop(
+        keras.optimizers.schedules.InverseTimeDecay(5e-3, 8, 0.5),
+        momentum=0.5, clipvalue=0.05,
+    ),
+}
 
 
 def _fit(optimizer, x, y, batch_size):

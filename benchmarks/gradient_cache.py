@@ -11,7 +11,7 @@ against a peer measured in the same run:
   allocator statistics, one inter-op thread, a fresh process per contender and
   repeat) for the large batch of 512 (`large_batch`), GradientCache at the same
   512 in 4 x 128 and 8 x 64 (`cached_N4`, `cached_N8`), and plain `fit` at 128 and
-  64 (`plain_b128`, `plain_b64`: the micro-batch's own peak). Target (issue 22):
+  64 (`plain_b128`, `plain_b64`: the micro-batch's own peak). Target:
   the cached peak stays close to the micro-batch's plus the cached representations.
 * ``time``: seconds per effective batch of 512, cached over the large batch, round
   by round. Target: <= 1.35 (one extra forward pass: GradCache reports ~20 %).
@@ -360,7 +360,7 @@ def _memory_lines(memory):
                      f"{_ratio(figure['over_expected']) if 'over_expected' in figure else '—'} | "
                      f"{'**' + figure['verdict'] + '**' if 'verdict' in figure else '—'} |")
     judged = {name: f for name, f in figures.items() if "verdict" in f and not CONTENDERS[name][3]}
-    lines += ["", "Target (issue 22): the cached peak stays close to the micro-batch's activations plus the cached "
+    lines += ["", "Target: the cached peak stays close to the micro-batch's activations plus the cached "
               f"representations (here: within {CLOSE_TARGET}× the plain micro-batch's peak plus "
               f"{representation_mb():.2f} MiB), judged on `fit` as it runs by default (a tf.function). " + " ".join(
                   f"{name}: **{figure['verdict']}** ({_ratio(figure['over_expected'])}× the expected peak; "
@@ -464,7 +464,7 @@ def markdown(results):
     lines = ["# GradientCache: memory, time and retrieval quality", "",
              f"{machine.get('date', '?')}; {machine.get('device_name', '?')}; TensorFlow "
              f"{machine.get('versions', {}).get('tensorflow', '?')}, Keras {machine.get('versions', {}).get('keras', '?')}, "
-             f"Python {machine.get('versions', {}).get('python', '?')} ({machine.get('python', '?')}). "
+             f"Python {machine.get('versions', {}).get('python', '?')}. "
              f"{machine.get('note', '')}".rstrip(), "",
              "How to read: medians over repeats with their [min–max]; ratios are taken repeat by repeat against a "
              "peer measured in the same run, then summarized. A target is *met* when the median is on the right "
@@ -487,6 +487,7 @@ def markdown(results):
 
 def report(results, folder):
     """Writes gradient_cache.{json,md} and the plots into `folder`; returns the Markdown."""
+    results.get("machine", {}).pop("python", None)   # an interpreter's path says nothing to a reader
     text = markdown(results)
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "gradient_cache.json"), "w") as f:
@@ -638,7 +639,7 @@ def main():
         folder = args.folder or os.path.join(ROOT, "docs", "benchmarks", "cpu")
         print(report(json.load(open(os.path.join(folder, "gradient_cache.json"))), folder))
         return
-    results = {"machine": {"date": time.strftime("%Y-%m-%d"), "python": sys.executable, "cpus": os.cpu_count(),
+    results = {"machine": {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
                            "note": args.note}, "part_seconds": {}}
     folder = None
     costs = ",".join(p for p in ("memory", "time") if p in parts)

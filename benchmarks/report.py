@@ -34,7 +34,7 @@ REASONS = {
                        "reset; see the overhead section for its fixed cost"),
     "acc_vs_builtin": ("both keep buffers; the accumulator also weighs each micro-batch by its samples and "
                        "densifies sparse gradients"),
-    "acc_loop_vs_seeds": ("the seeds' loop adds the raw gradients; the accumulator also multiplies by the "
+    "acc_loop_vs_seeds": ("the hand-written loop adds the raw gradients; the accumulator also multiplies by the "
                           "micro-batch weight and branches on the window (one `cond` per micro-step)"),
     "noise_scale": "one squared norm of the gradients per micro-step and the window's norm at the close",
     "step_ms": "the model is too small for this machine: its step time is overhead, not compute",
@@ -180,7 +180,7 @@ def _ratios(results, targets):
              "so a median within a few percent of a target is not a measured difference.", ""]
     judged = [("acc_vs_plain_b", "fit: accumulator ≥ 0.97× plain b"),
               ("acc_vs_builtin", "fit: accumulator ≥ 1.0× Keras built-in"),
-              ("acc_loop_vs_seeds", "loop: accumulator ≥ 0.97× seeds' loop")]
+              ("acc_loop_vs_seeds", "loop: accumulator ≥ 0.97× hand-written loop")]
     if not results.get("noise_scale"):      # else judged on its own, tighter, measurement
         judged.append(("noise_scale", "fit: noise scale on ≥ 0.98× off"))
     for workload, measured in throughput.items():
@@ -370,11 +370,11 @@ def _memory_notes(runs, overs, close_cost):
 def _distributed(distributed, targets):
     """Cross-replica reductions per update, accumulator against the seeds' pattern; judges one per update."""
     lines = ["## Distributed: reductions per update (tiny model)", "",
-             "Both run the same custom `strategy.run` loop, one call per micro-step; the seeds' pattern "
+             "Both run the same custom `strategy.run` loop, one call per micro-step; a hand-written loop "
              "all-reduces the gradients after every micro-step, the accumulator once per update. The tiny "
              "model makes the reductions, not the compute, visible. Time ratio per round.", "",
-             "| strategy | N | reductions per update: accumulator | seeds | s per update: accumulator | seeds "
-             "| accumulator / seeds (time) |", "|---|---|---|---|---|---|---|"]
+             "| strategy | N | reductions per update: accumulator | hand-written | s per update: accumulator | "
+             "hand-written | accumulator / hand-written (time) |", "|---|---|---|---|---|---|---|"]
     for key, title in (("mirrored", "Mirrored, 2 logical CPUs"), ("multiworker", "MultiWorker, 2 workers")):
         if key not in distributed:
             continue

@@ -26,7 +26,7 @@ from tfx.utils import json_utils
 from accumulator.callbacks import validate_schedule
 from accumulator.distribute import KINDS
 from accumulator.validation import integer_at_least
-from components import executor, settings as settings_lib
+from components import exactness, executor, settings as settings_lib
 
 STRATEGY_CHOICES = ("auto",) + KINDS
 
@@ -48,6 +48,7 @@ class AccumulatingTrainerSpec(standard_component_specs.TrainerSpec):
         executor.GRADIENT_CACHE_KEY: ExecutionParameter(type=int, optional=True),
         executor.BACKUP_DIR_KEY: ExecutionParameter(type=str, optional=True),
         executor.BACKUP_EVERY_KEY: ExecutionParameter(type=int, optional=True),
+        exactness.VERIFY_EXACTNESS_KEY: ExecutionParameter(type=str, optional=True),
     }
 
 
@@ -110,6 +111,12 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             are removed once the model is published. Default None: no backup.
         backup_every: optimizer updates between backups (default 100); epoch
             ends are backed up too.
+        verify_exactness: True: before training, check on the run_fn's model
+            and first batches that accumulation trains like Keras' large batch
+            (`accumulator.check_exact`, 2 updates, one device), and record the
+            verdict (`exactness`, `exactness_max_delta`, `exactness_detail`);
+            "refuse": the same, and stop before training unless it is exact;
+            False (the default): no check (components.exactness).
 
     `TrainArgs.num_steps` counts optimizer updates: the run_fn sees
     `fn_args.train_steps = num_steps * accum_steps` micro-steps (`num_steps`
@@ -143,6 +150,7 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
         gradient_cache: bool = False,
         backup_dir: Optional[Union[str, data_types.RuntimeParameter]] = None,
         backup_every: Optional[Union[int, data_types.RuntimeParameter]] = None,
+        verify_exactness: Union[bool, str] = False,
     ):
         if [bool(module_file), bool(run_fn)].count(True) != 1:
             raise ValueError("Exactly one of 'module_file', or 'run_fn' must be supplied.")
@@ -200,6 +208,7 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             gradient_cache=int(gradient_cache),
             backup_dir=backup_dir,
             backup_every=backup_every,
+            verify_exactness=exactness.validate_mode(verify_exactness),
             model=types.Channel(type=standard_artifacts.Model),
             model_run=types.Channel(type=standard_artifacts.ModelRun),
         )

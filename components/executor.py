@@ -27,9 +27,10 @@ from tfx.components.trainer import executor as tfx_trainer_executor
 from tfx.components.util import udf_utils
 from tfx.types import standard_component_specs
 
+from accumulator import hooks
 from accumulator.autowrap import accumulating_compile
 from accumulator.distribute import strategy_from_environment
-from components import cluster, fn_args_utils, noise_scale, preemption, settings as settings_lib
+from components import cluster, exactness, fn_args_utils, noise_scale, preemption, settings as settings_lib
 
 ACCUM_STEPS_KEY = "accum_steps"
 EFFECTIVE_BATCH_SIZE_KEY = "effective_batch_size"
@@ -63,13 +64,17 @@ class Executor(tfx_trainer_executor.GenericExecutor):
         role = cluster.role_from_environment()
         cluster.refuse_one_strategy_per_worker(role, strategy)
         backup = preemption.backup_for(input_dict, exec_properties, settings.steps_per_update, role.chief)
+        verdict = exactness.verify(run_fn, fn_args_utils.for_accumulation(fn_args, settings, role.workers),
+                                   settings, exec_properties.get(exactness.VERIFY_EXACTNESS_KEY))
         # Train the model: every optimizer the run_fn compiles accumulates (or every GradientCache).
         logging.info("Training model. %s", _describe(settings, strategy, fn_args.train_steps, role))
         with cluster.worker_outputs(fn_args, role, backup) as outputs:
-            with accumulating_compile(strategy=strategy, backup=backup, **settings.compile_arguments()) as optimizers:
+            with accumulating_compile(strategy=strategy, backup=backup, **settings.compile_arguments()) as optimizers, \
+                    hooks.strategies_made_map_onto(strategy):     # the run_fn's own MirroredStrategy(), ...
                 run_fn(fn_args_utils.for_accumulation(outputs.fn_args, settings, role.workers))
             outputs.check_exported()
             if role.chief:
+                exactness.record(output_dict, verdict)
                 _record(output_dict, fn_args.model_run_dir, settings, strategy, optimizers, role, backup)
             outputs.publish()
         if backup is not None:

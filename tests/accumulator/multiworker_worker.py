@@ -32,6 +32,8 @@ def main():
     parser.add_argument("--keras2", action="store_true", help="a Keras 2 (tf_keras) model and optimizer")
     parser.add_argument("--embedding", action="store_true",
                         help="the embedding model (sparse gradients) and plain Adam")
+    parser.add_argument("--positions", action="store_true",
+                        help="keras.io's token and position embedding (a lookup made once per batch) and plain Adam")
     parser.add_argument("--die-at", type=int, default=-1, help="SIGKILL self after this global micro-step")
     args = parser.parse_args()
 
@@ -49,11 +51,16 @@ def main():
     assert isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy), strategy
     samples = args.micro * args.steps_per_epoch
     x, y = ref.token_data(samples) if args.embedding else ref.regression_data(samples)
+    if args.positions:
+        from tests.accumulator.test_lookups import text_data, text_model
+        x, y = text_data(samples)
     if args.keras2:
         keras = seam.keras2_module()
     with strategy.scope():
         if args.embedding:
             model, optimizer = ref.embedding_model(), keras.optimizers.Adam(1e-2)
+        elif args.positions:
+            model, optimizer = text_model(), keras.optimizers.Adam(1e-2)
         else:
             model = keras2_mlp(keras, x.shape[1]) if args.keras2 else ref.mlp()
             optimizer = keras.optimizers.AdamW(

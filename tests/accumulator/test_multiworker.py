@@ -67,6 +67,29 @@ def test_two_worker_embedding_fit_matches_keras_large_batch(tmp_path):
     assert ref.max_abs_diff(weights, expected.get_weights()) <= 1e-5
 
 
+def test_two_worker_position_lookup_matches_keras_large_batch_on_two_replicas(tmp_path):
+    """A lookup made once per batch: each worker keeps its micro-batches' rows, the
+    close sums them into one set per worker's share of the batch, as Keras' large
+    batch has them on 2 replicas (here 2 mirrored replicas in this process)."""
+    import tensorflow as tf
+
+    from tests.accumulator.test_lookups import text_data, text_model
+
+    codes, output, result = run_cluster(tmp_path / "out", "--accum", ACCUM, "--steps-per-epoch", 8,
+                                        "--positions")
+    assert codes == [0, 0], output[-3000:]
+    weights, iterations = result
+    assert iterations == 2
+    x, y = text_data(MICRO * 8)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
+                                              cross_device_ops=tf.distribute.ReductionToOneDevice())
+    with strategy.scope():
+        model = text_model()
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    model.fit(x, y, batch_size=MICRO * ACCUM, shuffle=False, verbose=0)
+    assert ref.max_abs_diff(weights, model.get_weights()) <= 1e-5
+
+
 @pytest.mark.parametrize("partial_window, updates, model", [
     ("carry", 7, "mlp"), ("apply", 9, "mlp"), ("carry", 7, "embedding")])
 def test_killed_worker_resumes_from_backup_without_losing_or_repeating_micro_batches(

@@ -2,8 +2,8 @@
 worker pool's container runs it (`python -m tfx.scripts.run_executor ...`).
 
 For the preemption tests, `DIE_AFTER_STEPS=n` makes the process SIGKILL itself
-after its n-th `fit` step (a callback added to every `fit`, so the module file
-stays unchanged): a preempted machine, mid-window.
+after its n-th `fit` step (a callback added to every Keras 3 and Keras 2 `fit`, so
+the module file stays unchanged): a preempted machine, mid-window.
 """
 
 import functools
@@ -14,26 +14,34 @@ import sys
 
 
 def _die_after(steps):
+    import importlib.util
+
     import keras
 
-    class Die(keras.callbacks.Callback):
-        seen = 0      # over every fit call of the process
+    seen = [0]      # over every fit call of the process
 
-        def on_train_batch_end(self, batch, logs=None):
-            Die.seen += 1
-            if Die.seen == steps:
-                os.kill(os.getpid(), signal.SIGKILL)
+    def patch(package):
+        class Die(package.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                seen[0] += 1
+                if seen[0] == steps:
+                    os.kill(os.getpid(), signal.SIGKILL)
 
-    original = keras.Model.fit
-    signature = inspect.signature(inspect.unwrap(original))
+        original = package.Model.fit
+        signature = inspect.signature(inspect.unwrap(original))
 
-    @functools.wraps(original)
-    def fit(self, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs)
-        bound.arguments["callbacks"] = list(bound.arguments.get("callbacks") or []) + [Die()]
-        return original(*bound.args, **bound.kwargs)
+        @functools.wraps(original)
+        def fit(self, *args, **kwargs):
+            bound = signature.bind(self, *args, **kwargs)
+            bound.arguments["callbacks"] = list(bound.arguments.get("callbacks") or []) + [Die()]
+            return original(*bound.args, **bound.kwargs)
 
-    keras.Model.fit = fit
+        package.Model.fit = fit
+
+    patch(keras)
+    if importlib.util.find_spec("tf_keras") is not None:        # Keras 2 models too
+        import tf_keras
+        patch(tf_keras)
 
 
 def main():

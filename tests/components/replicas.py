@@ -28,7 +28,7 @@ def container_command(inputs, outputs, properties, executor=EXECUTOR):
 def start(command, workers, tmp, env=None):
     """Starts `workers` replicas of `command` (chief first); returns the Popen objects.
 
-    `env`: {replica index: extra environment}. Each replica's TMPDIR is its own
+    `env`: {replica index: extra environment} (a value None unsets the variable). Each replica's TMPDIR is its own
     folder under `tmp`, so a test can see what it leaves there. Output goes to
     files beside it (`replica<i>.out`, `.err`): a pipe nobody reads while the
     others run fills up and blocks its writer, and then its peers wait on it.
@@ -44,8 +44,9 @@ def start(command, workers, tmp, env=None):
         tmpdir = os.path.join(str(tmp), f"replica{index}")
         os.makedirs(tmpdir, exist_ok=True)
         replica_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TMPDIR=tmpdir, PYTHONPATH=ROOT,
-                           TF_CONFIG=json.dumps({"cluster": cluster, "task": task, "environment": "cloud"}),
-                           **{k: str(v) for k, v in ((env or {}).get(index) or {}).items()})
+                           TF_CONFIG=json.dumps({"cluster": cluster, "task": task, "environment": "cloud"}))
+        for name, value in ((env or {}).get(index) or {}).items():     # None: not set
+            replica_env.pop(name, None) if value is None else replica_env.__setitem__(name, str(value))
         with open(f"{tmpdir}.out", "w") as out, open(f"{tmpdir}.err", "w") as err:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "tests.components.replica", *command[3:], "--write-outputs-stdout"],

@@ -82,6 +82,45 @@ def test_two_processes_train_like_the_large_batch_and_only_the_chief_exports_and
     assert os.listdir(tmp_path / "tmp" / "replica1") == []              # the worker's exports are gone
 
 
+def _stock_two_lines_on_two_processes(tmp_path):
+    """The control: without this project, the module's `MirroredStrategy()` after the
+    executor's `MultiWorkerMirroredStrategy`, on 2 processes; their exit codes."""
+    import json
+    import subprocess
+    import sys
+
+    import portpicker
+    cluster = {"chief": [f"127.0.0.1:{portpicker.pick_unused_port()}"],
+               "worker": [f"127.0.0.1:{portpicker.pick_unused_port()}"]}
+    code = "import tensorflow as tf; tf.distribute.MultiWorkerMirroredStrategy(); tf.distribute.MirroredStrategy()"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_CONFIG=json.dumps(
+                                  {"cluster": cluster, "task": {"type": job, "index": 0}})))
+             for job in ("chief", "worker")]
+    return [proc.wait(timeout=300) for proc in procs]
+
+
+@pytest.mark.apart      # TFX's penguin module (tests/components/test_penguin.py) makes one too, in make test
+def test_a_run_fn_that_makes_its_own_mirrored_strategy_trains_on_two_processes(examples, stock, tmp_path):
+    """TFX's penguin example constructs `MirroredStrategy()` in its run_fn: TF 2.16 segfaults
+    making it beside a MultiWorkerMirroredStrategy (the control); under AccumulatingTrainer it
+    is the executor's strategy."""
+    assert _stock_two_lines_on_two_processes(tmp_path) == [-signal.SIGSEGV] * 2
+    inputs, outputs, properties = fixtures.executor_arguments(
+        tmp_path / "run", examples, num_steps=STEPS, accum_steps=ACCUM, effective_batch_size=EFFECTIVE,
+        custom_config={"own_strategy": "mirrored"})
+    results = replicas.run(replicas.container_command(inputs, outputs, properties), 2, tmp_path / "tmp")
+    assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
+    seen, weights = fixtures.read_run(outputs["model_run"][0].uri)
+    assert (seen["own_strategy"], seen["own_strategy_replicas"], seen["iterations"]) == (
+        "CollectiveAllReduceStrategy", 2, STEPS)
+    assert "run_fn constructed tf.distribute.MirroredStrategy" in results[1][2]
+    print(f"[measured] 2 processes, the run_fn's own MirroredStrategy, vs the one-process large batch: "
+          f"max |dw| = {max_abs_diff(weights, stock[0]):.1e}")
+    assert max_abs_diff(weights, stock[0]) <= 1e-5
+    assert _model_dir_entries(outputs) == ["Format-Serving"]
+
+
 def test_the_demo_module_trains_on_two_processes_and_the_chief_exports_it(tmp_path):
     from pipelines.digits import model as digits_module
     examples = fixtures.write_digits_examples(str(tmp_path / "examples"))
@@ -146,6 +185,32 @@ def test_a_killed_run_resumes_from_its_backup_with_the_weights_of_an_uninterrupt
     assert recorded["backup_dir"].startswith(str(tmp_path / "backups"))
     assert not os.path.exists(recorded["backup_dir"])          # removed once the model is published
     assert _model_dir_entries(outputs) == ["Format-Serving"]
+
+
+@pytest.mark.apart      # the penguin module's killed worker resumes under Keras 2 in make test
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_killed_keras_2_run_resumes_from_its_backup_exactly(workers, examples, tmp_path):
+    """The tf_keras module (what a TFX module gets under TF_USE_LEGACY_KERAS=1), killed after
+    micro-step 10 (the last replica), restarted: it resumes at the backup of step 8, 2 updates."""
+    pytest.importorskip("tf_keras")
+    module = os.path.join(fixtures.TESTDATA, "keras2_regression_module.py")
+    stock_weights = fixtures.run_executor(tmp_path / "stock", examples, num_steps=STEPS, stock=True,
+                                          module=module)[2]
+    inputs, outputs, properties = _resumable(examples, tmp_path, module=module)
+    command = replicas.container_command(inputs, outputs, properties)
+    killed = replicas.run(command, workers, tmp_path / "tmp1", env={workers - 1: {"DIE_AFTER_STEPS": 10}},
+                          timeout=300)
+    assert killed[-1][0] == -signal.SIGKILL, killed[-1][2][-3000:]
+    results = replicas.run(command, workers, tmp_path / "tmp2")
+    assert [code for code, _, _ in results] == [0] * workers, results[0][2][-3000:]
+    seen, weights = fixtures.read_run(outputs["model_run"][0].uri)
+    assert (seen["keras"][:2], seen["optimizer_module"], seen["iterations"]) == ("2.", "accumulator.keras2", STEPS)
+    print(f"[measured] Keras 2, {workers} process(es), killed and resumed, vs the stock Trainer: "
+          f"max |dw| = {max_abs_diff(weights, stock_weights):.1e}")
+    assert max_abs_diff(weights, stock_weights) <= 1e-5
+    recorded = _custom_properties(replicas.published(results[0][1])["model"][0])
+    assert {k: recorded[k] for k in ("backup_resumes", "resumed_at_step", "resumed_at_update")} == {
+        "backup_resumes": 1, "resumed_at_step": 8, "resumed_at_update": 2}
 
 
 def test_vertex_executor_runs_the_job_and_publishes_the_chiefs_record(examples, stock, tmp_path, monkeypatch):

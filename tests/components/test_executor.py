@@ -29,7 +29,7 @@ def test_unchanged_stock_module_trains_like_the_stock_trainer_with_the_big_batch
     assert seen == {
         "train_steps": 24, "train_batch": 8, "eval_batch": 16, "optimizer": "GradientAccumulator",
         "accum_steps": 4, "iterations": 6, "strategy": stock_seen["strategy"], "partial_window": "apply",
-        "merge_duplicate_rows": False,
+        "merge_duplicate_rows": False, "own_strategy": None, "own_strategy_replicas": None,
     }
     assert max_abs_diff(weights, stock_weights) <= 1e-5
     assert os.path.exists(os.path.join(outputs["model"][0].uri, "Format-Serving", "saved_model.pb"))

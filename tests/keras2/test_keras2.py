@@ -8,6 +8,7 @@ the large-batch `fit` or a hand-written `GradientTape` loop.
 
 import importlib.util
 import os
+import pickle
 import subprocess
 import sys
 
@@ -367,3 +368,117 @@ def test_two_worker_fit_matches_one_device_large_batch(tmp_path):
     model.fit(x, y, batch_size=micro * accum, epochs=1, shuffle=False, verbose=0)
     assert iterations == steps // accum == int(model.optimizer.iterations.numpy())
     assert max_diff(weights, model.get_weights()) < 1e-5
+
+
+# ------------------------------------------------------- saving before training
+K2_INNER = sorted(name for name, cls in vars(k2.optimizers).items() if k2 is not None
+                  and isinstance(cls, type) and issubclass(cls, k2.optimizers.Optimizer)
+                  and name not in ("Optimizer", "LossScaleOptimizer")) if k2 is not None else []
+
+
+def _saved_and_loaded(name, built, fmt, tmp_path):
+    model = mlp()
+    model.compile(GradientAccumulator(getattr(k2.optimizers, name)(), accum_steps=2), loss="mse")
+    if built:
+        model.optimizer.build(model.trainable_variables)
+    assert model.optimizer._window_built() == built
+    path = str(tmp_path / {"savedmodel": "model", "h5": "model.h5", "keras": "model.keras"}[fmt])
+    model.save(path)
+    return model, k2.models.load_model(path)
+
+
+@pytest.mark.parametrize("strategy", [False, True], ids=["one-device", "mirrored"])
+@pytest.mark.parametrize("built", [False, True], ids=["unbuilt", "built"])
+@pytest.mark.parametrize("name", K2_INNER)
+def test_a_model_saves_and_pickles_before_training(name, built, strategy, tmp_path):
+    scope = (tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=tf.distribute.ReductionToOneDevice())
+             if strategy else tf.distribute.get_strategy()).scope()
+    with scope:
+        model, loaded = _saved_and_loaded(name, built, "keras", tmp_path)
+        assert isinstance(loaded.optimizer, AccumulationWindow) and loaded.optimizer.accum_steps == 2
+        assert type(loaded.optimizer.inner_optimizer) is type(model.optimizer.inner_optimizer)
+        if built:   # the built window's state round-trips value for value
+            saved, restored = model.optimizer.get_weights(), loaded.optimizer.get_weights()
+            assert len(restored) == len(saved) > 5 and max_diff(restored, saved) == 0.0
+        # pickle: as Keras 2 pickles the inner optimizer alone (its optimizers refuse:
+        # they hold weak references), never the window's own error.
+        outcomes = []
+        for optimizer in (model.optimizer, model.optimizer.inner_optimizer):
+            try:
+                pickle.loads(pickle.dumps(optimizer))
+                outcomes.append(None)
+            except TypeError as error:
+                outcomes.append(str(error))
+        assert outcomes[0] == outcomes[1]
+
+
+@pytest.mark.parametrize("fmt", ["savedmodel", "h5"])
+def test_a_model_saved_before_training_in_the_older_formats_trains_as_the_original(fmt, tmp_path):
+    x, y = data(64)
+    model, loaded = _saved_and_loaded("Adam", False, fmt, tmp_path)
+    initial = model.get_weights()
+    for m in (model, loaded):
+        m.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert int(loaded.optimizer.iterations.numpy()) == 4
+    assert max_diff(model.get_weights(), initial) > 1e-3          # control: it trained
+    assert max_diff(loaded.get_weights(), model.get_weights()) <= 1e-6
+
+# ------------------------------------------------------------ TrainingBackup
+class _Preempted(Exception):
+    pass
+
+
+def _backed_up_fit(directory, stop_after=None, every_steps=3):
+    """16 micro-steps (2 epochs of 8) in windows of 4, backed up every `every_steps`;
+    `stop_after`: the run dies after that many steps. Returns (model, backup, what the
+    optimizer held when training began: micro-steps in its window, updates)."""
+    from accumulator.backup import TrainingBackup
+
+    x, y = data(64)
+    began = {}
+
+    class Watch(k2.callbacks.Callback):
+        steps = 0
+
+        def on_train_begin(self, logs=None):       # after the backup's own restore
+            if backup.resumed_from is None:
+                return                              # a fresh run: nothing built yet
+            began.setdefault("window", int(self.model.optimizer.micro_step.numpy()))
+            began.setdefault("updates", int(self.model.optimizer.iterations.numpy()))
+
+        def on_train_batch_end(self, batch, logs=None):
+            Watch.steps += 1
+            if Watch.steps == stop_after:
+                raise _Preempted()
+
+    model = mlp()
+    backup = TrainingBackup(str(directory), every_steps=every_steps)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+    arguments = dict(x=dataset, steps_per_epoch=8, epochs=2, verbose=0, callbacks=[Watch()])
+    if seam.keras_is_3():           # beside Keras 3: the library's context, as the TFX Trainer uses it
+        from accumulator.autowrap import accumulating_compile
+        with accumulating_compile(accum_steps=4, backup=backup):
+            model.compile(optimizer=k2.optimizers.Adam(0.01), loss="mse")
+            model.fit(**arguments)
+    else:                           # TF 2.15 (no Keras 3, no accumulating_compile): the backup's own fit
+        model.compile(optimizer=GradientAccumulator(k2.optimizers.Adam(0.01), accum_steps=4), loss="mse")
+        backup.fit(type(model).fit, model, arguments)
+    return model, backup, began
+
+
+def test_training_backup_resumes_a_keras_2_fit_mid_window_exactly(tmp_path):
+    """Backups at steps 3, 6, 8 (the epoch's end) and 11; killed after step 13. The backup in
+    force is step 11 (epoch 1, 3 steps in): 2 updates and 3 micro-batches held in the window.
+    The restarted fit restores it (weights, Adam's slots, the window's sums and count) and
+    trains the 5 steps left."""
+    uninterrupted, _, _ = _backed_up_fit(tmp_path / "whole")
+    with pytest.raises(_Preempted):
+        _backed_up_fit(tmp_path / "run", stop_after=13)
+    resumed, backup, began = _backed_up_fit(tmp_path / "run")
+    assert {k: backup.resumed_from[k] for k in ("epoch", "batch", "steps", "updates")} == {
+        "epoch": 1, "batch": 3, "steps": 11, "updates": 2}
+    assert began == {"window": 3, "updates": 2}                     # mid-window, as backed up
+    assert type(resumed.optimizer).__module__ == "accumulator.keras2"
+    assert int(resumed.optimizer.iterations.numpy()) == int(uninterrupted.optimizer.iterations.numpy()) == 4
+    assert max_diff(resumed.get_weights(), uninterrupted.get_weights()) == 0.0
+    assert max_diff(resumed.optimizer.get_weights(), uninterrupted.optimizer.get_weights()) == 0.0

@@ -51,10 +51,24 @@ def _make_keras_model():
     return model
 
 
+# What a module written for the stock Trainer may construct (custom_config "own_strategy").
+OWN_STRATEGIES = {
+    "mirrored": lambda: tf.distribute.MirroredStrategy(),           # as TFX's penguin example does
+    "one_device": lambda: tf.distribute.OneDeviceStrategy("/cpu:0"),
+    "multi_worker": lambda: tf.distribute.MultiWorkerMirroredStrategy(),
+    "default": tf.distribute.get_strategy,
+}
+
+
 def run_fn(fn_args: tfx.components.FnArgs):
     train = _input_fn(fn_args.train_files, fn_args.data_accessor, BATCH_SIZE)
     evaluation = _input_fn(fn_args.eval_files, fn_args.data_accessor, EVAL_BATCH_SIZE)
-    model = _make_keras_model()
+    own = (fn_args.custom_config or {}).get("own_strategy")
+    if own:
+        with OWN_STRATEGIES[own]().scope():
+            model = _make_keras_model()
+    else:
+        model = _make_keras_model()
     model.fit(train, steps_per_epoch=fn_args.train_steps,
               validation_data=evaluation, validation_steps=fn_args.eval_steps, verbose=0)
     seen = {
@@ -65,6 +79,7 @@ def run_fn(fn_args: tfx.components.FnArgs):
         "optimizer_module": type(model.optimizer).__module__,
         "accum_steps": getattr(model.optimizer, "accum_steps", None),
         "iterations": int(model.optimizer.iterations.numpy()),
+        "strategy": type(model.distribute_strategy).__name__,
     }
     os.makedirs(fn_args.model_run_dir, exist_ok=True)
     with open(os.path.join(fn_args.model_run_dir, "seen.json"), "w") as f:

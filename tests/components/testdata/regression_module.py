@@ -49,12 +49,23 @@ def _make_keras_model():
     return model
 
 
+# What a module written for the stock Trainer may construct (custom_config "own_strategy").
+OWN_STRATEGIES = {
+    "mirrored": lambda: tf.distribute.MirroredStrategy(),           # as TFX's penguin example does
+    "one_device": lambda: tf.distribute.OneDeviceStrategy("/cpu:0"),
+    "multi_worker": lambda: tf.distribute.MultiWorkerMirroredStrategy(),
+    "default": tf.distribute.get_strategy,
+    "central_storage": lambda: tf.distribute.experimental.CentralStorageStrategy(),
+}
+
+
 def run_fn(fn_args: tfx.components.FnArgs):
     train = _input_fn(fn_args.train_files, fn_args.data_accessor, BATCH_SIZE)
     evaluation = _input_fn(fn_args.eval_files, fn_args.data_accessor, EVAL_BATCH_SIZE)
-    if (fn_args.custom_config or {}).get("own_strategy"):
-        # As TFX's penguin example does.
-        with tf.distribute.MirroredStrategy().scope():
+    own = (fn_args.custom_config or {}).get("own_strategy")
+    own_strategy = OWN_STRATEGIES["mirrored" if own is True else own]() if own else None
+    if own_strategy is not None:
+        with own_strategy.scope():
             model = _make_keras_model()
     else:
         model = _make_keras_model()
@@ -71,6 +82,8 @@ def run_fn(fn_args: tfx.components.FnArgs):
         "merge_duplicate_rows": getattr(model.optimizer, "merge_duplicate_rows", None),
         "iterations": int(model.optimizer.iterations.numpy()),
         "strategy": type(model.distribute_strategy).__name__,
+        "own_strategy": type(own_strategy).__name__ if own_strategy is not None else None,
+        "own_strategy_replicas": own_strategy.num_replicas_in_sync if own_strategy is not None else None,
     }
     if getattr(model.optimizer, "measure_noise_scale", False):
         # What the optimizer holds, and what `fit` logged at the epoch's end.

@@ -1,0 +1,117 @@
+"""Which sparse gradients come from a lookup made once per batch, read from the program.
+
+An embedding looked up with ids that do not depend on the sample (keras.io's
+`TokenAndPositionEmbedding`: ``pos_emb(ops.arange(0, maxlen))``; KerasHub's ViT:
+``position_embedding(position_ids)``) is looked up once for the whole batch and
+its output broadcast over the samples. The large batch's gradient for that table
+is then an `IndexedSlices` with one row per id *position*, the batch summed into
+each row; a window of N micro-batches holds N such lookups, so keeping their rows
+apart (as for a per-sample lookup, whose rows the large batch does keep apart)
+would hand the inner optimizer every position N times. Keras 3's Adam, AdamW,
+RMSprop (and clipping) treat repeated rows one by one, so the two differ.
+
+The decision is made per gradient from the traced program, never from the ids'
+values (two micro-batches that happen to look up equal ids are still two
+lookups): the ids are "once per batch" when they are computed from constants
+and shapes only, and shaped as one lookup for the batch (a scalar, a vector,
+or a leading axis of 1; see `_shaped_once_per_batch`). Any path to the data (a function argument, an iterator), to a
+variable's value (it may change between micro-batches: a seed generator, a
+counter) or through a stateful op (random ids drawn per batch, as sampled
+softmax draws them) makes them per sample, which keeps the rows apart: what the
+library did before it could tell. Eagerly there is no program to read, and the
+answer is unknown (`None`).
+"""
+
+import tensorflow as tf
+
+ONCE_PER_BATCH = "once-per-batch rows"
+PER_SAMPLE = "rows"
+
+# Ops whose output depends on their input's shape only, never on its values.
+_SHAPE_ONLY = frozenset({"Shape", "ShapeN", "Size", "Rank", "VariableShape", "TensorListLength"})
+# A walk that long is not a lookup's ids: decide "per sample" (the safe answer).
+_MAX_OPS = 5000
+
+
+def kind_of_rows(indices):
+    """`ONCE_PER_BATCH`, `PER_SAMPLE`, or None when `indices` are not symbolic (eager).
+
+    `indices` is a sparse gradient's `IndexedSlices.indices` inside a traced
+    function; the walk follows the backward pass's reshapes to the forward
+    lookup's ids, and from there to what they are computed from.
+    """
+    if not _is_symbolic(indices):
+        return None
+    ids = _forward_ids(indices)
+    once = _shaped_once_per_batch(ids) and _from_constants_and_shapes(indices)
+    return ONCE_PER_BATCH if once else PER_SAMPLE
+
+
+def _forward_ids(indices):
+    """The ids the forward lookup used: a gather's gradient flattens them (`Reshape`)."""
+    op = indices.op
+    while op.type in ("Reshape", "Identity") and op.inputs[0].dtype.is_integer:
+        indices, op = op.inputs[0], op.inputs[0].op
+    return indices
+
+
+def _shaped_once_per_batch(ids):
+    """Whether `ids` are shaped like one lookup for the batch: a scalar, a vector of
+    ids, or a leading axis of 1 (``(1, L)``, broadcast over the samples after the
+    lookup). Ids with a leading axis larger than 1 (``(b, L)``: positions
+    broadcast to every sample *before* the lookup, or token type ids of zeros)
+    are one lookup per sample: the large batch keeps their rows apart.
+
+    (Keras gives a batch of static size its size as a Python number, so a
+    traced program cannot tell a batch axis from a constant one: the shape is
+    what tells.)
+    """
+    shape = ids.shape
+    if shape.rank is None:
+        return False
+    return shape.rank <= 1 or shape[0] == 1
+
+
+def _is_symbolic(tensor):
+    try:
+        tensor.op  # noqa: B018  (eager tensors have no op)
+    except AttributeError:
+        return False
+    return True
+
+
+def _from_constants_and_shapes(tensor):
+    """Whether `tensor`'s value is fixed by constants and shapes alone."""
+    todo, seen = [tensor], set()
+    while todo:
+        current = todo.pop()
+        key = (id(current.graph), current.name)
+        if key in seen:
+            continue
+        seen.add(key)
+        if len(seen) > _MAX_OPS:
+            return False
+        op = current.op
+        if op.type in _SHAPE_ONLY or op.type == "Const":
+            continue
+        if op.type == "Placeholder":
+            outer = _captured_from(current)
+            if outer is None:
+                return False        # an argument of the function: the data
+            if _is_symbolic(outer):
+                todo.append(outer)  # captured from an enclosing graph: follow it there
+            elif outer.dtype == tf.resource:
+                return False
+            continue                # a constant captured from outside
+        if op.op_def.is_stateful or any(t.dtype == tf.resource for t in op.inputs):
+            return False            # iterators, random draws, variables' values
+        todo.extend(op.inputs)
+    return True
+
+
+def _captured_from(placeholder):
+    """The outer tensor a function graph's placeholder captures, or None for an argument."""
+    for external, internal in getattr(placeholder.graph, "captures", ()):
+        if internal.name == placeholder.name:
+            return external
+    return None

@@ -1,0 +1,287 @@
+"""Lookups made once per batch: the same weights as Keras' own large batch.
+
+keras.io's `TokenAndPositionEmbedding` (text classification with a transformer,
+miniature GPT) looks its positions up with `ops.arange(0, maxlen)`, keras.io's
+ViT `PatchEncoder` with `expand_dims(arange(num_patches), 0)`: ids that do not
+depend on the sample. Keras' large batch has one row per position for that
+table, every sample summed into it; a window keeping each micro-batch's rows
+apart hands the inner optimizer every position N times, and Adam (squaring each
+row) lands elsewhere. The layers below are written as keras.io writes them. Each
+comparison is against Keras' own large batch; each has a control that shows the
+old way (every lookup's rows kept apart) is measurably off.
+"""
+
+import numpy as np
+import keras
+import pytest
+import tensorflow as tf
+from keras import layers, ops
+
+from accumulator import GradientAccumulator, GradientCache, contrastive, lookups
+from tests.accumulator import reference as ref
+from tests.accumulator.test_sparse import SETTINGS, _optimizer_cases
+
+MAXLEN, VOCAB, WIDTH = 6, 30, 8
+MICRO, ACCUM = 8, 4
+
+
+class TokenAndPositionEmbedding(layers.Layer):
+    """As keras.io's "Text classification with Transformer" writes it."""
+
+    def __init__(self, maxlen, vocab_size, embed_dim):
+        super().__init__()
+        self.token_emb = layers.Embedding(input_dim=vocab_size, output_dim=embed_dim)
+        self.pos_emb = layers.Embedding(input_dim=maxlen, output_dim=embed_dim)
+
+    def call(self, x):
+        maxlen = ops.shape(x)[-1]
+        positions = ops.arange(start=0, stop=maxlen, step=1)
+        positions = self.pos_emb(positions)
+        x = self.token_emb(x)
+        return x + positions
+
+
+class PatchEncoder(layers.Layer):
+    """As keras.io's "Image classification with Vision Transformer" writes it."""
+
+    def __init__(self, num_patches, projection_dim):
+        super().__init__()
+        self.num_patches = num_patches
+        self.projection = layers.Dense(units=projection_dim)
+        self.position_embedding = layers.Embedding(input_dim=num_patches, output_dim=projection_dim)
+
+    def call(self, patch):
+        positions = ops.expand_dims(ops.arange(start=0, stop=self.num_patches, step=1), axis=0)
+        projected_patches = self.projection(patch)
+        return projected_patches + self.position_embedding(positions)
+
+
+@keras.saving.register_keras_serializable(package="test_lookups")
+class SavedTokenAndPositionEmbedding(TokenAndPositionEmbedding):
+    """keras.io's layer with what saving to a .keras file needs (keras.io's miniature GPT adds the same)."""
+
+    def __init__(self, maxlen, vocab_size, embed_dim, **kwargs):
+        super().__init__(maxlen, vocab_size, embed_dim)
+        self.config = dict(maxlen=maxlen, vocab_size=vocab_size, embed_dim=embed_dim)
+
+    def get_config(self):
+        return dict(self.config)
+
+
+def text_model(seed=0, embedding=TokenAndPositionEmbedding):
+    """Per-token lookups beside a once-per-batch position lookup."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((MAXLEN,), dtype="int32")
+    hidden = embedding(MAXLEN, VOCAB, WIDTH)(inputs)
+    hidden = layers.GlobalAveragePooling1D()(hidden)
+    return keras.Model(inputs, layers.Dense(1)(hidden))
+
+
+def patch_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((MAXLEN, 5))
+    hidden = layers.GlobalAveragePooling1D()(PatchEncoder(MAXLEN, WIDTH)(inputs))
+    return keras.Model(inputs, layers.Dense(1)(hidden))
+
+
+def text_data(samples=128, seed=0):
+    rng = np.random.RandomState(seed)
+    return (rng.randint(0, VOCAB, size=(samples, MAXLEN)).astype("int32"),
+            rng.randn(samples, 1).astype("float32"))
+
+
+def patch_data(samples=128, seed=0):
+    rng = np.random.RandomState(seed)
+    return rng.randn(samples, MAXLEN, 5).astype("float32"), rng.randn(samples, 1).astype("float32")
+
+
+def _fit(model, optimizer, x, y, batch_size, epochs=2, jit_compile=False):
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    return model
+
+
+@pytest.fixture
+def rows_kept_apart(monkeypatch):
+    """The control: every lookup's rows kept apart, as before lookups were told apart."""
+    monkeypatch.setattr(lookups, "kind_of_rows", lambda indices: lookups.PER_SAMPLE)
+
+
+def _positions(model):
+    return next(v for v in model.trainable_variables if v.shape[0] == MAXLEN and "embedding" in v.path)
+
+
+@pytest.mark.parametrize("cls, settings", _optimizer_cases())
+def test_every_optimizer_matches_keras_large_batch_with_a_position_lookup(cls, settings):
+    x, y = text_data()
+    expected = _fit(text_model(), cls(**settings), x, y, MICRO * ACCUM)
+    optimizer = GradientAccumulator(cls(**settings), ACCUM)
+    trained = _fit(text_model(), optimizer, x, y, MICRO)
+    assert ref.max_abs_diff(expected.get_weights(), text_model().get_weights()) > 1e-3
+    assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) <= 1e-5
+    kinds = optimizer.gradient_kinds
+    assert kinds[_positions(trained).path] == lookups.ONCE_PER_BATCH
+    assert sorted(kinds.values()).count(lookups.PER_SAMPLE) == 1      # the token table
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "RMSprop"])
+def test_control_rows_kept_apart_land_elsewhere(name, rows_kept_apart):
+    cls = getattr(keras.optimizers, name)
+    x, y = text_data()
+    expected = _fit(text_model(), cls(**SETTINGS[name]), x, y, MICRO * ACCUM)
+    trained = _fit(text_model(), GradientAccumulator(cls(**SETTINGS[name]), ACCUM), x, y, MICRO)
+    assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) > 1e-4
+
+
+@pytest.mark.parametrize("optimizer", ["Adam", "SGD"])
+def test_custom_loop_matches_keras_large_batch_apply(optimizer):
+    """A `tf.function` tape loop; the last micro-batch is short (retraced mid-window)."""
+    x, y = text_data(120)
+    loss_fn = keras.losses.MeanSquaredError()
+    make = lambda: getattr(keras.optimizers, optimizer)(**SETTINGS[optimizer])
+
+    def loop(model, optimizer, batch):
+        @tf.function
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, model(xb, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            if isinstance(optimizer, GradientAccumulator):     # the micro-batch's weight: its samples
+                optimizer.apply(grads, model.trainable_variables,
+                                micro_batch_weight=tf.cast(tf.shape(xb)[0], tf.float32))
+            else:
+                optimizer.apply(grads, model.trainable_variables)
+
+        for start in range(0, len(x), batch):
+            step(x[start:start + batch], y[start:start + batch])
+        return model
+
+    expected = loop(text_model(), make(), MICRO * ACCUM)
+    accumulator = GradientAccumulator(make(), ACCUM)
+    trained = loop(text_model(), accumulator, MICRO)
+    accumulator.close_partial_window()
+    assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) <= 1e-5
+
+
+def test_xla_keeps_once_per_batch_rows():
+    """Their rows have a size fixed when the step is traced: XLA compiles them,
+    without `merge_duplicate_rows`, and the weights are Keras' XLA large batch's."""
+    x, y = patch_data()
+    expected = _fit(patch_model(), keras.optimizers.Adam(1e-2), x, y, MICRO * ACCUM, jit_compile=True)
+    trained = _fit(patch_model(), GradientAccumulator(keras.optimizers.Adam(1e-2), ACCUM), x, y, MICRO,
+                   jit_compile=True)
+    assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) <= 1e-5
+
+
+def test_xla_refuses_only_the_per_token_table():
+    model = text_model()
+    model.compile(GradientAccumulator(keras.optimizers.Adam(1e-2), ACCUM), "mse", jit_compile=True)
+    x, y = text_data(MICRO * ACCUM)
+    token_table = model.get_layer(index=1).token_emb.embeddings.path
+    with pytest.raises(ValueError, match=f"for {token_table} inside an XLA-compiled step"):
+        model.fit(x, y, batch_size=MICRO, verbose=0)
+
+
+def test_two_mirrored_replicas_match_keras_large_batch_under_the_same_strategy():
+    x, y = text_data()
+
+    def fit(make_optimizer, batch):
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
+                                                  cross_device_ops=tf.distribute.ReductionToOneDevice())
+        with strategy.scope():
+            model = text_model()
+            model.compile(make_optimizer(), "mse", jit_compile=False)
+        model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+        return model
+
+    expected = fit(lambda: keras.optimizers.Adam(1e-2), MICRO * ACCUM)
+    trained = fit(lambda: GradientAccumulator(keras.optimizers.Adam(1e-2), ACCUM), MICRO)
+    assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) <= 1e-5
+
+
+def test_resume_mid_window_from_a_keras_file(tmp_path):
+    x, y = text_data(MICRO * 10)
+    first = MICRO * 6                   # stop 2 micro-batches into the second window
+    make = lambda: GradientAccumulator(keras.optimizers.Adam(1e-2), ACCUM, partial_window="carry")
+    saveable = lambda: text_model(embedding=SavedTokenAndPositionEmbedding)
+    uninterrupted = _fit(saveable(), make(), x, y, MICRO, epochs=1)
+    uninterrupted.optimizer.close_partial_window("apply")
+    model = _fit(saveable(), make(), x[:first], y[:first], MICRO, epochs=1)
+    model.save(tmp_path / "model.keras")
+    restored = keras.models.load_model(tmp_path / "model.keras")
+    assert int(restored.optimizer.micro_step.numpy()) == 2
+    restored.fit(x[first:], y[first:], batch_size=MICRO, shuffle=False, verbose=0)
+    restored.optimizer.close_partial_window("apply")
+    assert ref.max_abs_diff(restored.get_weights(), uninterrupted.get_weights()) <= 1e-5
+
+
+def test_the_decision_comes_from_the_program_not_the_ids():
+    """Every sample looks up the same ids (the per-token table of a batch whose
+    samples are all alike): still one lookup per sample, rows kept apart."""
+    x, y = text_data()
+    x[:] = x[0]
+    expected = _fit(text_model(), keras.optimizers.Adam(1e-2), x, y, MICRO * ACCUM)
+    optimizer = GradientAccumulator(keras.optimizers.Adam(1e-2), ACCUM)
+    trained = _fit(text_model(), optimizer, x, y, MICRO)
+    assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) <= 1e-5
+    token_table = trained.get_layer(index=1).token_emb.embeddings.path
+    assert optimizer.gradient_kinds[token_table] == lookups.PER_SAMPLE
+
+
+def test_ids_broadcast_to_every_sample_before_the_lookup_stay_per_sample():
+    """Positions broadcast to (batch, length) and then looked up: the large batch
+    has a row per sample and position (tests/accumulator/test_sparse.py's layer)."""
+    from tests.accumulator.test_sparse import padded_sentences, small_transformer
+
+    x, y, _ = padded_sentences(64)
+
+    def fit(optimizer, batch):
+        model = small_transformer()
+        model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
+        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+        return model
+
+    expected = fit(keras.optimizers.Adam(3e-3), MICRO * ACCUM)
+    optimizer = GradientAccumulator(keras.optimizers.Adam(3e-3), ACCUM)
+    trained = fit(optimizer, MICRO)
+    assert lookups.ONCE_PER_BATCH not in optimizer.gradient_kinds.values()
+    assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) <= 1e-5
+
+
+class PositionClip(keras.Model):
+    """CLIP-style, the text tower with keras.io's token and position embedding."""
+
+    def __init__(self, dim=8, **kwargs):
+        super().__init__(**kwargs)
+        self.image = keras.Sequential([layers.Dense(16, activation="tanh"), layers.Dense(dim)])
+        self.text = keras.Sequential([TokenAndPositionEmbedding(MAXLEN, VOCAB, 16),
+                                      layers.GlobalAveragePooling1D(), layers.Dense(dim)])
+
+    def call(self, inputs):
+        return {"image": self.image(inputs["image"]), "text": self.text(inputs["text"])}
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return contrastive.symmetric_info_nce(y_pred["image"], y_pred["text"], 10.0)
+
+
+def _clip_fit(cache):
+    rng = np.random.RandomState(0)
+    x = {"image": rng.randn(64, 12).astype("float32"),
+         "text": rng.randint(0, VOCAB, size=(64, MAXLEN)).astype("int32")}
+    keras.utils.set_random_seed(1)
+    model = PositionClip()
+    model(x)
+    trained = GradientCache(model, ACCUM) if cache else model
+    trained.compile(optimizer=keras.optimizers.Adam(1e-2), jit_compile=False)
+    trained.fit(x, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    return model
+
+
+def test_gradient_cache_sums_once_per_batch_rows():
+    expected = _clip_fit(cache=False)
+    assert ref.max_abs_diff(_clip_fit(cache=True).get_weights(), expected.get_weights()) <= 1e-5
+
+
+def test_gradient_cache_control_rows_kept_apart(rows_kept_apart):
+    expected = _clip_fit(cache=False)
+    assert ref.max_abs_diff(_clip_fit(cache=True).get_weights(), expected.get_weights()) > 1e-3
