@@ -119,6 +119,8 @@ class GradientCache(keras.Model):
         # 3. Back-propagate each micro-batch's slice, one micro-batch in memory at a time.
         for v, value in zip(state, saved):
             v.assign(value)
+        lookups.note_batch_size(tf.TensorShape(tf.nest.flatten(micro_batches[0])[0].shape)[0],
+                                tf.compat.v1.get_default_graph())
         grads = [_add(from_loss, from_model) for from_loss, from_model in zip(grads, _summed_over(
             lambda k: self._backpropagate(x, by_representation, k, variables), self.accum_steps))]
         # The count waits for the gradients: the step Keras runs on a dataset of

@@ -16,11 +16,14 @@ lookups): the ids are "once per batch" when they are computed from constants
 and shapes only, and shaped as one lookup for the batch (a scalar, a vector,
 or a leading axis of 1; see `_shaped_once_per_batch`). Any path to the data (a function argument, an iterator), to a
 variable's value (it may change between micro-batches: a seed generator, a
-counter) or through a stateful op (random ids drawn per batch, as sampled
-softmax draws them) makes them per sample, which keeps the rows apart: what the
-library did before it could tell. Eagerly there is no program to read, and the
+counter; an integer variable the step only reads, as a layer's stored
+`position_ids`, counts as a constant) or through a stateful op (random ids
+drawn per batch, as sampled softmax draws them) makes them per sample, which
+keeps the rows apart: the safe answer. Eagerly there is no program to read, and the
 answer is unknown (`None`).
 """
+
+import threading
 
 import tensorflow as tf
 
@@ -31,6 +34,28 @@ PER_SAMPLE = "rows"
 _SHAPE_ONLY = frozenset({"Shape", "ShapeN", "Size", "Rank", "VariableShape", "TensorListLength"})
 # A walk that long is not a lookup's ids: decide "per sample" (the safe answer).
 _MAX_OPS = 5000
+# Ops that only read a variable: an integer variable nothing else touches in the step
+# (a layer's stored `position_ids`) is a constant of the step.
+_READS = frozenset({"ReadVariableOp", "VariableShape"})
+
+
+class _Noted(threading.local):
+    # Per thread: MirroredStrategy traces each replica's step in its own thread.
+    def __init__(self):
+        self.batch_size = None
+        self.graph = None
+
+
+_noted = _Noted()
+
+
+def note_batch_size(size, graph):
+    """The static size of the micro-batch whose step `graph` traces (None: unknown).
+
+    Noted where the batch is seen (`accumulator.weighting`, `GradientCache`): ids
+    with a leading axis of that size are one lookup per sample.
+    """
+    _noted.batch_size, _noted.graph = size, graph
 
 
 def kind_of_rows(indices):
@@ -43,7 +68,8 @@ def kind_of_rows(indices):
     if not _is_symbolic(indices):
         return None
     ids = _forward_ids(indices)
-    once = _shaped_once_per_batch(ids) and _from_constants_and_shapes(indices)
+    batch_size = _noted.batch_size if _noted.graph is indices.graph else None
+    once = _shaped_once_per_batch(ids, batch_size) and _from_constants_and_shapes(indices)
     return ONCE_PER_BATCH if once else PER_SAMPLE
 
 
@@ -55,21 +81,26 @@ def _forward_ids(indices):
     return indices
 
 
-def _shaped_once_per_batch(ids):
-    """Whether `ids` are shaped like one lookup for the batch: a scalar, a vector of
-    ids, or a leading axis of 1 (``(1, L)``, broadcast over the samples after the
-    lookup). Ids with a leading axis larger than 1 (``(b, L)``: positions
-    broadcast to every sample *before* the lookup, or token type ids of zeros)
-    are one lookup per sample: the large batch keeps their rows apart.
+def _shaped_once_per_batch(ids, batch_size=None):
+    """Whether `ids` are shaped like one lookup for the batch, not one per sample.
 
-    (Keras gives a batch of static size its size as a Python number, so a
-    traced program cannot tell a batch axis from a constant one: the shape is
-    what tells.)
+    Ids whose leading axis is the micro-batch's (``(b, L)``: positions broadcast
+    to every sample *before* the lookup, or token type ids of zeros) are one
+    lookup per sample: the large batch keeps their rows apart. Keras gives a
+    batch of static size its size as a Python number, so the program cannot
+    tell a batch axis from a constant one; the shape tells. With the
+    micro-batch's size noted (`note_batch_size`), any leading axis of another
+    size is once per batch (T5's relative-position buckets, ``(L, L)``);
+    without it, a scalar, a vector or a leading axis of 1 (``(1, L)``).
     """
     shape = ids.shape
     if shape.rank is None:
         return False
-    return shape.rank <= 1 or shape[0] == 1
+    if shape.rank == 0:
+        return True
+    if batch_size is not None:
+        return shape[0] is not None and shape[0] != batch_size
+    return shape.rank == 1 or shape[0] == 1
 
 
 def _is_symbolic(tensor):
@@ -103,10 +134,17 @@ def _from_constants_and_shapes(tensor):
             elif outer.dtype == tf.resource:
                 return False
             continue                # a constant captured from outside
+        if op.type == "ReadVariableOp" and current.dtype.is_integer and _only_read(op.inputs[0]):
+            continue                # an integer variable the step never writes: stored ids
         if op.op_def.is_stateful or any(t.dtype == tf.resource for t in op.inputs):
             return False            # iterators, random draws, variables' values
         todo.extend(op.inputs)
     return True
+
+
+def _only_read(handle):
+    """Whether every op of the step that uses the variable `handle` only reads it."""
+    return all(op.type in _READS for op in handle.consumers())
 
 
 def _captured_from(placeholder):

@@ -29,7 +29,7 @@ import threading
 
 import tensorflow as tf
 
-from accumulator import seam
+from accumulator import lookups, seam
 from accumulator.window import SUMMED_LOSS, AccumulationWindow
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ def note_batch(model, x, y, y_pred, sample_weight):
         return
     _notes.graph = _current_graph()
     _notes.weight = loss_denominator(model, x, y, y_pred, sample_weight)
+    lookups.note_batch_size(_static_batch_size(x), _notes.graph)
 
 
 def take_noted_weight():
@@ -69,6 +70,11 @@ def take_noted_weight():
     if weight is None or graph is not _current_graph():
         return None
     return weight
+
+
+def _static_batch_size(x):
+    flat = [t for t in tf.nest.flatten(x) if t is not None and hasattr(t, "shape")]
+    return tf.TensorShape(flat[0].shape)[0] if flat and tf.TensorShape(flat[0].shape).rank else None
 
 
 def _batch_size(x):

@@ -98,18 +98,10 @@ def assert_within_noise_floor(got, expected, names, large_batch_permuted):
 TRACED = ("bert", "clip_vision", "gpt2", "siglip_vision", "t5", "vit")
 
 
-# Not yet exact with AdamW (rows of a lookup made once per batch that the library does not
-# recognise as such): strict, so the mark must go once they are.
-NOT_YET = ("clip_vision", "siglip_vision", "t5")
-
-
 def _cases():
     for family in sorted(cm.HUB):
         for optimizer_name in sorted(OPTIMIZERS):
-            marks = [pytest.mark.xfail(strict=True, reason=f"{family}'s once-per-batch position lookup "
-                                       "is not yet recognised: its rows are kept apart")] \
-                if family in NOT_YET and optimizer_name == "adamw" else []
-            yield pytest.param(family, optimizer_name, marks=marks, id=f"{family}-{optimizer_name}")
+            yield pytest.param(family, optimizer_name, id=f"{family}-{optimizer_name}")
 
 
 @pytest.mark.parametrize("family, optimizer_name", _cases())
