@@ -19,6 +19,7 @@ import numpy as np
 from keras import layers, ops
 
 from accumulator import contrastive
+from tests.accumulator.test_lookups import PatchEncoder, TokenAndPositionEmbedding  # keras.io's, as written
 
 VOCAB, LENGTH, HIDDEN, INTERMEDIATE = 100, 8, 16, 32
 IMAGE, PATCH = (8, 8, 3), 4
@@ -108,22 +109,6 @@ def hub_model(name, seed=1):
 # ------------------------------------------------------------------ keras.io's layers
 # As the examples write them (Keras 3 versions), dropout rates set to 0.
 
-class TokenAndPositionEmbedding(layers.Layer):
-    """keras.io, "Text classification with Transformer" and "miniature GPT"."""
-
-    def __init__(self, maxlen, vocab_size, embed_dim):
-        super().__init__()
-        self.token_emb = layers.Embedding(input_dim=vocab_size, output_dim=embed_dim)
-        self.pos_emb = layers.Embedding(input_dim=maxlen, output_dim=embed_dim)
-
-    def call(self, x):
-        maxlen = ops.shape(x)[-1]
-        positions = ops.arange(start=0, stop=maxlen, step=1)
-        positions = self.pos_emb(positions)
-        x = self.token_emb(x)
-        return x + positions
-
-
 class TransformerBlock(layers.Layer):
     """keras.io, "Text classification with Transformer"."""
 
@@ -166,22 +151,6 @@ class Patches(layers.Layer):
             (batch_size, num_patches_h * num_patches_w, self.patch_size * self.patch_size * channels),
         )
         return patches
-
-
-class PatchEncoder(layers.Layer):
-    """keras.io, "Image classification with Vision Transformer"."""
-
-    def __init__(self, num_patches, projection_dim):
-        super().__init__()
-        self.num_patches = num_patches
-        self.projection = layers.Dense(units=projection_dim)
-        self.position_embedding = layers.Embedding(input_dim=num_patches, output_dim=projection_dim)
-
-    def call(self, patch):
-        positions = ops.expand_dims(ops.arange(start=0, stop=self.num_patches, step=1), axis=0)
-        projected_patches = self.projection(patch)
-        encoded = projected_patches + self.position_embedding(positions)
-        return encoded
 
 
 def keras_io_text_classifier(seed=1):
