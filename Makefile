@@ -27,7 +27,13 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 export KERAS_BACKEND := tensorflow
 export PYTHONUNBUFFERED := 1
 
-.PHONY: bench demo demo-retrieval docs test test-apart test-tfx test-latest test-oldest test-keras2-tf215 test-keras2-latest \
+# A test target's output goes through `| $(PREFIX)`: each line starts with the target's
+# name, so the two lanes of `make test` can be told apart; pipefail keeps pytest's status.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+PREFIX = sed -u 's/^/[$@] /'
+
+.PHONY: bench demo demo-retrieval docs test test-core test-apart test-tfx test-latest test-oldest test-keras2-tf215 test-keras2-latest \
 	setup setup-latest setup-oldest setup-keras2 clean
 
 # $(call core_venv,DIR,CONSTRAINTS,PYTHON,VERSION,VARIABLE): a venv on Python VERSION
@@ -99,10 +105,20 @@ bench: $(VENV)/.installed
 docs: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/python -m mkdocs build --strict
 
-test: test-tfx test-latest test-oldest test-keras2-tf215 test-keras2-latest
+# Two lanes on the two cores (a pytest keeps about one core busy): the TFX environment
+# beside the four core environments one after another; each line of output is prefixed
+# with its environment's target. The environments are built first, one at a time.
+test:
+	$(MAKE) setup setup-latest setup-oldest setup-keras2
+	$(MAKE) -j2 test-tfx test-core
 
+test-core:
+	$(MAKE) -j1 test-latest test-oldest test-keras2-tf215 test-keras2-latest
+
+# The TFX environment has the newest Keras again: every-optimizer sweeps run their
+# representative optimizers only there (tests/sweeps.py), in full in test-latest.
 test-tfx: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest tests -m "not apart" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests -m "not apart and not sweep" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
 
 # What make test leaves out (`@pytest.mark.apart`: slow multi-process runs whose
 # behaviour a test in make test covers too): about 15 minutes on 2 cores.
@@ -110,16 +126,16 @@ test-apart: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest tests -m apart $(PYTEST_ARGS)
 
 test-latest: $(LATEST)/.installed-py$(LATEST_PY)
-	$(LATEST)/bin/python -m pytest tests/accumulator $(PYTEST_ARGS)
+	$(LATEST)/bin/python -m pytest tests/accumulator $(PYTEST_ARGS) 2>&1 | $(PREFIX)
 
 test-oldest: $(OLDEST)/.installed-py$(OLDEST_PY)
-	$(OLDEST)/bin/python -m pytest tests/accumulator $(PYTEST_ARGS)
+	$(OLDEST)/bin/python -m pytest tests/accumulator $(PYTEST_ARGS) 2>&1 | $(PREFIX)
 
 test-keras2-tf215: $(KERAS2_TF215)/.installed-py$(KERAS2_TF215_PY)
-	$(KERAS2_TF215)/bin/python -m pytest tests/keras2 $(PYTEST_ARGS)
+	$(KERAS2_TF215)/bin/python -m pytest tests/keras2 $(PYTEST_ARGS) 2>&1 | $(PREFIX)
 
 test-keras2-latest: $(KERAS2_LATEST)/.installed-py$(KERAS2_LATEST_PY)
-	TF_USE_LEGACY_KERAS=1 $(KERAS2_LATEST)/bin/python -m pytest tests/keras2 $(PYTEST_ARGS)
+	TF_USE_LEGACY_KERAS=1 $(KERAS2_LATEST)/bin/python -m pytest tests/keras2 $(PYTEST_ARGS) 2>&1 | $(PREFIX)
 
 clean:
 	rm -rf $(VENV) $(LATEST) $(OLDEST) $(KERAS2_TF215) $(KERAS2_LATEST) *.egg-info site

@@ -14,6 +14,7 @@ import keras
 import tensorflow as tf
 
 from accumulator import GradientAccumulator
+from tests import sweeps
 from tests.accumulator import reference as ref
 
 # Keras' optimizers that take no arguments beyond their defaults (the wrappers apart).
@@ -60,7 +61,8 @@ SKIPPED = "ignore:Skipping variable loading for optimizer"
 @pytest.mark.filterwarnings(SKIPPED)
 @pytest.mark.parametrize("strategy", [None, "mirrored"])
 @pytest.mark.parametrize("built", [False, True], ids=["unbuilt", "built"])
-@pytest.mark.parametrize("name", INNER + ["LossScaleOptimizer(SGD)"])
+@pytest.mark.parametrize("name", [pytest.param(name, marks=sweeps.marks(name))
+                                  for name in INNER + ["LossScaleOptimizer(SGD)"]])
 def test_save_and_pickle_before_training(name, built, strategy, tmp_path):
     strategy = _mirrored() if strategy else None
     with _scope(strategy):

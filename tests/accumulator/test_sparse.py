@@ -20,6 +20,7 @@ import pytest
 import tensorflow as tf
 
 from accumulator import GradientAccumulator
+from tests import sweeps
 from tests.accumulator import reference as ref
 
 LENGTH = ref.TOKENS
@@ -78,7 +79,7 @@ def _optimizer_cases():
         if name in COMBINATORS:
             continue
         settings = SETTINGS.get(name)
-        marks = [] if settings is not None else [pytest.mark.skip(
+        marks = sweeps.marks(name) if settings is not None else [pytest.mark.skip(
             reason=f"{name}: no learning rate chosen here for a new built-in optimizer; add it to SETTINGS")]
         cases.append(pytest.param(cls, settings or {}, id=name, marks=marks))
     return cases
