@@ -16,12 +16,12 @@ the penguin data of `tfx/components/testdata/penguin` (train and eval splits,
 with its schema).
 """
 
-import importlib.util
 import os
 
-PACKAGE = os.path.dirname(importlib.util.find_spec("tfx").origin)
-EXAMPLE = os.path.join(PACKAGE, "examples", "penguin")
-DATA = os.path.join(PACKAGE, "components", "testdata", "penguin")
+from tests.components import shipped
+
+EXAMPLE = os.path.join(shipped.PACKAGE, "examples", "penguin")
+DATA = os.path.join(shipped.PACKAGE, "components", "testdata", "penguin")
 
 CHANGES = {
     "penguin_utils_base.py": [
@@ -39,16 +39,7 @@ CHANGES = {
 
 def module(folder):
     """The changed copy of TFX's penguin Keras module in `folder`; returns its path."""
-    os.makedirs(folder, exist_ok=True)
-    for name, changes in CHANGES.items():
-        with open(os.path.join(EXAMPLE, name)) as f:
-            source = f.read()
-        for old, new in changes:
-            assert source.count(old) == 1, f"{name} of this tfx no longer has {old!r}"
-            source = source.replace(old, new)
-        with open(os.path.join(folder, name), "w") as f:
-            f.write(source)
-    return os.path.join(folder, "penguin_utils_keras.py")
+    return shipped.changed_copy(EXAMPLE, CHANGES, folder)["penguin_utils_keras.py"]
 
 
 def transform(module_file, root):
@@ -80,9 +71,4 @@ def transform(module_file, root):
 
 def raw_eval_examples(count=16):
     """Serialized raw eval examples (what the serving signature parses)."""
-    import tensorflow as tf
-    folder = os.path.join(DATA, "data", "Split-eval")
-    records = tf.data.TFRecordDataset([os.path.join(folder, f) for f in sorted(os.listdir(folder))],
-                                      compression_type="GZIP")
-    return tf.constant([r.numpy() for r in records.take(count)])
-
+    return shipped.raw_examples(os.path.join(DATA, "data", "Split-eval"), count)

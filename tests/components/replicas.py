@@ -82,6 +82,12 @@ def published(stdout):
     return artifact_utils.parse_artifact_dict(stdout.strip().splitlines()[-1])
 
 
+def custom_properties(artifact):
+    """What the executor recorded on `artifact` (its ML Metadata custom properties), by name."""
+    return {name: getattr(value, value.WhichOneof("value"))
+            for name, value in artifact.mlmd_artifact.custom_properties.items()}
+
+
 def run_custom_job(training_job, tmp, timeout=600):
     """Runs a Vertex CustomJob's worker pools here, as Vertex would; raises as
     TFX's launcher does when the job fails."""

@@ -42,11 +42,6 @@ def _predictions(outputs):
     return served.serve([tf.constant(column) for column in x]).numpy()
 
 
-def _custom_properties(artifact):
-    return {name: getattr(value, value.WhichOneof("value"))
-            for name, value in artifact.mlmd_artifact.custom_properties.items()}
-
-
 def _model_dir_entries(outputs):
     return sorted(os.listdir(outputs["model"][0].uri))
 
@@ -68,15 +63,15 @@ def test_two_processes_train_like_the_large_batch_and_only_the_chief_exports_and
     assert np.abs(_predictions(outputs) - stock_predictions).max() <= 1e-5     # the exported model itself
 
     chief, worker = (replicas.published(out) for _, out, _ in results)
-    recorded = _custom_properties(chief["model"][0])
+    recorded = replicas.custom_properties(chief["model"][0])
     assert {k: recorded[k] for k in ("replicas", "workers", "accum_steps", "micro_batch_size",
                                      "effective_batch_size", "optimizer_updates")} == {
         "replicas": 2, "workers": 2, "accum_steps": ACCUM, "micro_batch_size": 8,
         "effective_batch_size": EFFECTIVE, "optimizer_updates": STEPS}
     assert recorded["effective_batch_size"] == recorded["replicas"] * 4 * recorded["accum_steps"]
     assert recorded["distribution_strategy"] == "CollectiveAllReduceStrategy"
-    assert _custom_properties(chief["model_run"][0]) == recorded
-    assert _custom_properties(worker["model"][0]) == {}                  # the worker records nothing
+    assert replicas.custom_properties(chief["model_run"][0]) == recorded
+    assert replicas.custom_properties(worker["model"][0]) == {}                  # the worker records nothing
     summaries = glob.glob(os.path.join(outputs["model_run"][0].uri, "accumulation", "events.out.tfevents.*"))
     assert len(summaries) == 1                                           # TensorBoard: once
     assert os.listdir(tmp_path / "tmp" / "replica1") == []              # the worker's exports are gone
@@ -130,9 +125,9 @@ def test_the_demo_module_trains_on_two_processes_and_the_chief_exports_it(tmp_pa
     results = replicas.run(replicas.container_command(inputs, outputs, properties), 2, tmp_path / "tmp")
     assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
     assert _model_dir_entries(outputs) == ["Format-Serving"]
-    recorded = _custom_properties(replicas.published(results[0][1])["model"][0])
+    recorded = replicas.custom_properties(replicas.published(results[0][1])["model"][0])
     assert (recorded["workers"], recorded["replicas"], recorded["optimizer_updates"]) == (2, 2, 20)
-    assert _custom_properties(replicas.published(results[1][1])["model"][0]) == {}
+    assert replicas.custom_properties(replicas.published(results[1][1])["model"][0]) == {}
     logs = glob.glob(os.path.join(outputs["model_run"][0].uri, "train", "events.out.tfevents.*"))
     assert len(logs) == 1                 # the module's TensorBoard callback: the chief's alone
 
@@ -177,7 +172,7 @@ def test_a_killed_run_resumes_from_its_backup_with_the_weights_of_an_uninterrupt
           f"max |dw| = {max_abs_diff(weights, stock[0]):.1e}")
     assert max_abs_diff(weights, stock[0]) <= 1e-5
     assert np.abs(_predictions(outputs) - stock[1]).max() <= 1e-5
-    recorded = _custom_properties(replicas.published(results[0][1])["model"][0])
+    recorded = replicas.custom_properties(replicas.published(results[0][1])["model"][0])
     assert {k: recorded[k] for k in ("backup_resumes", "resumed_at_step", "resumed_at_update",
                                      "optimizer_updates", "workers")} == {
         "backup_resumes": 1, "resumed_at_step": 8, "resumed_at_update": 2, "optimizer_updates": STEPS,
@@ -208,7 +203,7 @@ def test_a_killed_keras_2_run_resumes_from_its_backup_exactly(workers, examples,
     print(f"[measured] Keras 2, {workers} process(es), killed and resumed, vs the stock Trainer: "
           f"max |dw| = {max_abs_diff(weights, stock_weights):.1e}")
     assert max_abs_diff(weights, stock_weights) <= 1e-5
-    recorded = _custom_properties(replicas.published(results[0][1])["model"][0])
+    recorded = replicas.custom_properties(replicas.published(results[0][1])["model"][0])
     assert {k: recorded[k] for k in ("backup_resumes", "resumed_at_step", "resumed_at_update")} == {
         "backup_resumes": 1, "resumed_at_step": 8, "resumed_at_update": 2}
 
@@ -235,7 +230,7 @@ def test_vertex_executor_runs_the_job_and_publishes_the_chiefs_record(examples, 
     spec = jobs[0]["job_spec"]
     assert [p["replica_count"] for p in spec["worker_pool_specs"]] == [1, 1]
     assert spec["scheduling"] == {"restart_job_on_worker_restart": True}
-    recorded = _custom_properties(outputs["model"][0])
+    recorded = replicas.custom_properties(outputs["model"][0])
     assert (recorded["workers"], recorded["replicas"], recorded["effective_batch_size"]) == (2, 2, EFFECTIVE)
     assert max_abs_diff(fixtures.read_run(outputs["model_run"][0].uri)[1], stock[0]) <= 1e-5
     assert np.abs(_predictions(outputs) - stock[1]).max() <= 1e-5

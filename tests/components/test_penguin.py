@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests.accumulator.reference import max_abs_diff
-from tests.components import fixtures, penguin, replicas
+from tests.components import fixtures, penguin, replicas, shipped
 
 STEPS, ACCUM, EFFECTIVE = 6, 2, 20         # the module's batch, 20: 2 replicas x 5 x 2 micro-steps
 STOCK = "tfx.components.trainer.executor.GenericExecutor"
@@ -55,13 +55,7 @@ def _run(transformed, tmp, workers, executor=replicas.EXECUTOR, legacy=None, env
 
 def _served(outputs):
     """The exported model's variables (by name) and its serving signature's logits on raw eval examples."""
-    import tensorflow as tf
-    path = os.path.join(outputs["model"][0].uri, "Format-Serving")
-    loaded = tf.saved_model.load(path)
-    assert hasattr(loaded, "trainable_variables"), "not a Keras 2 (tf_keras) model's SavedModel"
-    variables = [v.numpy() for v in sorted(loaded.trainable_variables, key=lambda v: v.name)]
-    logits = loaded.signatures["serving_default"](examples=penguin.raw_eval_examples())["outputs"].numpy()
-    return variables, logits, path
+    return shipped.served(outputs["model"][0].uri, penguin.raw_eval_examples())
 
 
 @pytest.fixture(scope="module")
@@ -81,16 +75,11 @@ def stock(transformed, legacy, tmp_path_factory):
     return _served(outputs)
 
 
-def _custom_properties(artifact):
-    return {name: getattr(value, value.WhichOneof("value"))
-            for name, value in artifact.mlmd_artifact.custom_properties.items()}
-
-
 def test_tfx_penguin_module_trains_on_two_processes_like_the_stock_trainer(transformed, legacy, stock, tmp_path):
     outputs, results = _run(transformed, tmp_path, 2, legacy=legacy, accum_steps=ACCUM, effective_batch_size=EFFECTIVE)
     assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
-    variables, logits, path = _served(outputs)
-    stock_variables, stock_logits, stock_path = stock
+    variables, logits = _served(outputs)
+    stock_variables, stock_logits = stock
     assert all("run_fn constructed tf.distribute.MirroredStrategy" in err for _, _, err in results)
     print(f"[measured] TFX's penguin module, 2 processes vs the stock Trainer in one: max |dw| = "
           f"{max_abs_diff(variables, stock_variables):.1e}, served logits {np.abs(logits - stock_logits).max():.1e}")
@@ -100,12 +89,12 @@ def test_tfx_penguin_module_trains_on_two_processes_like_the_stock_trainer(trans
     # Exported once, recorded once.
     assert sorted(os.listdir(outputs["model"][0].uri)) == ["Format-Serving"]
     chief, worker = (replicas.published(out) for _, out, _ in results)
-    recorded = _custom_properties(chief["model"][0])
+    recorded = replicas.custom_properties(chief["model"][0])
     assert {k: recorded[k] for k in ("workers", "replicas", "accum_steps", "effective_batch_size",
                                      "optimizer_updates")} == {
         "workers": 2, "replicas": 2, "accum_steps": ACCUM, "effective_batch_size": EFFECTIVE,
         "optimizer_updates": STEPS}
-    assert _custom_properties(worker["model"][0]) == {}
+    assert replicas.custom_properties(worker["model"][0]) == {}
     assert len(glob.glob(os.path.join(outputs["model_run"][0].uri, "train", "events.out.tfevents.*"))) == 1
     assert len(glob.glob(os.path.join(outputs["model_run"][0].uri, "accumulation", "events.out.tfevents.*"))) == 1
 
@@ -123,12 +112,12 @@ def test_tfx_penguin_module_killed_mid_window_resumes_exactly(killed, transforme
     assert not os.path.exists(os.path.join(outputs["model"][0].uri, "Format-Serving"))
     outputs, results = _run(transformed, tmp_path, 2, legacy=legacy, **arguments)
     assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
-    variables, logits, _ = _served(outputs)
+    variables, logits = _served(outputs)
     print(f"[measured] TFX's penguin module, the {killed} killed mid-window and resumed, vs the stock Trainer: "
           f"max |dw| = {max_abs_diff(variables, stock[0]):.1e}, served logits {np.abs(logits - stock[1]).max():.1e}")
     assert max_abs_diff(variables, stock[0]) <= 1e-5
     assert np.abs(logits - stock[1]).max() <= 1e-5
-    recorded = _custom_properties(replicas.published(results[0][1])["model"][0])
+    recorded = replicas.custom_properties(replicas.published(results[0][1])["model"][0])
     assert {k: recorded[k] for k in ("backup_resumes", "resumed_at_step", "resumed_at_update",
                                      "optimizer_updates")} == {
         "backup_resumes": 1, "resumed_at_step": 4, "resumed_at_update": 2, "optimizer_updates": STEPS}
