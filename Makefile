@@ -85,13 +85,13 @@ $(KERAS2_LATEST)/.installed-py$(KERAS2_LATEST_PY): setup.py constraints/keras2-l
 # The main job: the digits pipeline, locally on the Beam DirectRunner. Run it
 # again and the cached components are reused.
 demo: $(VENV)/.installed
-	$(VENV)/bin/python -m pipelines.run_local --output_dir=work/digits
+	$(VENV)/bin/python -m tfx_gradient_accumulator.pipelines.run_local --output_dir=work/digits
 
 # The second one: a two-tower retrieval model with in-batch negatives, trained by
 # AccumulatingTrainer(gradient_cache=True) on synthetic clustered interactions; prints
 # the held-out recall@10 and the Trainer's record.
 demo-retrieval: $(VENV)/.installed
-	$(VENV)/bin/python -m pipelines.run_local --pipeline=retrieval --output_dir=work/retrieval
+	$(VENV)/bin/python -m tfx_gradient_accumulator.pipelines.run_local --pipeline=retrieval --output_dir=work/retrieval
 
 # Benchmarks (14 to 17 minutes on 2 cores): tables and plots under docs/benchmarks/.
 # BENCH_ARGS=--parts=memory re-runs one part alone (parts: benchmarks/run.py).

@@ -17,32 +17,32 @@ two Keras 3 multi-worker fixes), unless the environment variable
 ACCUMULATOR_KERAS_HOOKS=0 is set; `accumulator.hooks.uninstall()` removes them.
 """
 
-from accumulator import hooks, seam
-from accumulator import noise_scale  # noqa: F401  (accumulator.noise_scale.* after `import accumulator`)
-from accumulator.distribute import strategy_from_environment
-from accumulator.noise_scale import NoiseScaleEstimate
-from accumulator.window import AccumulationWindow, validate_accum_steps
+from tfx_gradient_accumulator.accumulator import hooks, seam
+from tfx_gradient_accumulator.accumulator import noise_scale  # noqa: F401  (accumulator.noise_scale.* after `import accumulator`)
+from tfx_gradient_accumulator.accumulator.distribute import strategy_from_environment
+from tfx_gradient_accumulator.accumulator.noise_scale import NoiseScaleEstimate
+from tfx_gradient_accumulator.accumulator.window import AccumulationWindow, validate_accum_steps
 
 if seam.keras_is_3():
-    from accumulator import callbacks  # noqa: F401  (accumulator.callbacks.* after `import accumulator`)
-    from accumulator.batch_norm import AccumBatchNormalization, use_accumulated_batch_norm
-    from accumulator.callbacks import AccumulationSchedule, EpochWindows
-    from accumulator.gradient_cache import GradientCache
-    from accumulator.optimizer import GradientAccumulator
+    from tfx_gradient_accumulator.accumulator import callbacks  # noqa: F401  (accumulator.callbacks.* after `import accumulator`)
+    from tfx_gradient_accumulator.accumulator.batch_norm import AccumBatchNormalization, use_accumulated_batch_norm
+    from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule, EpochWindows
+    from tfx_gradient_accumulator.accumulator.gradient_cache import GradientCache
+    from tfx_gradient_accumulator.accumulator.optimizer import GradientAccumulator
 else:
     # TF <= 2.15: `keras` is Keras 2. The Keras 3 features (AccumBatchNormalization,
     # the TFX and KerasTuner helpers) are absent; accumulation is whole.
-    from accumulator import callbacks  # noqa: F401
-    from accumulator.callbacks import AccumulationSchedule, EpochWindows
-    from accumulator.keras2 import GradientAccumulator
+    from tfx_gradient_accumulator.accumulator import callbacks  # noqa: F401
+    from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule, EpochWindows
+    from tfx_gradient_accumulator.accumulator.keras2 import GradientAccumulator
 
 hooks.install_unless_opted_out()
 
 
 def __getattr__(name):
-    # Imported on first use, so `python -m accumulator.check` runs the module once.
+    # Imported on first use, so `python -m tfx_gradient_accumulator.accumulator.check` runs the module once.
     if name == "check_exact":
-        from accumulator.check import check_exact
+        from tfx_gradient_accumulator.accumulator.check import check_exact
         return check_exact
     raise AttributeError(f"module 'accumulator' has no attribute {name!r}")
 

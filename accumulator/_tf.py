@@ -14,7 +14,7 @@ result depends on how the batch is split).
 
 import tensorflow as tf
 
-from accumulator import seam
+from tfx_gradient_accumulator.accumulator import seam
 
 SUM = tf.distribute.ReduceOp.SUM
 

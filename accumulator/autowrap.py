@@ -32,13 +32,13 @@ import logging
 import keras
 import tensorflow as tf
 
-from accumulator import hooks, seam
-from accumulator.batch_norm import configure_batch_norm
-from accumulator.callbacks import accum_steps_at, validate_schedule
-from accumulator.gradient_cache import GradientCache
-from accumulator.noise_scale import DEFAULT_SMOOTHING
-from accumulator.optimizer import GradientAccumulator
-from accumulator.window import AccumulationWindow, validate_accum_steps
+from tfx_gradient_accumulator.accumulator import hooks, seam
+from tfx_gradient_accumulator.accumulator.batch_norm import configure_batch_norm
+from tfx_gradient_accumulator.accumulator.callbacks import accum_steps_at, validate_schedule
+from tfx_gradient_accumulator.accumulator.gradient_cache import GradientCache
+from tfx_gradient_accumulator.accumulator.noise_scale import DEFAULT_SMOOTHING
+from tfx_gradient_accumulator.accumulator.optimizer import GradientAccumulator
+from tfx_gradient_accumulator.accumulator.window import AccumulationWindow, validate_accum_steps
 
 logger = logging.getLogger(__name__)
 

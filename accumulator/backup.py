@@ -45,8 +45,8 @@ import tempfile
 import keras
 import tensorflow as tf
 
-from accumulator import seam
-from accumulator.validation import integer_at_least
+from tfx_gradient_accumulator.accumulator import seam
+from tfx_gradient_accumulator.accumulator.validation import integer_at_least
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ import logging
 import keras
 from keras import ops
 
-from accumulator import _tf, seam
-from accumulator.window import validate_accum_steps
+from tfx_gradient_accumulator.accumulator import _tf, seam
+from tfx_gradient_accumulator.accumulator.window import validate_accum_steps
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import logging
 
 import keras
 
-from accumulator import seam
-from accumulator.window import AccumulationWindow, validate_accum_steps, validate_partial_window
+from tfx_gradient_accumulator.accumulator import seam
+from tfx_gradient_accumulator.accumulator.window import AccumulationWindow, validate_accum_steps, validate_partial_window
 
 logger = logging.getLogger(__name__)
 

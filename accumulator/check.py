@@ -22,7 +22,7 @@ the sample, such as a position table), "batch-norm statistics" (a plain
 other non-trainable state; random layers (`Dropout`, `GaussianNoise`, ...) draw
 differently at another batch size by design, and are named.
 
-Command line: `python -m accumulator.check module:function` (see `main`).
+Command line: `python -m tfx_gradient_accumulator.accumulator.check module:function` (see `main`).
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from accumulator import seam
-from accumulator.validation import integer_at_least
+from tfx_gradient_accumulator.accumulator import seam
+from tfx_gradient_accumulator.accumulator.validation import integer_at_least
 
 if seam.keras_is_3():
-    from accumulator.optimizer import GradientAccumulator
+    from tfx_gradient_accumulator.accumulator.optimizer import GradientAccumulator
 else:
-    from accumulator.keras2 import GradientAccumulator
+    from tfx_gradient_accumulator.accumulator.keras2 import GradientAccumulator
 
 logger = logging.getLogger(__name__)
 
@@ -491,12 +491,12 @@ def load_target(spec):
 
 
 def main(argv=None):
-    """`python -m accumulator.check module:function [--accum_steps N --batch_size B --updates K]`.
+    """`python -m tfx_gradient_accumulator.accumulator.check module:function [--accum_steps N --batch_size B --updates K]`.
 
     Prints the report; exit status 0 when exact, 1 when not (2: bad arguments).
     """
     parser = argparse.ArgumentParser(
-        prog="python -m accumulator.check",
+        prog="python -m tfx_gradient_accumulator.accumulator.check",
         description="Train a few updates with Keras' large batch and with GradientAccumulator; "
                     "report whether the weights match.")
     parser.add_argument("target", help="module:function returning (model_fn, data, optimizer_fn) or a "

@@ -24,10 +24,10 @@ callback classes.
 
 import keras
 
-from accumulator import seam
-from accumulator._tf import NO_MERGE_CALL_MESSAGE
-from accumulator.callbacks import window_callback_classes
-from accumulator.window import AccumulationWindow
+from tfx_gradient_accumulator.accumulator import seam
+from tfx_gradient_accumulator.accumulator._tf import NO_MERGE_CALL_MESSAGE
+from tfx_gradient_accumulator.accumulator.callbacks import window_callback_classes
+from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
 
 
 def before_fit(model, callbacks):
@@ -60,7 +60,7 @@ def with_epoch_windows(model, callbacks):
     keras_package = seam.keras_package_of(model)
     EpochWindows, AccumulationSchedule = window_callback_classes(keras_package)
     if seam.keras_is_3() and not seam.is_keras2_object(model):
-        from accumulator.batch_norm import configure_batch_norm
+        from tfx_gradient_accumulator.accumulator.batch_norm import configure_batch_norm
 
         # Window-pooling layers follow the optimizer's windows.
         configure_batch_norm(model, optimizer.accum_steps, optimizer)

@@ -45,8 +45,8 @@ but not the numbers the large batch would draw.
 import keras
 import tensorflow as tf
 
-from accumulator import lookups, seam
-from accumulator.window import validate_accum_steps
+from tfx_gradient_accumulator.accumulator import lookups, seam
+from tfx_gradient_accumulator.accumulator.window import validate_accum_steps
 
 
 @keras.saving.register_keras_serializable(package="accumulator")

@@ -56,7 +56,7 @@ import os
 import keras
 import tensorflow as tf
 
-from accumulator import fit_hook, seam, weighting
+from tfx_gradient_accumulator.accumulator import fit_hook, seam, weighting
 
 logger = logging.getLogger(__name__)
 

@@ -35,10 +35,10 @@ import copy
 import numpy as np
 import tensorflow as tf
 
-from accumulator import _tf, seam, weighting
-from accumulator.callbacks import window_callback_classes
-from accumulator.noise_scale import DEFAULT_SMOOTHING
-from accumulator.window import (
+from tfx_gradient_accumulator.accumulator import _tf, seam, weighting
+from tfx_gradient_accumulator.accumulator.callbacks import window_callback_classes
+from tfx_gradient_accumulator.accumulator.noise_scale import DEFAULT_SMOOTHING
+from tfx_gradient_accumulator.accumulator.window import (
     AccumulationWindow, optimizer_chain, refuse_nested_accumulation, refuse_unknown_arguments,
 )
 
@@ -86,7 +86,7 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
 
     ```python
     import tf_keras as keras          # or tf.keras with TF_USE_LEGACY_KERAS=1, or TF <= 2.15
-    from accumulator import GradientAccumulator
+    from tfx_gradient_accumulator.accumulator import GradientAccumulator
 
     optimizer = GradientAccumulator(keras.optimizers.Adam(1e-3), accum_steps=4)
     model.compile(optimizer=optimizer, loss="mse")

@@ -18,9 +18,9 @@ import logging
 import keras
 import tensorflow as tf
 
-from accumulator import _tf, seam, weighting
-from accumulator.noise_scale import DEFAULT_SMOOTHING
-from accumulator.window import (  # noqa: F401  (validators re-exported: the public names)
+from tfx_gradient_accumulator.accumulator import _tf, seam, weighting
+from tfx_gradient_accumulator.accumulator.noise_scale import DEFAULT_SMOOTHING
+from tfx_gradient_accumulator.accumulator.window import (  # noqa: F401  (validators re-exported: the public names)
     PARTIAL_WINDOW_MODES, AccumulationWindow, optimizer_chain, refuse_nested_accumulation,
     refuse_unknown_arguments,
     validate_accum_steps, validate_measure_noise_scale, validate_partial_window,
@@ -169,7 +169,7 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
         if cls is GradientAccumulator and (
                 seam.is_keras2_object(optimizer)
                 or (isinstance(optimizer, str) and seam.tf_keras_is_keras2())):
-            from accumulator import keras2
+            from tfx_gradient_accumulator.accumulator import keras2
 
             return keras2.GradientAccumulator(optimizer, *args, **kwargs)
         return super().__new__(cls)

@@ -44,9 +44,9 @@ import keras_tuner
 import numpy as np
 import tensorflow as tf
 
-from accumulator.autowrap import accumulating_compile
-from accumulator.noise_scale import validate_smoothing
-from accumulator.validation import integer_at_least
+from tfx_gradient_accumulator.accumulator.autowrap import accumulating_compile
+from tfx_gradient_accumulator.accumulator.noise_scale import validate_smoothing
+from tfx_gradient_accumulator.accumulator.validation import integer_at_least
 
 logger = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ import threading
 
 import tensorflow as tf
 
-from accumulator import lookups, seam
-from accumulator.window import SUMMED_LOSS, AccumulationWindow
+from tfx_gradient_accumulator.accumulator import lookups, seam
+from tfx_gradient_accumulator.accumulator.window import SUMMED_LOSS, AccumulationWindow
 
 logger = logging.getLogger(__name__)
 

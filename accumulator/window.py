@@ -40,11 +40,11 @@ import logging
 import numpy as np
 import tensorflow as tf
 
-from accumulator import _tf, lookups, seam
-from accumulator.noise_scale import (
+from tfx_gradient_accumulator.accumulator import _tf, lookups, seam
+from tfx_gradient_accumulator.accumulator.noise_scale import (
     DEFAULT_SMOOTHING, NoiseScaleEstimate, micro_batch_terms, squared_norm, validate_smoothing,
 )
-from accumulator.validation import integer_at_least
+from tfx_gradient_accumulator.accumulator.validation import integer_at_least
 
 logger = logging.getLogger(__name__)
 

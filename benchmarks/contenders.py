@@ -27,8 +27,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from accumulator import AccumBatchNormalization, GradientAccumulator
-from accumulator.batch_norm import configure_batch_norm
+from tfx_gradient_accumulator.accumulator import AccumBatchNormalization, GradientAccumulator
+from tfx_gradient_accumulator.accumulator.batch_norm import configure_batch_norm
 from benchmarks import models
 
 FIT = ["plain_b", "plain_Nb", "accumulator", "accumulator_noise_scale", "keras_builtin"]

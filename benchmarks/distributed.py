@@ -11,7 +11,7 @@ import time
 import keras
 import tensorflow as tf
 
-from accumulator import GradientAccumulator
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
 from benchmarks import contenders as c
 from benchmarks import models
 
@@ -129,7 +129,7 @@ def mirrored(model_name, micro, accum, updates, rounds):
 
 def multiworker(model_name, micro, accum, updates, rounds):
     """One worker's part (TF_CONFIG set by the launcher); every worker returns the same figures."""
-    from accumulator import strategy_from_environment
+    from tfx_gradient_accumulator.accumulator import strategy_from_environment
     strategy = strategy_from_environment()
     return compare(strategy, model_name, micro, accum, updates, rounds)
 

@@ -55,7 +55,7 @@ def measure(contender, accum):
     import tensorflow as tf
     tf.config.threading.set_inter_op_parallelism_threads(1)
     import keras
-    from accumulator import GradientAccumulator
+    from tfx_gradient_accumulator.accumulator import GradientAccumulator
 
     rng = np.random.RandomState(0)
     samples = MICRO * accum * 3

@@ -9,7 +9,7 @@ tests' own). Run from the repository's root, after `pip install .`:
 import keras
 import tensorflow as tf
 
-from accumulator import GradientAccumulator
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
 from tests.accumulator import reference as ref
 
 MICRO_BATCH = 8

@@ -175,7 +175,7 @@ def measure(contender, parts):
     time part, its seconds per step of `fit` (one effective batch, or one micro-batch for plain b)."""
     tf, keras = _fresh_tf()
     import numpy as np
-    from accumulator import GradientCache, contrastive
+    from tfx_gradient_accumulator.accumulator import GradientCache, contrastive
 
     kind, accum, batch, eager = CONTENDERS[contender]
     rng = np.random.RandomState(0)
@@ -222,7 +222,7 @@ def quality(seed):
     weights and shuffling; the interactions stay fixed)."""
     tf, keras = _fresh_tf()
     import numpy as np
-    from accumulator import GradientAccumulator, GradientCache, contrastive
+    from tfx_gradient_accumulator.accumulator import GradientAccumulator, GradientCache, contrastive
 
     train, (users, items), probability = interactions(np)
     recall, seconds = {name: {} for name in QUALITY_CONTENDERS}, {name: {} for name in QUALITY_CONTENDERS}

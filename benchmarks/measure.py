@@ -202,7 +202,7 @@ def leak():
     import keras
     import numpy as np
     import tensorflow as tf
-    from accumulator import GradientAccumulator
+    from tfx_gradient_accumulator.accumulator import GradientAccumulator
     load_start = load()
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(1)])

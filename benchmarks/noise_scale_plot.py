@@ -32,7 +32,7 @@ def digits_training_split(seed=0):
     """Features as the demo's model takes them ({pixel_xx: (n, 1)}), labels (n, 1): two thirds."""
     from sklearn.datasets import load_digits
 
-    from pipelines.digits.data import FEATURE_KEYS
+    from tfx_gradient_accumulator.pipelines.digits.data import FEATURE_KEYS
 
     digits = load_digits()
     order = np.random.RandomState(seed).permutation(len(digits.target))
@@ -51,8 +51,8 @@ def main(argv):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from accumulator.tuning import probe_noise_scale
-    from pipelines.digits.model import build_model
+    from tfx_gradient_accumulator.accumulator.tuning import probe_noise_scale
+    from tfx_gradient_accumulator.pipelines.digits.model import build_model
 
     features, labels = digits_training_split()
     hp = keras_tuner.HyperParameters()

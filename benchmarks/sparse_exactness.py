@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from accumulator import GradientAccumulator
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
 from tests.accumulator import reference as ref
 
 OPTIMIZERS = {

@@ -5,6 +5,6 @@ what the user's run_fn sees, `settings.py` resolves accumulation settings and
 `noise_scale.py` records the gradient noise scale a run measured.
 """
 
-from components.component import AccumulatingTrainer
+from tfx_gradient_accumulator.components.component import AccumulatingTrainer
 
 __all__ = ["AccumulatingTrainer"]

@@ -26,13 +26,13 @@ from tfx.extensions.google_cloud_ai_platform import constants as vertex_constant
 from tfx.extensions.google_cloud_ai_platform.trainer import executor as cloud_executor
 from tfx.types import standard_component_specs
 
-from accumulator.validation import integer_at_least
-from components import executor
-from components.component import AccumulatingTrainer
+from tfx_gradient_accumulator.accumulator.validation import integer_at_least
+from tfx_gradient_accumulator.components import executor
+from tfx_gradient_accumulator.components.component import AccumulatingTrainer
 
 
 class VertexExecutor(cloud_executor.GenericExecutor):
-    """Starts the CustomJob; each replica runs `components.executor.Executor`."""
+    """Starts the CustomJob; each replica runs `tfx_gradient_accumulator.components.executor.Executor`."""
 
     def _GetExecutorClass(self):
         return executor.Executor

@@ -28,7 +28,7 @@ import tensorflow as tf
 from absl import logging
 from tfx.dsl.io import fileio
 
-from accumulator.distribute import cluster_role, parse_tf_config
+from tfx_gradient_accumulator.accumulator.distribute import cluster_role, parse_tf_config
 
 STAGING = ".Format-Serving.incomplete"
 # The errors a collective raises when a peer is gone (TF 2.16: a reset connection

@@ -31,8 +31,8 @@ import tensorflow as tf
 from absl import logging
 from tfx.types import standard_component_specs
 
-from accumulator import hooks, seam
-from accumulator.check import check_exact
+from tfx_gradient_accumulator.accumulator import hooks, seam
+from tfx_gradient_accumulator.accumulator.check import check_exact
 
 VERIFY_EXACTNESS_KEY = "verify_exactness"
 MODES = (False, True, "refuse")

@@ -11,7 +11,7 @@ on the output artifacts (ML Metadata) and in the run's TensorBoard logs.
 On a cluster (`TF_CONFIG`), every process runs this with the same artifacts:
 the chief exports and records, the others write to temporary folders
 (`components.cluster`). The record is also written as `accumulation/record.json`
-in the ModelRun, from which `components.cloud.VertexExecutor` copies it onto
+in the ModelRun, from which `tfx_gradient_accumulator.components.cloud.VertexExecutor` copies it onto
 the artifacts it publishes.
 """
 
@@ -27,10 +27,10 @@ from tfx.components.trainer import executor as tfx_trainer_executor
 from tfx.components.util import udf_utils
 from tfx.types import standard_component_specs
 
-from accumulator import hooks
-from accumulator.autowrap import accumulating_compile
-from accumulator.distribute import strategy_from_environment
-from components import cluster, exactness, fn_args_utils, noise_scale, preemption, settings as settings_lib
+from tfx_gradient_accumulator.accumulator import hooks
+from tfx_gradient_accumulator.accumulator.autowrap import accumulating_compile
+from tfx_gradient_accumulator.accumulator.distribute import strategy_from_environment
+from tfx_gradient_accumulator.components import cluster, exactness, fn_args_utils, noise_scale, preemption, settings as settings_lib
 
 ACCUM_STEPS_KEY = "accum_steps"
 EFFECTIVE_BATCH_SIZE_KEY = "effective_batch_size"

@@ -22,7 +22,7 @@ import copy
 import tensorflow as tf
 from tfx.components.trainer import fn_args_utils as tfx_fn_args_utils
 
-from components.settings import AccumulationSettings
+from tfx_gradient_accumulator.components.settings import AccumulationSettings
 
 
 def _is_training_pattern(file_pattern, train_files):

@@ -22,8 +22,8 @@ from typing import Optional
 
 from tfx.dsl.io import fileio
 
-from accumulator.backup import TrainingBackup
-from accumulator.validation import integer_at_least
+from tfx_gradient_accumulator.accumulator.backup import TrainingBackup
+from tfx_gradient_accumulator.accumulator.validation import integer_at_least
 
 BACKUP_DIR_KEY = "backup_dir"
 BACKUP_EVERY_KEY = "backup_every"

@@ -19,12 +19,12 @@ the run_fn sees with each:
 import dataclasses
 from typing import Any, Dict, Optional
 
-from accumulator import validate_accum_steps
-from accumulator.callbacks import accum_steps_at, validate_schedule
-from accumulator.noise_scale import DEFAULT_SMOOTHING, validate_smoothing
-from accumulator.optimizer import validate_measure_noise_scale, validate_partial_window
-from accumulator.window import validate_merge_duplicate_rows
-from accumulator.validation import integer_at_least
+from tfx_gradient_accumulator.accumulator import validate_accum_steps
+from tfx_gradient_accumulator.accumulator.callbacks import accum_steps_at, validate_schedule
+from tfx_gradient_accumulator.accumulator.noise_scale import DEFAULT_SMOOTHING, validate_smoothing
+from tfx_gradient_accumulator.accumulator.optimizer import validate_measure_noise_scale, validate_partial_window
+from tfx_gradient_accumulator.accumulator.window import validate_merge_duplicate_rows
+from tfx_gradient_accumulator.accumulator.validation import integer_at_least
 
 ACCUM_STEPS = "accum_steps"
 EFFECTIVE_BATCH_SIZE = "effective_batch_size"

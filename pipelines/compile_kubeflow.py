@@ -1,6 +1,6 @@
 """Compiles the digits pipeline for Kubeflow Pipelines v2 / Vertex AI Pipelines.
 
-    python -m pipelines.compile_kubeflow --project=my-project --region=us-central1 \\
+    python -m tfx_gradient_accumulator.pipelines.compile_kubeflow --project=my-project --region=us-central1 \\
         --image=us-docker.pkg.dev/my-project/tfx/accumulator:latest \\
         --pipeline_root=gs://my-bucket/root --data_root=gs://my-bucket/digits \\
         --workers=2 --gpus_per_worker=1 --output=digits_pipeline.json
@@ -50,9 +50,9 @@ def compile_pipeline(output, project, region, image, pipeline_root, data_root, s
     """
     from tfx.orchestration.kubeflow.v2 import kubeflow_v2_dag_runner
 
-    from components.cloud import VertexAccumulatingTrainer, vertex_training_config
-    from components.settings import resolve
-    from pipelines.digits.pipeline import MODULE, create_pipeline
+    from tfx_gradient_accumulator.components.cloud import VertexAccumulatingTrainer, vertex_training_config
+    from tfx_gradient_accumulator.components.settings import resolve
+    from tfx_gradient_accumulator.pipelines.digits.pipeline import MODULE, create_pipeline
 
     # The executor's own check, with the replicas the worker pools will have.
     resolve(None, accum_steps, effective_batch_size, replicas=workers * max(gpus_per_worker, 1))

@@ -1,7 +1,7 @@
 """Runs a pipeline locally: Beam DirectRunner, SQLite ML Metadata.
 
-    python -m pipelines.run_local --output_dir=work/digits
-    python -m pipelines.run_local --pipeline=retrieval --output_dir=work/retrieval
+    python -m tfx_gradient_accumulator.pipelines.run_local --output_dir=work/digits
+    python -m tfx_gradient_accumulator.pipelines.run_local --pipeline=retrieval --output_dir=work/retrieval
 
 `digits` (the default): writes the shipped data as CSV, runs the pipeline (a
 second run reuses cached results), and prints the chosen hyperparameters, the
@@ -17,7 +17,7 @@ exported model, beside what the generating distribution and chance reach.
 Both run their Beam components (CsvExampleGen, StatisticsGen; digits' Evaluator)
 on Beam's direct runner in memory, one worker, unless told otherwise:
 
-    python -m pipelines.run_local --beam_running_mode=multi_processing --beam_workers=2
+    python -m tfx_gradient_accumulator.pipelines.run_local --beam_running_mode=multi_processing --beam_workers=2
 
 starts two SDK worker processes per Beam component and splits the data between
 them; the outputs are the same records and statistics
@@ -143,7 +143,7 @@ def retrieval_recall(metadata_path, k=10):
     """Held-out recall@k of the newest trained model on the newest examples' eval split."""
     from tfx.utils import path_utils
 
-    from pipelines.retrieval.evaluate import held_out_recall
+    from tfx_gradient_accumulator.pipelines.retrieval.evaluate import held_out_recall
 
     latest = latest_artifacts(metadata_path)
     model, examples = latest("Model"), latest("Examples")
@@ -157,8 +157,8 @@ def _option(flag, index):
 def run_digits(root):
     from tfx.orchestration.beam.beam_dag_runner import BeamDagRunner
 
-    from pipelines.digits.data import write_digits_csv
-    from pipelines.digits.pipeline import create_pipeline
+    from tfx_gradient_accumulator.pipelines.digits.data import write_digits_csv
+    from tfx_gradient_accumulator.pipelines.digits.pipeline import create_pipeline
 
     data_root = os.path.join(root, "data")
     write_digits_csv(data_root)
@@ -201,8 +201,8 @@ def recall_line(recall):
 def run_retrieval(root):
     from tfx.orchestration.beam.beam_dag_runner import BeamDagRunner
 
-    from pipelines.retrieval.data import write_interactions_csv
-    from pipelines.retrieval.pipeline import create_pipeline
+    from tfx_gradient_accumulator.pipelines.retrieval.data import write_interactions_csv
+    from tfx_gradient_accumulator.pipelines.retrieval.pipeline import create_pipeline
 
     if MEASURE.present:
         raise app.UsageError("--measure_noise_scale is the digits pipeline's: the retrieval pipeline trains "

@@ -49,7 +49,7 @@ def main(argv):
     del argv
     import keras
     import tensorflow as tf
-    from accumulator import GradientAccumulator
+    from tfx_gradient_accumulator.accumulator import GradientAccumulator
 
     from benchmarks import accelerator_facts
 

@@ -15,9 +15,9 @@ import tensorflow as tf
 from tfx import v1 as tfx
 from tfx_bsl.public import tfxio
 
-from accumulator import AccumBatchNormalization
-from accumulator.tuning import AccumulatingHyperModel
-from pipelines.digits.data import FEATURE_KEYS, LABEL_KEY
+from tfx_gradient_accumulator.accumulator import AccumBatchNormalization
+from tfx_gradient_accumulator.accumulator.tuning import AccumulatingHyperModel
+from tfx_gradient_accumulator.pipelines.digits.data import FEATURE_KEYS, LABEL_KEY
 
 BATCH_SIZE = 64          # the run_fn's own batch: replaced by the micro-batch when tuned
 EVAL_BATCH_SIZE = 128

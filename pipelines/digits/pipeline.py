@@ -11,14 +11,14 @@ from typing import Optional
 import tensorflow_model_analysis as tfma
 from tfx import v1 as tfx
 
-from components import AccumulatingTrainer
-from pipelines.digits.data import LABEL_KEY
+from tfx_gradient_accumulator.components import AccumulatingTrainer
+from tfx_gradient_accumulator.pipelines.digits.data import LABEL_KEY
 
 MODULE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py")
 # The same module by import path: where this project is installed (the cluster's
 # image), the Tuner and Trainer import `tuner_fn` / `run_fn` from it, and nothing
 # is packaged into the pipeline root.
-MODULE = "pipelines.digits.model"
+MODULE = "tfx_gradient_accumulator.pipelines.digits.model"
 ACCURACY_THRESHOLD = 0.8
 
 

@@ -16,7 +16,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from pipelines.retrieval.data import ITEM_KEY, ITEMS, USER_KEY, oracle_recall_at_k, recall_at_k
+from tfx_gradient_accumulator.pipelines.retrieval.data import ITEM_KEY, ITEMS, USER_KEY, oracle_recall_at_k, recall_at_k
 
 
 def read_split(examples_uri, split="eval"):

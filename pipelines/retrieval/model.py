@@ -23,9 +23,9 @@ import tensorflow as tf
 from tfx import v1 as tfx
 from tfx_bsl.public import tfxio
 
-from accumulator import GradientCache, contrastive
-from accumulator.tuning import AccumulatingHyperModel
-from pipelines.retrieval.data import ITEM_KEY, ITEMS, USER_KEY, USERS
+from tfx_gradient_accumulator.accumulator import GradientCache, contrastive
+from tfx_gradient_accumulator.accumulator.tuning import AccumulatingHyperModel
+from tfx_gradient_accumulator.pipelines.retrieval.data import ITEM_KEY, ITEMS, USER_KEY, USERS
 
 BATCH_SIZE = 128         # the run_fn's own batch: replaced by the effective batch when set
 EVAL_BATCH_SIZE = 256    # fixed, so validation losses (in-batch negatives) compare across trials

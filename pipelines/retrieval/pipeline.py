@@ -16,7 +16,7 @@ from typing import Optional
 
 from tfx import v1 as tfx
 
-from components import AccumulatingTrainer
+from tfx_gradient_accumulator.components import AccumulatingTrainer
 
 MODULE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py")
 

@@ -40,13 +40,13 @@ def main():
     if args.hooks != "all":
         os.environ["ACCUMULATOR_KERAS_HOOKS"] = "0"
     import keras
-    from accumulator import GradientAccumulator, hooks, seam
+    from tfx_gradient_accumulator.accumulator import GradientAccumulator, hooks, seam
     if args.hooks != "all":
         hooks.install([h for h in args.hooks.split(",") if h and h != "none"])
     # The tests that show a fix is needed use a plain optimizer (accum 1, no wrapper).
     from tests.accumulator import reference as ref
 
-    from accumulator.distribute import strategy_from_environment
+    from tfx_gradient_accumulator.accumulator.distribute import strategy_from_environment
     strategy = strategy_from_environment()
     assert isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy), strategy
     samples = args.micro * args.steps_per_epoch

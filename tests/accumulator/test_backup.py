@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from accumulator import GradientAccumulator, hooks
-from accumulator.autowrap import accumulating_compile
-from accumulator.backup import LATEST, TrainingBackup
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, hooks
+from tfx_gradient_accumulator.accumulator.autowrap import accumulating_compile
+from tfx_gradient_accumulator.accumulator.backup import LATEST, TrainingBackup
 from tests.accumulator import reference as ref
 
 MICRO, ACCUM = 8, 4
@@ -155,7 +155,7 @@ def test_what_a_backup_cannot_resume_is_refused_before_training(tmp_path):
 
 def test_a_gradient_cache_run_resumes_exactly(tmp_path):
     """In-batch negatives: each step is a whole batch in micro-batches; the backup is the model's and Adam's."""
-    from accumulator import GradientCache
+    from tfx_gradient_accumulator.accumulator import GradientCache
     from tests.accumulator import contrastive_models as cm
 
     data = tf.data.Dataset.from_tensor_slices(cm.interactions(64 * 6)).batch(64)   # finite: 6 steps an epoch

@@ -4,8 +4,8 @@ import numpy as np
 import keras
 import pytest
 
-from accumulator import AccumBatchNormalization, GradientAccumulator, use_accumulated_batch_norm
-from accumulator.autowrap import accumulating_compile
+from tfx_gradient_accumulator.accumulator import AccumBatchNormalization, GradientAccumulator, use_accumulated_batch_norm
+from tfx_gradient_accumulator.accumulator.autowrap import accumulating_compile
 
 MICRO, ACCUM = 8, 4
 
@@ -124,7 +124,7 @@ def test_fit_ties_unconfigured_layers_to_the_optimizer_and_closes_them_at_epoch_
 
 
 def test_layers_follow_an_accumulation_schedule():
-    from accumulator.callbacks import AccumulationSchedule
+    from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule
     x, y = _data(MICRO * 8)
     expected = _large_batch_moving(x, y, [MICRO * 2, MICRO * 4])
     model = _model(AccumBatchNormalization(momentum=0.8))

@@ -1,4 +1,4 @@
-"""`accumulator.check_exact` and `python -m accumulator.check`: the verdict both ways.
+"""`accumulator.check_exact` and `python -m tfx_gradient_accumulator.accumulator.check`: the verdict both ways.
 
 Each check trains three tiny models (Keras' large batch, its permuted twin, the
 accumulator) for 3 updates. Exact setups must say exact; each deliberately
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import accumulator
-from accumulator import lookups
-from accumulator.check import ExactnessReport, check_exact, load_target, main
+from tfx_gradient_accumulator import accumulator
+from tfx_gradient_accumulator.accumulator import lookups
+from tfx_gradient_accumulator.accumulator.check import ExactnessReport, check_exact, load_target, main
 
 from tests.accumulator import test_lookups as lookup_models
 
@@ -189,7 +189,7 @@ def test_the_command_line_exits_0_on_an_exact_setup(capsys):
 def test_the_command_line_exits_1_on_an_inexact_setup_in_its_own_process():
     env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "accumulator.check", "tests.accumulator.test_check:inexact_setup",
+    done = subprocess.run([sys.executable, "-m", "tfx_gradient_accumulator.accumulator.check", "tests.accumulator.test_check:inexact_setup",
                            "--accum_steps", "4", "--batch_size", "8", "--updates", "2"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr

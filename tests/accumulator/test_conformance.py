@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("keras_hub", reason="KerasHub is installed only in .venv-tf-latest "
                                         "(constraints/tf-latest-conformance.txt)")
 
-from accumulator import GradientAccumulator, GradientCache  # noqa: E402
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, GradientCache  # noqa: E402
 from tests.accumulator import conformance_models as cm  # noqa: E402
 from tests.accumulator import reference as ref  # noqa: E402
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import tensorflow as tf
 
-from accumulator import distribute
+from tfx_gradient_accumulator.accumulator import distribute
 
 TWO_WORKERS = {"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},
                "task": {"type": "worker", "index": 1}}

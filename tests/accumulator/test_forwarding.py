@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from accumulator import GradientAccumulator
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
 from tests.accumulator import reference as ref
 
 
@@ -171,7 +171,7 @@ def test_carry_leaves_the_remainder_open_and_says_so(caplog):
     model = ref.mlp()
     optimizer = GradientAccumulator(keras.optimizers.SGD(0.1), 4, partial_window="carry")
     model.compile(optimizer, "mse")
-    with caplog.at_level(logging.WARNING, logger="accumulator.optimizer"):
+    with caplog.at_level(logging.WARNING, logger="tfx_gradient_accumulator.accumulator.optimizer"):
         model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
     # 30 micro-batches: floor(30 / 4) = 7 updates, 2 held, nothing dropped.
     assert int(optimizer.iterations.numpy()) == 7

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from accumulator import GradientAccumulator, GradientCache
-from accumulator.autowrap import accumulating_compile
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, GradientCache
+from tfx_gradient_accumulator.accumulator.autowrap import accumulating_compile
 from tests.accumulator import contrastive_models as cm
 from tests.accumulator import reference as ref
 

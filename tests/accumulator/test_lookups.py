@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 from keras import layers, ops
 
-from accumulator import GradientAccumulator, GradientCache, contrastive, lookups
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, GradientCache, contrastive, lookups
 from tests.accumulator import reference as ref
 from tests.accumulator.test_sparse import SETTINGS, _optimizer_cases
 

@@ -5,7 +5,7 @@ import keras
 import pytest
 import tensorflow as tf
 
-from accumulator import GradientAccumulator
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
 from tests.accumulator import reference as ref
 
 DEVICES = ["/cpu:0", "/cpu:1"]
@@ -147,7 +147,7 @@ import tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 import keras
-from accumulator import GradientAccumulator
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
 from tests.accumulator import reference as ref
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 strategy.extended._use_merge_call = lambda: False   # as XLA-compiled GPU steps do

@@ -5,7 +5,7 @@ import keras
 import pytest
 import tensorflow as tf
 
-from accumulator import GradientAccumulator
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
 from tests.accumulator import reference as ref
 
 

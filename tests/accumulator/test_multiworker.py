@@ -6,7 +6,7 @@ import time
 import keras
 import pytest
 
-from accumulator import hooks
+from tfx_gradient_accumulator.accumulator import hooks
 from tests.accumulator import reference as ref
 from tests.accumulator.multiworker import load_result, run_cluster, start_cluster
 
@@ -121,7 +121,7 @@ def test_killed_worker_resumes_from_backup_without_losing_or_repeating_micro_bat
 
 def _single_device_resumable(partial_window, model="mlp"):
     """3 epochs of 9 micro-batches, windows of 4, on one device, uninterrupted."""
-    from accumulator import GradientAccumulator
+    from tfx_gradient_accumulator.accumulator import GradientAccumulator
     if model == "embedding":
         (x, y), inner, model = ref.token_data(MICRO * 9), keras.optimizers.Adam(1e-2), ref.embedding_model()
     else:

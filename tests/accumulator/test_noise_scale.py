@@ -17,7 +17,7 @@ import keras
 import pytest
 import tensorflow as tf
 
-from accumulator import GradientAccumulator
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
 from tests.accumulator import reference as ref
 from tests.accumulator import test_noise_scale_estimator as est
 from tests.accumulator.reference import CountingReduction

@@ -32,7 +32,7 @@ import keras
 import pytest
 import tensorflow as tf
 
-from accumulator import noise_scale as ns
+from tfx_gradient_accumulator.accumulator import noise_scale as ns
 
 # ----------------------------------------------------------------- helpers
 

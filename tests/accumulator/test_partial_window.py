@@ -4,9 +4,9 @@ import numpy as np
 import keras
 import pytest
 
-from accumulator import GradientAccumulator
-from accumulator.callbacks import AccumulationSchedule, EpochWindows
-from accumulator.fit_hook import with_epoch_windows
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
+from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule, EpochWindows
+from tfx_gradient_accumulator.accumulator.fit_hook import with_epoch_windows
 from tests.accumulator import reference as ref
 
 MICRO, ACCUM = 8, 4

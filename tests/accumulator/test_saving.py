@@ -10,7 +10,7 @@ import pytest
 import keras
 import tensorflow as tf
 
-from accumulator import GradientAccumulator
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
 from tests.accumulator import reference as ref
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,7 +47,7 @@ def test_keras_file_loads_in_a_fresh_process_without_custom_objects(tmp_path):
 
     script = f"""
 import json, numpy as np, keras
-import accumulator  # registers the class: no custom_objects needed
+from tfx_gradient_accumulator import accumulator  # registers the class: no custom_objects needed
 model = keras.models.load_model({str(tmp_path / 'model.keras')!r})
 opt = model.optimizer
 info = dict(cls=type(opt).__name__, accum=opt.accum_steps, micro=int(opt.micro_step.numpy()),
@@ -139,7 +139,7 @@ def test_backup_and_restore_keeps_the_open_window(partial_window, updates, tmp_p
 
 
 def test_a_scheduled_accum_steps_survives_saving_and_restoring(tmp_path):
-    from accumulator.callbacks import AccumulationSchedule
+    from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule
     x, y = ref.regression_data(MICRO * 8)
     model = ref.mlp()
     model.compile(GradientAccumulator(keras.optimizers.SGD(0.05), 2, schedulable=True), "mse")

@@ -13,7 +13,7 @@ import pytest
 import keras
 import tensorflow as tf
 
-from accumulator import GradientAccumulator
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
 from tests import sweeps
 from tests.accumulator import reference as ref
 

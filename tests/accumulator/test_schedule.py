@@ -3,8 +3,8 @@
 import keras
 import pytest
 
-from accumulator import GradientAccumulator
-from accumulator.callbacks import AccumulationSchedule, EpochWindows, accum_steps_at, validate_schedule
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
+from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule, EpochWindows, accum_steps_at, validate_schedule
 from tests.accumulator import reference as ref
 
 MICRO = 8

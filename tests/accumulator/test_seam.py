@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from accumulator import GradientAccumulator, hooks, seam
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, hooks, seam
 from tests.accumulator import reference as ref
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -238,7 +238,7 @@ def test_setup_declares_the_range_make_test_runs():
     assert "2.15.0" in requirements["keras"] and "2.15.1" in requirements["tensorflow"]
     for outside in ("3.7.0", "3.16.0", "2.14.0"):
         assert outside not in requirements["keras"], outside
-    from accumulator.optimizer import OLDEST_KERAS
+    from tfx_gradient_accumulator.accumulator.optimizer import OLDEST_KERAS
     assert ".".join(map(str, OLDEST_KERAS)) == pins["oldest"]["keras"].rsplit(".", 1)[0]
     makefile = (ROOT / "Makefile").read_text()
 

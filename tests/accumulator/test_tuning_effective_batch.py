@@ -8,7 +8,7 @@ import pytest
 keras_tuner = pytest.importorskip("keras_tuner")
 import keras  # noqa: E402
 
-from accumulator.tuning import AccumulatingHyperModel, accum_steps_that_fit  # noqa: E402
+from tfx_gradient_accumulator.accumulator.tuning import AccumulatingHyperModel, accum_steps_that_fit  # noqa: E402
 
 
 def _build(hp):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from accumulator import GradientAccumulator, GradientCache
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, GradientCache
 from tests.accumulator import contrastive_models as cm
 from tests.accumulator import reference as ref
 

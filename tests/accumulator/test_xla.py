@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from accumulator import GradientAccumulator
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
 from tests.accumulator import reference as ref
 from tests.accumulator.test_exactness import ACCUM, MICRO_BATCH, OPTIMIZERS, UPDATES
 

@@ -12,7 +12,7 @@ from tfx.proto import trainer_pb2
 from tfx.types import artifact_utils, standard_artifacts
 from tfx.utils import json_utils, proto_utils
 
-from components.executor import Executor
+from tfx_gradient_accumulator.components.executor import Executor
 
 TESTDATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata")
 MODULE = os.path.join(TESTDATA, "regression_module.py")
@@ -127,7 +127,7 @@ def write_digits_examples(root, evaluation=256):
     """The demo's shipped digits (sklearn's 8x8 images) as ExampleGen would write them."""
     from sklearn.datasets import load_digits
 
-    from pipelines.digits.data import FEATURE_KEYS, LABEL_KEY
+    from tfx_gradient_accumulator.pipelines.digits.data import FEATURE_KEYS, LABEL_KEY
 
     digits = load_digits()
     splits = {"eval": range(evaluation), "train": range(evaluation, len(digits.target))}

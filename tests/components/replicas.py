@@ -4,7 +4,7 @@ Each replica runs the container command that TFX's Vertex client generates for
 the worker pools (`training_clients...generate_container_command`: run_executor
 with the serialized inputs, outputs and exec_properties), with the TF_CONFIG
 Vertex sets: pool 0 is the chief, pool 1 the workers. `run_custom_job` plays
-Vertex for `components.cloud.VertexExecutor`: it runs a CustomJob's pools here.
+Vertex for `tfx_gradient_accumulator.components.cloud.VertexExecutor`: it runs a CustomJob's pools here.
 """
 
 import json
@@ -17,7 +17,7 @@ import portpicker
 from tfx.extensions.google_cloud_ai_platform import training_clients
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXECUTOR = "components.executor.Executor"
+EXECUTOR = "tfx_gradient_accumulator.components.executor.Executor"
 
 
 def container_command(inputs, outputs, properties, executor=EXECUTOR):

@@ -4,7 +4,7 @@ import pytest
 from tfx.extensions.google_cloud_ai_platform import constants as vertex_constants
 from tfx.extensions.google_cloud_ai_platform.trainer import executor as cloud_executor
 
-from components.cloud import vertex_training_config
+from tfx_gradient_accumulator.components.cloud import vertex_training_config
 
 
 def _pools(config):

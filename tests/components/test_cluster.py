@@ -117,7 +117,7 @@ def test_a_run_fn_that_makes_its_own_mirrored_strategy_trains_on_two_processes(e
 
 
 def test_the_demo_module_trains_on_two_processes_and_the_chief_exports_it(tmp_path):
-    from pipelines.digits import model as digits_module
+    from tfx_gradient_accumulator.pipelines.digits import model as digits_module
     examples = fixtures.write_digits_examples(str(tmp_path / "examples"))
     inputs, outputs, properties = fixtures.executor_arguments(
         tmp_path / "run", examples, num_steps=20, module=digits_module.__file__.replace(".pyc", ".py"),
@@ -199,7 +199,7 @@ def test_a_killed_keras_2_run_resumes_from_its_backup_exactly(workers, examples,
     results = replicas.run(command, workers, tmp_path / "tmp2")
     assert [code for code, _, _ in results] == [0] * workers, results[0][2][-3000:]
     seen, weights = fixtures.read_run(outputs["model_run"][0].uri)
-    assert (seen["keras"][:2], seen["optimizer_module"], seen["iterations"]) == ("2.", "accumulator.keras2", STEPS)
+    assert (seen["keras"][:2], seen["optimizer_module"], seen["iterations"]) == ("2.", "tfx_gradient_accumulator.accumulator.keras2", STEPS)
     print(f"[measured] Keras 2, {workers} process(es), killed and resumed, vs the stock Trainer: "
           f"max |dw| = {max_abs_diff(weights, stock_weights):.1e}")
     assert max_abs_diff(weights, stock_weights) <= 1e-5
@@ -212,7 +212,7 @@ def test_vertex_executor_runs_the_job_and_publishes_the_chiefs_record(examples, 
     """`VertexExecutor.Do` through TFX's own Vertex runner, the CustomJob's pools run here."""
     from tfx.extensions.google_cloud_ai_platform import runner, training_clients
 
-    from components import cloud
+    from tfx_gradient_accumulator.components import cloud
 
     jobs = []
 

@@ -4,8 +4,8 @@ import pytest
 from tfx import v1 as tfx
 from tfx.types import channel_utils, standard_artifacts
 
-from components import AccumulatingTrainer
-from components.component import AccumulatingTrainerSpec
+from tfx_gradient_accumulator.components import AccumulatingTrainer
+from tfx_gradient_accumulator.components.component import AccumulatingTrainerSpec
 
 
 def _examples():

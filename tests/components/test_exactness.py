@@ -11,8 +11,8 @@ import os
 import keras
 import pytest
 
-from components import exactness
-from components.component import AccumulatingTrainer
+from tfx_gradient_accumulator.components import exactness
+from tfx_gradient_accumulator.components.component import AccumulatingTrainer
 from tests.components import fixtures
 
 
@@ -96,7 +96,7 @@ def test_refuse_stops_where_nothing_can_be_checked(examples, tmp_path):
 def _executor(tmp_path):
     from tfx.dsl.components.base import base_executor
 
-    from components.executor import Executor
+    from tfx_gradient_accumulator.components.executor import Executor
 
     return Executor(base_executor.BaseExecutor.Context(tmp_dir=str(tmp_path / "tmp"), unique_id="1"))
 

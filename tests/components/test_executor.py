@@ -9,7 +9,7 @@ import keras
 import pytest
 import tensorflow as tf
 
-from accumulator import GradientAccumulator
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
 from tests.accumulator.reference import max_abs_diff
 from tests.components import fixtures
 
@@ -143,7 +143,7 @@ def test_keras_2_module_trains_like_the_stock_trainer_with_the_big_batch(example
     outputs, seen, weights = fixtures.run_executor(
         tmp_path / "ours", examples, num_steps=6, accum_steps=4, effective_batch_size=32, module=KERAS2_MODULE)
     assert stock_seen["keras"].startswith("2.") and stock_seen["iterations"] == 6
-    assert (seen["optimizer_module"], seen["accum_steps"], seen["train_batch"]) == ("accumulator.keras2", 4, 8)
+    assert (seen["optimizer_module"], seen["accum_steps"], seen["train_batch"]) == ("tfx_gradient_accumulator.accumulator.keras2", 4, 8)
     # A quarter of the stock Trainer's updates at the micro-batch (24 micro-steps, 6 updates)...
     assert (seen["train_steps"], seen["iterations"]) == (24, 6)
     # ...with the stock Trainer's weights at the 4x batch.

@@ -13,8 +13,8 @@ import keras
 import pytest
 from tfx.types import standard_artifacts
 
-from accumulator import GradientAccumulator
-from components import noise_scale
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
+from tfx_gradient_accumulator.components import noise_scale
 
 
 def _fed(windows, measure=True, smoothing=0.0):

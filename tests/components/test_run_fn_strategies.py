@@ -7,7 +7,7 @@ import os
 import pytest
 import tensorflow as tf
 
-from accumulator import hooks
+from tfx_gradient_accumulator.accumulator import hooks
 from tests.accumulator.reference import max_abs_diff
 from tests.components import fixtures
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from components.settings import resolve
+from tfx_gradient_accumulator.components.settings import resolve
 
 
 def test_defaults():

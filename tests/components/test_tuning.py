@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from accumulator import GradientAccumulator, GradientCache
-from accumulator.tuning import AccumulatingHyperModel, declare_accumulation
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, GradientCache
+from tfx_gradient_accumulator.accumulator.tuning import AccumulatingHyperModel, declare_accumulation
 from tests.accumulator import contrastive_models as cm
 from tests.accumulator import reference as ref
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from accumulator import GradientAccumulator
-from accumulator.tuning import (
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
+from tfx_gradient_accumulator.accumulator.tuning import (
     AccumulatingHyperModel,
     NoiseScaleProbe,
     accum_steps_for_noise_scale,

@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from accumulator import check_exact, seam
+from tfx_gradient_accumulator.accumulator import check_exact, seam
 
 k2 = seam.keras2_module()
 pytestmark = [

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import accumulator
-from accumulator import GradientAccumulator, hooks, seam
-from accumulator.window import AccumulationWindow
+from tfx_gradient_accumulator import accumulator
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, hooks, seam
+from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
 from tests import deltas
 
 k2 = seam.keras2_module()
@@ -66,7 +66,7 @@ def fit_pair(make_inner, accum=4, micro=8, samples=64, epochs=2, loss="mse", sam
 # ------------------------------------------------------------------ one name
 def test_one_name_picks_the_keras_2_class_from_the_optimizer():
     optimizer = GradientAccumulator(k2.optimizers.Adam(), accum_steps=4)
-    assert type(optimizer).__module__ == "accumulator.keras2"
+    assert type(optimizer).__module__ == "tfx_gradient_accumulator.accumulator.keras2"
     assert isinstance(optimizer, k2.optimizers.Optimizer) and isinstance(optimizer, AccumulationWindow)
     assert optimizer.accum_steps == 4 and optimizer.inner_optimizer.__class__.__name__ == "Adam"
 
@@ -80,8 +80,8 @@ def test_the_seed_projects_import_style_keeps_working():
 
 @pytest.mark.skipif(not seam.tf_keras_is_keras2(), reason="tf.keras is Keras 3 here")
 def test_tf_keras_optimizers_and_names_get_the_keras_2_class():
-    assert type(GradientAccumulator(tf.keras.optimizers.SGD(), accum_steps=2)).__module__ == "accumulator.keras2"
-    assert type(GradientAccumulator("adam", accum_steps=2)).__module__ == "accumulator.keras2"
+    assert type(GradientAccumulator(tf.keras.optimizers.SGD(), accum_steps=2)).__module__ == "tfx_gradient_accumulator.accumulator.keras2"
+    assert type(GradientAccumulator("adam", accum_steps=2)).__module__ == "tfx_gradient_accumulator.accumulator.keras2"
 
 
 def test_legacy_optimizers_are_refused_with_the_class_to_use():
@@ -347,7 +347,7 @@ def test_import_accumulator_under_tf_use_legacy_keras_in_a_fresh_process():
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "accumulator.keras2"
+    assert out.stdout.strip().splitlines()[-1] == "tfx_gradient_accumulator.accumulator.keras2"
 
 
 def test_two_worker_fit_matches_one_device_large_batch(tmp_path):
@@ -432,7 +432,7 @@ def _backed_up_fit(directory, stop_after=None, every_steps=3):
     """16 micro-steps (2 epochs of 8) in windows of 4, backed up every `every_steps`;
     `stop_after`: the run dies after that many steps. Returns (model, backup, what the
     optimizer held when training began: micro-steps in its window, updates)."""
-    from accumulator.backup import TrainingBackup
+    from tfx_gradient_accumulator.accumulator.backup import TrainingBackup
 
     x, y = data(64)
     began = {}
@@ -456,7 +456,7 @@ def _backed_up_fit(directory, stop_after=None, every_steps=3):
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
     arguments = dict(x=dataset, steps_per_epoch=8, epochs=2, verbose=0, callbacks=[Watch()])
     if seam.keras_is_3():           # beside Keras 3: the library's context, as the TFX Trainer uses it
-        from accumulator.autowrap import accumulating_compile
+        from tfx_gradient_accumulator.accumulator.autowrap import accumulating_compile
         with accumulating_compile(accum_steps=4, backup=backup):
             model.compile(optimizer=k2.optimizers.Adam(0.01), loss="mse")
             model.fit(**arguments)
@@ -478,7 +478,7 @@ def test_training_backup_resumes_a_keras_2_fit_mid_window_exactly(tmp_path):
     assert {k: backup.resumed_from[k] for k in ("epoch", "batch", "steps", "updates")} == {
         "epoch": 1, "batch": 3, "steps": 11, "updates": 2}
     assert began == {"window": 3, "updates": 2}                     # mid-window, as backed up
-    assert type(resumed.optimizer).__module__ == "accumulator.keras2"
+    assert type(resumed.optimizer).__module__ == "tfx_gradient_accumulator.accumulator.keras2"
     assert int(resumed.optimizer.iterations.numpy()) == int(uninterrupted.optimizer.iterations.numpy()) == 4
     assert max_diff(resumed.get_weights(), uninterrupted.get_weights()) == 0.0
     assert max_diff(resumed.optimizer.get_weights(), uninterrupted.optimizer.get_weights()) == 0.0

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from accumulator import GradientAccumulator, seam
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, seam
 from tests import deltas
 
 k2 = seam.keras2_module()

@@ -35,10 +35,10 @@ from tensorflow_metadata.proto.v0 import schema_pb2, statistics_pb2
 from tfx import v1 as tfx
 from tfx.orchestration.beam.beam_dag_runner import BeamDagRunner
 
-from pipelines.digits.data import write_digits_csv
-from pipelines.digits.pipeline import data_components
-from pipelines import run_local
-from pipelines.run_local import beam_pipeline_args, latest_artifacts
+from tfx_gradient_accumulator.pipelines.digits.data import write_digits_csv
+from tfx_gradient_accumulator.pipelines.digits.pipeline import data_components
+from tfx_gradient_accumulator.pipelines import run_local
+from tfx_gradient_accumulator.pipelines.run_local import beam_pipeline_args, latest_artifacts
 
 WORKERS = 2
 SPLITS = ("train", "eval")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pipelines.compile_kubeflow import compile_pipeline
+from tfx_gradient_accumulator.pipelines.compile_kubeflow import compile_pipeline
 
 
 def _compile(tmp_path, **overrides):
@@ -44,7 +44,7 @@ def test_trainer_runs_on_gpu_worker_pools_with_accumulation(tmp_path):
         assert pool["container_spec"]["image_uri"] == "img:1"
 
     executor = spec["deploymentSpec"]["executors"]["VertexAccumulatingTrainer_executor"]["container"]
-    assert executor["args"][:2] == ["--executor_class_path", "components.cloud.VertexExecutor"]
+    assert executor["args"][:2] == ["--executor_class_path", "tfx_gradient_accumulator.components.cloud.VertexExecutor"]
 
 
 def test_the_spec_carries_the_pools_the_image_and_the_backup_a_restarted_cluster_resumes_from(tmp_path):
@@ -115,7 +115,7 @@ def refuse_remote(path):
 
 fileio._get_filesystem = refuse_remote
 
-from pipelines.compile_kubeflow import compile_pipeline
+from tfx_gradient_accumulator.pipelines.compile_kubeflow import compile_pipeline
 
 compile_pipeline(
     output=os.path.join(tmp, "pipeline.json"), project="proj", region="us-central1", image="img:1",
@@ -152,7 +152,7 @@ def test_compiles_offline_with_a_cloud_pipeline_root(tmp_path):
     tasks = spec["pipelineSpec"]["root"]["dag"]["tasks"]
     params = {name: {k: v["runtimeValue"]["constantValue"] for k, v in task["inputs"]["parameters"].items()}
               for name, task in tasks.items() if name in ("Tuner", "VertexAccumulatingTrainer")}
-    assert params["VertexAccumulatingTrainer"]["run_fn"] == {"stringValue": "pipelines.digits.model.run_fn"}
-    assert params["Tuner"]["tuner_fn"] == {"stringValue": "pipelines.digits.model.tuner_fn"}
+    assert params["VertexAccumulatingTrainer"]["run_fn"] == {"stringValue": "tfx_gradient_accumulator.pipelines.digits.model.run_fn"}
+    assert params["Tuner"]["tuner_fn"] == {"stringValue": "tfx_gradient_accumulator.pipelines.digits.model.tuner_fn"}
     for p in params.values():
         assert "module_file" not in p and "module_path" not in p

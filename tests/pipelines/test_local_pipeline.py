@@ -11,9 +11,9 @@ from ml_metadata.proto import metadata_store_pb2
 from tfx import v1 as tfx
 from tfx.orchestration.beam.beam_dag_runner import BeamDagRunner
 
-from pipelines.digits.data import write_digits_csv
-from pipelines.digits.pipeline import create_pipeline
-from pipelines.run_local import noise_scale_line, summarize
+from tfx_gradient_accumulator.pipelines.digits.data import write_digits_csv
+from tfx_gradient_accumulator.pipelines.digits.pipeline import create_pipeline
+from tfx_gradient_accumulator.pipelines.run_local import noise_scale_line, summarize
 
 
 def _tensorboard_noise_scale(model_run_uri):

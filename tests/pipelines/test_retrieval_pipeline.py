@@ -1,5 +1,5 @@
 """End to end: the retrieval pipeline (GradientCache in the Trainer) on the Beam DirectRunner,
-run as `python -m pipelines.run_local --pipeline=retrieval` runs it, then again from cache.
+run as `python -m tfx_gradient_accumulator.pipelines.run_local --pipeline=retrieval` runs it, then again from cache.
 
 References: the Tuner's best hyperparameters (what the Trainer must have trained
 with), and the data's known structure: ranking by the generating distribution
@@ -13,8 +13,8 @@ from absl import app, flags
 from ml_metadata.proto import metadata_store_pb2
 from tfx import v1 as tfx
 
-from pipelines import run_local
-from pipelines.retrieval import data
+from tfx_gradient_accumulator.pipelines import run_local
+from tfx_gradient_accumulator.pipelines.retrieval import data
 
 
 @pytest.fixture
