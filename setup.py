@@ -1,4 +1,7 @@
-"""Installs `accumulator` (the library), `components` (the TFX Trainer) and `pipelines`."""
+"""Installs one package, `tfx_gradient_accumulator`: the library (`.accumulator`), the TFX
+Trainer (`.components`) and the demo pipelines (`.pipelines`). In the repository they are
+the top-level folders `accumulator/`, `components/`, `pipelines/`; the package's folder
+links to them, so the wheel holds them inside it and nothing else at the top level."""
 
 from setuptools import find_packages, setup
 
@@ -19,7 +22,7 @@ setup(
     ),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["accumulator*", "components*", "pipelines*", "GradientAccumulator"]),
+    packages=find_packages(include=["tfx_gradient_accumulator", "tfx_gradient_accumulator.*"]),
     python_requires=">=3.9,<3.14",
     install_requires=["tensorflow>=2.15,<2.22", KERAS],
     extras_require={

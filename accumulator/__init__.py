@@ -44,7 +44,7 @@ def __getattr__(name):
     if name == "check_exact":
         from tfx_gradient_accumulator.accumulator.check import check_exact
         return check_exact
-    raise AttributeError(f"module 'accumulator' has no attribute {name!r}")
+    raise AttributeError(f"module 'tfx_gradient_accumulator.accumulator' has no attribute {name!r}")
 
 
 __all__ = [

@@ -224,8 +224,9 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
         if not self._passthrough and not getattr(keras.Model.fit, "accumulator_hook", False):
             logger.warning(
                 "accumulator's Keras hooks are not installed (ACCUMULATOR_KERAS_HOOKS=0 or "
-                "accumulator.hooks.uninstall()): in `fit`, windows do not close at epoch ends "
-                "unless you pass accumulator.callbacks.EpochWindows(), and micro-batches weigh 1 each."
+                "tfx_gradient_accumulator.accumulator.hooks.uninstall()): in `fit`, windows do not close "
+                "at epoch ends unless you pass tfx_gradient_accumulator.EpochWindows(), and micro-batches "
+                "weigh 1 each."
             )
 
     # ------------------------------------------------ what AccumulationWindow needs

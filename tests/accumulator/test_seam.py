@@ -125,7 +125,8 @@ def _python(code, **env):
 
 
 def test_import_installs_the_hooks_and_the_environment_can_opt_out():
-    code = ("import keras, accumulator; from accumulator import hooks; "
+    code = ("import keras; from tfx_gradient_accumulator import accumulator; "
+            "from tfx_gradient_accumulator.accumulator import hooks; "
             "print(hooks.installed_hooks(), 'fit' in vars(keras.Model), "
             "accumulator.callbacks.AccumulationSchedule.__name__)")
     assert _python(code).split()[-2:] == ["True", "AccumulationSchedule"]

@@ -340,7 +340,7 @@ def test_noise_scale_is_measured_and_logged_in_fit():
 @pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None,
                     reason="TF <= 2.15: tf.keras is Keras 2 without TF_USE_LEGACY_KERAS")
 def test_import_accumulator_under_tf_use_legacy_keras_in_a_fresh_process():
-    code = ("import tensorflow as tf, accumulator;"
+    code = ("import tensorflow as tf; from tfx_gradient_accumulator import accumulator;"
             "o = accumulator.GradientAccumulator(tf.keras.optimizers.Adam(), accum_steps=2);"
             "print(type(o).__module__)")
     env = dict(os.environ, TF_USE_LEGACY_KERAS="1")
