@@ -71,11 +71,13 @@ def test_one_name_picks_the_keras_2_class_from_the_optimizer():
     assert optimizer.accum_steps == 4 and optimizer.inner_optimizer.__class__.__name__ == "Adam"
 
 
-def test_the_seed_projects_import_style_keeps_working():
-    from GradientAccumulator.accumulator import GradientAccumulator as SeedName
+def test_the_package_name_picks_the_keras_2_class():
+    # What the seed project's users import instead of `GradientAccumulator.accumulator`.
+    from tfx_gradient_accumulator import GradientAccumulator as TopName
 
-    wrapped = SeedName(k2.optimizers.Adam(1e-3), accum_steps=4)
+    wrapped = TopName(k2.optimizers.Adam(1e-3), accum_steps=4)
     assert isinstance(wrapped, AccumulationWindow) and wrapped.accum_steps == 4
+    assert type(wrapped).__module__ == "tfx_gradient_accumulator.accumulator.keras2"
 
 
 @pytest.mark.skipif(not seam.tf_keras_is_keras2(), reason="tf.keras is Keras 3 here")
