@@ -26,6 +26,7 @@ from tfx_gradient_accumulator.accumulator.window import AccumulationWindow, vali
 if seam.keras_is_3():
     from tfx_gradient_accumulator.accumulator import callbacks  # noqa: F401  (accumulator.callbacks.* after `import accumulator`)
     from tfx_gradient_accumulator.accumulator.batch_norm import AccumBatchNormalization, use_accumulated_batch_norm
+    from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation
     from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule, EpochWindows
     from tfx_gradient_accumulator.accumulator.gradient_cache import GradientCache
     from tfx_gradient_accumulator.accumulator.optimizer import GradientAccumulator
@@ -33,6 +34,7 @@ else:
     # TF <= 2.15: `keras` is Keras 2. The Keras 3 features (AccumBatchNormalization,
     # the TFX and KerasTuner helpers) are absent; accumulation is whole.
     from tfx_gradient_accumulator.accumulator import callbacks  # noqa: F401
+    from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation
     from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule, EpochWindows
     from tfx_gradient_accumulator.accumulator.keras2 import GradientAccumulator
 
@@ -50,6 +52,7 @@ def __getattr__(name):
 __all__ = [
     "AccumulationSchedule",
     "AccumulationWindow",
+    "AutoAccumulation",
     "EpochWindows",
     "GradientAccumulator",
     "NoiseScaleEstimate",

@@ -152,6 +152,9 @@ class TrainingBackup:
                         progress["path"], progress["epoch"], progress["batch"], progress["steps"],
                         progress["updates"])
         saver = _callback_class(model)(self, shape, progress)
+        # Callbacks that decide during training (AutoAccumulation) keep their decisions in the backup.
+        saver.stateful = [c for c in arguments.get("callbacks") or []
+                          if callable(getattr(c, "state", None)) and callable(getattr(c, "restore_state", None))]
         history = None
         for call in _calls(arguments, shape, progress):
             call["callbacks"] = [saver] + list(call.get("callbacks") or [])
@@ -230,6 +233,7 @@ class _BackupSteps:
         self.epoch, self.steps, self.resumes = progress["epoch"], progress["steps"], progress["resumes"]
         self.offset = progress["batch"]           # steps of the resumed epoch done before the restore
         self.saved_at = self.steps
+        self.stateful = []
 
     def on_train_begin(self, logs=None):
         if self.restore is not None:
@@ -237,6 +241,8 @@ class _BackupSteps:
             if optimizer is not None and not getattr(optimizer, "built", False):
                 optimizer.build(self.model.trainable_variables)      # its slots and window, to load into
             self.model.load_weights(os.path.join(self.restore["path"], _weights_file(self.model)))
+            for callback, state in zip(self.stateful, self.restore.get("callback_states", [])):
+                callback.restore_state(state)
             self.restore = None
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -257,7 +263,8 @@ class _BackupSteps:
     def _save(self, epoch, batch):
         updates = int(self.model.optimizer.iterations.numpy()) if self.model.optimizer is not None else 0
         self.backup.save(self.model, {"epoch": epoch, "batch": batch, "steps": self.steps, "updates": updates,
-                                      "resumes": self.resumes, "fit": self.shape})
+                                      "resumes": self.resumes, "fit": self.shape,
+                                      "callback_states": [c.state() for c in self.stateful]})
         self.saved_at = self.steps
 
 

@@ -21,6 +21,7 @@ import logging
 import keras
 
 from tfx_gradient_accumulator.accumulator import seam
+from tfx_gradient_accumulator.accumulator.lr_scaling import LearningRateScaler, lr_multiplier
 from tfx_gradient_accumulator.accumulator.window import AccumulationWindow, validate_accum_steps, validate_partial_window
 
 logger = logging.getLogger(__name__)
@@ -132,26 +133,90 @@ class _EpochWindowsRule:
 
 
 class _AccumulationScheduleRule(_EpochWindowsRule):
-    """Changes `accum_steps` at epoch starts, and closes windows at epoch ends.
+    """Changes `accum_steps` at epoch starts or after given updates, and closes windows at epoch ends.
+
+    With `by="epoch"` each change happens at an epoch's start (a window still
+    open is applied first). With `by="update"` the keys count optimizer
+    updates (the inner optimizer's `iterations`): the change happens at the
+    first window boundary once that many updates are done, so the run equals
+    Keras' own `fit`s at the corresponding batch sizes, chained. Boundaries
+    are seen at each training batch's end: keep `steps_per_execution=1`.
+
+    `lr_scaling` multiplies the inner optimizer's learning rate (constant or
+    schedule) by the ratio of the effective batch to the starting one
+    ("linear"), its square root ("sqrt") or leaves it ("none"). Each batch's
+    and epoch's logs carry `accum_steps` and `lr_multiplier` (so `History`,
+    TensorBoard and `CSVLogger` see them).
 
     Args:
-        schedule: {epoch: accum_steps}; epochs not listed keep the last value.
-            The optimizer must be `schedulable` (or have `accum_steps > 1`).
+        schedule: {epoch or update: accum_steps}; the value at 0 is the
+            starting effective batch. The optimizer must be `schedulable`
+            (or have `accum_steps > 1`).
         epoch_end: "apply", "carry" or "drop": a window open when an epoch
             ends; `None` follows the optimizer's `partial_window`.
+        by: "epoch" (the default) or "update".
+        lr_scaling: "none" (the default), "linear" or "sqrt".
     """
 
-    def __init__(self, schedule, epoch_end=None):
+    def __init__(self, schedule, epoch_end=None, by="epoch", lr_scaling="none"):
         super().__init__(epoch_end)
         self.schedule = validate_schedule(schedule)
+        if by not in ("epoch", "update"):
+            raise ValueError(f"`by` must be 'epoch' or 'update'; received {by!r}.")
+        self.by = by
+        self.scaler = LearningRateScaler(lr_scaling, accum_steps_at(self.schedule, 0))
+
+    def set_model(self, model):
+        super().set_model(model)
+        optimizer = getattr(model, "optimizer", None)
+        if not isinstance(optimizer, AccumulationWindow):
+            return
+        if self.scaler.attach(optimizer.inner_optimizer, optimizer.accum_steps):
+            # The step reads the scaled schedule; a step traced before must be traced again.
+            model.train_function = None
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        optimizer = self._optimizer()
+        self.scaler.attach(optimizer.inner_optimizer, optimizer.accum_steps)
+        if self.by == "update":
+            self._follow_updates()
 
     def on_epoch_begin(self, epoch, logs=None):
         super().on_epoch_begin(epoch, logs)
+        if self.by == "epoch":
+            self._change_to(accum_steps_at(self.schedule, epoch))
+        else:
+            self._follow_updates()
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch, logs)
+        if self.by == "update":
+            self._follow_updates()
+        self._log_schedule(logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        self._log_schedule(logs)
+
+    def _follow_updates(self):
         optimizer = self._optimizer()
-        steps = accum_steps_at(self.schedule, epoch)
+        if optimizer.held_micro_batches:
+            return
+        self._change_to(accum_steps_at(self.schedule, int(optimizer.iterations.numpy())))
+
+    def _change_to(self, steps):
+        optimizer = self._optimizer()
         if steps != optimizer.accum_steps:
             optimizer.close_partial_window("apply")
             optimizer.set_accum_steps(steps)
+        if self.scaler.multiplier != lr_multiplier(self.scaler.rule, steps, self.scaler.start_accum_steps):
+            self.scaler.set(steps)
+
+    def _log_schedule(self, logs):
+        if logs is not None:
+            logs["accum_steps"] = self._optimizer().accum_steps
+            logs["lr_multiplier"] = self.scaler.multiplier
 
 
 @functools.lru_cache(maxsize=None)

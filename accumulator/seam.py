@@ -29,6 +29,9 @@ Private names (`PRIVATE_NAMES` lists them for the test):
 * ``keras.layers.BatchNormalization._moments``: the batch moments Keras' own
   layer normalizes with (masks, `synchronized`); `AccumBatchNormalization`
   pools exactly those.
+* ``keras.optimizers.Optimizer._learning_rate``: the learning rate as the optimizer
+  was given it, schedule object included (the public getter evaluates a schedule);
+  `lr_scaling` wraps it once in a scaled schedule.
 * ``keras.src.backend.tensorflow.trainer.TensorFlowTrainer._maybe_symbolic_build``
   and ``keras.src.backend.tensorflow.trainer.reduce_per_replica``: the two Keras
   functions that stop `fit` under `MultiWorkerMirroredStrategy`
@@ -96,6 +99,9 @@ PRIVATE_NAMES = (
     PrivateName("keras", "layers.Layer._flatten_layers", "finding AccumBatchNormalization layers"),
     PrivateName("keras", "layers.BatchNormalization._moments", "AccumBatchNormalization"),
     PrivateName("keras", "_loss_tracker", "GradientCache: the `loss` that `fit` logs", on_compiled_model=True),
+    PrivateName("keras", "optimizer._learning_rate",
+                "lr_scaling: the inner optimizer's own learning rate or schedule object",
+                on_compiled_model=True),
     PrivateName("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer._maybe_symbolic_build",
                 "MultiWorkerMirroredStrategy fix (keras#20585)", since=(3, 5)),
     PrivateName("keras.src.backend.tensorflow.trainer", "reduce_per_replica",
@@ -159,6 +165,14 @@ def missing_private_names():
 
 # --------------------------------------------------------------- distribution
 _ALL_REDUCE = "_all_reduce_sum_gradients"
+
+
+def given_learning_rate(optimizer):
+    """The learning rate as the optimizer was given it: a variable, a schedule or a callable.
+
+    The public `learning_rate` evaluates a schedule; scaling it needs the schedule itself.
+    """
+    return optimizer._learning_rate
 
 
 def reduces_gradients_itself(optimizer):

@@ -5,6 +5,7 @@ import pytest
 
 from tfx_gradient_accumulator.accumulator import GradientAccumulator
 from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule, EpochWindows, accum_steps_at, validate_schedule
+from tfx_gradient_accumulator.accumulator.lr_scaling import ScaledSchedule
 from tests.accumulator import reference as ref
 
 MICRO = 8
@@ -63,3 +64,87 @@ def test_changing_mid_window_or_on_a_pass_through_is_refused():
     model.fit(x, y, batch_size=MICRO, verbose=0)
     with pytest.raises(ValueError, match="between windows"):
         optimizer.set_accum_steps(4)
+
+
+# ------------------------------------------------------------- by update, with the LR rule
+def _chained_keras_fits(x, y, pieces, optimizer, lr_of=None):
+    """Keras' own fits of consecutive slices at the given batch sizes: [(updates, batch)]."""
+    model = ref.mlp()
+    model.compile(optimizer, "mse")
+    start = 0
+    for updates, batch in pieces:
+        if lr_of is not None:
+            model.optimizer.learning_rate = lr_of(batch)
+        end = start + updates * batch
+        model.fit(x[start:end], y[start:end], batch_size=batch, shuffle=False, verbose=0)
+        start = end
+    return model
+
+
+@pytest.mark.parametrize("lr_scaling", ["none", "linear", "sqrt"])
+def test_schedule_by_update_equals_keras_fits_chained_at_each_batch(lr_scaling):
+    # 3 updates of 2 micro-batches, then 2 of 4 (one epoch of 14 micro-batches).
+    x, y = ref.regression_data(MICRO * 14)
+    scale = {"none": lambda r: 1.0, "linear": lambda r: r, "sqrt": lambda r: r ** 0.5}[lr_scaling]
+    pieces = [(3, MICRO * 2), (2, MICRO * 4)]
+    expected = _chained_keras_fits(x, y, pieces, keras.optimizers.Adam(1e-2),
+                                   lr_of=lambda batch: 1e-2 * scale(batch / (MICRO * 2)))
+    model = ref.mlp()
+    optimizer = GradientAccumulator(keras.optimizers.Adam(1e-2), 2, schedulable=True)
+    model.compile(optimizer, "mse")
+    history = model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0, callbacks=[
+        AccumulationSchedule({0: 2, 3: 4}, by="update", lr_scaling=lr_scaling)])
+    assert int(optimizer.iterations.numpy()) == 5
+    assert ref.max_abs_diff(model.get_weights(), expected.get_weights()) <= 1e-6
+    assert history.history["accum_steps"] == [4]
+    assert history.history["lr_multiplier"] == [pytest.approx(scale(2.0))]
+    assert float(optimizer.inner_optimizer.learning_rate) == pytest.approx(1e-2 * scale(2.0))
+    # Control: the effective batch kept at 2 micro-batches is not that run.
+    control = ref.mlp()
+    control.compile(GradientAccumulator(keras.optimizers.Adam(1e-2), 2), "mse")
+    control.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+    assert ref.max_abs_diff(control.get_weights(), expected.get_weights()) > 1e-3
+
+
+def test_lr_scaling_multiplies_a_learning_rate_schedule():
+    decay = keras.optimizers.schedules.ExponentialDecay(1e-2, 3, 0.7)
+    x, y = ref.regression_data(MICRO * 14)
+    # Keras' own fits, chained, with the schedule's multiplier set by hand between them.
+    scaled = ScaledSchedule(decay)
+    expected = _chained_keras_fits(x, y, [(3, MICRO * 2)], keras.optimizers.Adam(scaled))
+    scaled.multiplier.assign(2.0 ** 0.5)
+    expected.fit(x[MICRO * 6:], y[MICRO * 6:], batch_size=MICRO * 4, shuffle=False, verbose=0)
+    model = ref.mlp()
+    optimizer = GradientAccumulator(keras.optimizers.Adam(decay), 2, schedulable=True)
+    model.compile(optimizer, "mse")
+    model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0, callbacks=[
+        AccumulationSchedule({0: 2, 3: 4}, by="update", lr_scaling="sqrt")])
+    step = int(optimizer.iterations.numpy())
+    assert step == 5
+    assert float(optimizer.inner_optimizer.learning_rate) == pytest.approx(float(decay(step)) * 2.0 ** 0.5)
+    assert ref.max_abs_diff(model.get_weights(), expected.get_weights()) <= 1e-6
+    # Control: the same schedule unscaled is another run.
+    unscaled = _chained_keras_fits(x, y, [(3, MICRO * 2), (2, MICRO * 4)], keras.optimizers.Adam(decay))
+    assert ref.max_abs_diff(unscaled.get_weights(), expected.get_weights()) > 1e-4
+
+
+@pytest.mark.parametrize("decay", [False, True], ids=["constant", "schedule"])
+def test_a_second_fit_with_a_new_schedule_callback_does_not_scale_twice(decay):
+    lr = keras.optimizers.schedules.ExponentialDecay(1e-2, 3, 0.7) if decay else 1e-2
+    x, y = ref.regression_data(MICRO * 14)
+    model = ref.mlp()
+    optimizer = GradientAccumulator(keras.optimizers.Adam(lr), 2, schedulable=True)
+    model.compile(optimizer, "mse")
+    for _ in range(2):          # as a resumed run does: the optimizer is at 4 already
+        model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0, callbacks=[
+            AccumulationSchedule({0: 2, 3: 4}, by="update", lr_scaling="linear")])
+        step = int(optimizer.iterations.numpy())
+        unscaled = float(lr(step)) if decay else lr
+        assert float(optimizer.inner_optimizer.learning_rate) == pytest.approx(2 * unscaled)
+
+
+def test_bad_schedule_arguments_are_refused():
+    with pytest.raises(ValueError, match="lr_scaling"):
+        AccumulationSchedule({0: 2}, lr_scaling="cubic")
+    with pytest.raises(ValueError, match="`by`"):
+        AccumulationSchedule({0: 2}, by="sample")

@@ -339,6 +339,34 @@ def test_noise_scale_is_measured_and_logged_in_fit():
     assert len(logged) == 2 and all(np.isfinite(logged)) and logged[-1] == model.optimizer.noise_scale > 0
 
 
+def test_schedule_by_update_with_sqrt_lr_scaling_equals_keras_fits_chained():
+    # 3 updates of 16 samples, then 2 of 32, the schedule's LR times sqrt(2) from then on.
+    from tfx_gradient_accumulator.accumulator.callbacks import window_callback_classes
+    from tfx_gradient_accumulator.accumulator.lr_scaling import scaled_schedule_class
+    x, y = data(112)
+    decay = lambda: k2.optimizers.schedules.ExponentialDecay(1e-2, 3, 0.7)  # noqa: E731
+    model = mlp()
+    optimizer = GradientAccumulator(k2.optimizers.Adam(decay()), 2, schedulable=True)
+    model.compile(optimizer, "mse")
+    history = model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[
+        window_callback_classes(k2)[1]({0: 2, 3: 4}, by="update", lr_scaling="sqrt")])
+    scaled = scaled_schedule_class(k2)(decay())
+    expected = mlp()
+    expected.compile(k2.optimizers.Adam(scaled), "mse")
+    expected.fit(x[:48], y[:48], batch_size=16, shuffle=False, verbose=0)
+    scaled.multiplier.assign(2 ** 0.5)
+    expected.fit(x[48:], y[48:], batch_size=32, shuffle=False, verbose=0)
+    assert history.history["lr_multiplier"] == [pytest.approx(2 ** 0.5)]
+    assert int(optimizer.iterations.numpy()) == 5
+    assert max_diff(model.get_weights(), expected.get_weights()) <= 1e-6
+    scaled.multiplier.assign(1.0)                        # control: unscaled from the start
+    control = mlp()
+    control.compile(k2.optimizers.Adam(scaled), "mse")
+    control.fit(x[:48], y[:48], batch_size=16, shuffle=False, verbose=0)
+    control.fit(x[48:], y[48:], batch_size=32, shuffle=False, verbose=0)
+    assert max_diff(control.get_weights(), expected.get_weights()) > 1e-4
+
+
 @pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None,
                     reason="TF <= 2.15: tf.keras is Keras 2 without TF_USE_LEGACY_KERAS")
 def test_import_accumulator_under_tf_use_legacy_keras_in_a_fresh_process():

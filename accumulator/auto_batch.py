@@ -1,0 +1,109 @@
+"""`AutoAccumulation`: the effective batch that grows with the measured critical batch.
+
+The window measures the gradient noise scale B_simple (`measure_noise_scale=True`),
+an estimate of the critical batch: below it a larger batch needs about as many
+fewer updates as it is larger; above it, extra samples are largely wasted. At
+each window boundary this callback compares B_simple with the effective batch
+(`accum_steps` x the global micro-batch): when B_simple is at least `margin`
+times the effective batch for `patience` window boundaries in a row, it
+multiplies `accum_steps` by `growth` (up to `max_effective_batch_size`). It
+never shrinks the batch. Each growth changes the learning rate by `lr_scaling`.
+
+Every decision lands in `schedule` ({optimizer update: accum_steps}), the
+by-update schedule that `AccumulationSchedule(schedule, by="update")` replays
+exactly in a later run; `state()` / `restore_state()` carry the decisions
+across a preemption. The logs carry `effective_batch_size`, `accum_steps`,
+`lr_multiplier` and `noise_scale` (B_simple) for TensorBoard.
+
+Under `tf.distribute` B_simple comes from the window's all-reduced sums, so
+every worker reads the same value at the same window and takes the same
+decision.
+"""
+
+import math
+
+from tfx_gradient_accumulator.accumulator.callbacks import EpochWindows, _AccumulationScheduleRule
+
+
+def _positive_int(value, name):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be an int >= 1; received {value!r}.")
+    return value
+
+
+class _AutoAccumulationRule(_AccumulationScheduleRule):
+    """Grows `accum_steps` at window boundaries while B_simple says the batch is small.
+
+    Args:
+        micro_batch_size: the global micro-batch (fit's `batch_size`), in samples.
+        max_effective_batch_size: the effective batch never goes above this.
+        start_accum_steps: the starting window (the optimizer's `accum_steps`).
+        growth: the factor `accum_steps` grows by (an int >= 2).
+        margin: grow when B_simple >= margin x effective batch.
+        patience: ... for this many window boundaries in a row (hysteresis).
+        lr_scaling: "none", "linear" or "sqrt" (see `AccumulationSchedule`).
+        epoch_end: as `EpochWindows`.
+    """
+
+    def __init__(self, micro_batch_size, max_effective_batch_size, start_accum_steps=1, growth=2,
+                 margin=2.0, patience=3, lr_scaling="none", epoch_end=None):
+        start_accum_steps = _positive_int(start_accum_steps, "start_accum_steps")
+        super().__init__({0: start_accum_steps}, epoch_end, by="update", lr_scaling=lr_scaling)
+        self.micro_batch_size = _positive_int(micro_batch_size, "micro_batch_size")
+        self.max_effective_batch_size = _positive_int(max_effective_batch_size, "max_effective_batch_size")
+        if _positive_int(growth, "growth") < 2:
+            raise ValueError(f"`growth` must be an int >= 2; received {growth!r}.")
+        self.growth = growth
+        if not isinstance(margin, (int, float)) or not margin > 0:
+            raise ValueError(f"`margin` must be a number > 0; received {margin!r}.")
+        self.margin = float(margin)
+        self.patience = _positive_int(patience, "patience")
+        self._streak = 0
+        self._last_seen = -1
+
+    def on_train_begin(self, logs=None):
+        if not self._optimizer().measure_noise_scale:
+            raise ValueError("AutoAccumulation needs GradientAccumulator(..., measure_noise_scale=True, "
+                             "schedulable=True).")
+        super().on_train_begin(logs)
+
+    def _follow_updates(self):
+        optimizer = self._optimizer()
+        if not optimizer.held_micro_batches:
+            self._decide(int(optimizer.iterations.numpy()), optimizer.accum_steps, optimizer.noise_scale)
+        super()._follow_updates()
+
+    def _decide(self, update, accum_steps, noise_scale):
+        """One look per window boundary: extends `schedule` when the rule says grow."""
+        if update == self._last_seen:
+            return
+        self._last_seen = update
+        effective = accum_steps * self.micro_batch_size
+        larger = accum_steps * self.growth * self.micro_batch_size
+        if math.isfinite(noise_scale) and noise_scale >= self.margin * effective \
+                and larger <= self.max_effective_batch_size:
+            self._streak += 1
+        else:
+            self._streak = 0
+        if self._streak >= self.patience:
+            self.schedule[update] = accum_steps * self.growth
+            self._streak = 0
+
+    def _log_schedule(self, logs):
+        super()._log_schedule(logs)
+        if logs is not None:
+            logs["effective_batch_size"] = self._optimizer().accum_steps * self.micro_batch_size
+
+    def state(self):
+        """The decisions so far and the rule's counters (JSON-able), for a resumed run."""
+        return {"schedule": {str(k): v for k, v in self.schedule.items()},
+                "streak": self._streak, "last_seen": self._last_seen}
+
+    def restore_state(self, state):
+        self.schedule = {int(k): int(v) for k, v in state["schedule"].items()}
+        self._streak = int(state["streak"])
+        self._last_seen = int(state["last_seen"])
+
+
+class AutoAccumulation(_AutoAccumulationRule, EpochWindows):
+    __doc__ = _AutoAccumulationRule.__doc__

@@ -1,0 +1,118 @@
+"""AutoAccumulation: growth decided from B_simple, recorded, replayed exactly, resumed."""
+
+import keras
+import pytest
+
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
+from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation
+from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule
+from tests.accumulator import reference as ref
+
+MICRO = 4
+
+
+def _model(start=1):
+    model = ref.mlp()
+    optimizer = GradientAccumulator(keras.optimizers.SGD(0.05), start, schedulable=True,
+                                    measure_noise_scale=True)
+    model.compile(optimizer, "mse")
+    return model, optimizer
+
+
+def _auto(**kwargs):
+    return AutoAccumulation(MICRO, 64, start_accum_steps=2, margin=0.5, patience=2, lr_scaling="linear",
+                            **kwargs)
+
+
+def test_auto_grows_and_its_recorded_schedule_replays_exactly():
+    x, y = ref.regression_data(MICRO * 96)
+    model, optimizer = _model(2)
+    auto = _auto()
+    history = model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0, callbacks=[auto])
+    assert len(auto.schedule) >= 2, auto.schedule                 # it grew at least once
+    assert sorted(auto.schedule.values()) == list(auto.schedule.values())   # never shrank
+    assert max(auto.schedule.values()) * MICRO <= 64
+    assert history.history["effective_batch_size"][-1] == optimizer.accum_steps * MICRO
+    assert history.history["lr_multiplier"][-1] == pytest.approx(optimizer.accum_steps / 2)
+
+    replay, replay_optimizer = _model(2)
+    replay.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0, callbacks=[
+        AccumulationSchedule(auto.schedule, by="update", lr_scaling="linear")])
+    assert int(replay_optimizer.iterations.numpy()) == int(optimizer.iterations.numpy())
+    assert ref.max_abs_diff(replay.get_weights(), model.get_weights()) <= 1e-6
+    # Control: the starting batch kept throughout is another run.
+    fixed, _ = _model(2)
+    fixed.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
+    assert ref.max_abs_diff(fixed.get_weights(), model.get_weights()) > 1e-3
+
+
+def test_the_decisions_survive_a_restart():
+    auto = _auto()
+    for update, accum_steps in enumerate([2, 2, 4, 4]):   # B_simple far above: grow at each 2nd look
+        auto._decide(update, accum_steps, 1e6)
+    auto._decide(4, 8, 10.0)                      # 10 < 0.5 x 32: no; the streak restarts
+    assert auto.schedule == {0: 2, 1: 4, 3: 8} and auto.state()["streak"] == 0
+    resumed = _auto()
+    resumed.restore_state(auto.state())
+    assert resumed.schedule == auto.schedule and resumed.state() == auto.state()
+    resumed._decide(4, 8, 1e6)                    # the same boundary is looked at once
+    assert resumed.state()["streak"] == 0
+
+
+@pytest.mark.parametrize("bad, match", [({"growth": 1}, "growth"), ({"margin": 0}, "margin"),
+                                        ({"patience": 0}, "patience")])
+def test_bad_arguments_are_refused(bad, match):
+    with pytest.raises(ValueError, match=match):
+        AutoAccumulation(MICRO, 64, **bad)
+
+
+def test_under_two_mirrored_replicas_auto_grows_and_replays_exactly():
+    # accum_steps and the LR change between windows under tf.distribute (no retracing).
+    import tensorflow as tf
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
+                                              cross_device_ops=tf.distribute.ReductionToOneDevice())
+    x, y = ref.regression_data(MICRO * 96)
+    runs = []
+    for make_callback in (_auto, lambda: AccumulationSchedule(runs[0][1].schedule, by="update",
+                                                              lr_scaling="linear")):
+        with strategy.scope():
+            model, optimizer = _model(2)
+        callback = make_callback()
+        model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0, callbacks=[callback])
+        runs.append((model, callback, optimizer))
+    assert len(runs[0][1].schedule) >= 2, runs[0][1].schedule
+    assert runs[1][2].accum_steps == runs[0][2].accum_steps
+    assert ref.max_abs_diff(runs[1][0].get_weights(), runs[0][0].get_weights()) <= 1e-6
+
+
+def test_an_interrupted_auto_run_resumes_with_its_decisions(tmp_path):
+    from tfx_gradient_accumulator.accumulator import hooks
+    from tfx_gradient_accumulator.accumulator.backup import TrainingBackup
+
+    class Interrupted(Exception):
+        pass
+
+    class StopAt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 61:
+                raise Interrupted()
+
+    import tensorflow as tf
+    x, y = ref.regression_data(MICRO * 96)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(MICRO)
+    expected, _ = _model(2)
+    uninterrupted = _auto()
+    expected.fit(data, verbose=0, callbacks=[uninterrupted])
+    directory = str(tmp_path / "backup")
+    with hooks.fits_backed_up(TrainingBackup(directory, every_steps=7)):
+        with pytest.raises(Interrupted):
+            model, _ = _model(2)
+            model.fit(data, verbose=0, callbacks=[_auto(), StopAt()])
+    backup = TrainingBackup(directory, every_steps=7)
+    assert len(backup.latest()["callback_states"][0]["schedule"]) >= 2      # decided before the backup
+    resumed_auto = _auto()
+    with hooks.fits_backed_up(backup):
+        resumed, _ = _model(2)
+        resumed.fit(data, verbose=0, callbacks=[resumed_auto])
+    assert resumed_auto.schedule == uninterrupted.schedule
+    assert ref.max_abs_diff(resumed.get_weights(), expected.get_weights()) <= 1e-6
