@@ -20,9 +20,12 @@ every worker reads the same value at the same window and takes the same
 decision.
 """
 
+import functools
 import math
 
-from tfx_gradient_accumulator.accumulator.callbacks import EpochWindows, _AccumulationScheduleRule
+import keras
+
+from tfx_gradient_accumulator.accumulator.callbacks import EpochWindows, _AccumulationScheduleRule, window_callback_classes
 
 
 def _positive_int(value, name):
@@ -107,3 +110,13 @@ class _AutoAccumulationRule(_AccumulationScheduleRule):
 
 class AutoAccumulation(_AutoAccumulationRule, EpochWindows):
     __doc__ = _AutoAccumulationRule.__doc__
+
+
+@functools.lru_cache(maxsize=None)
+def auto_accumulation_class(keras_package):
+    """`AutoAccumulation` for `keras_package` (Keras 3, or Keras 2's callbacks)."""
+    if keras_package is keras:
+        return AutoAccumulation
+    schedule = window_callback_classes(keras_package)[1]
+    return type("AutoAccumulation", (_AutoAccumulationRule, schedule), {
+        "__doc__": _AutoAccumulationRule.__doc__, "__module__": __name__})

@@ -11,7 +11,11 @@ helpers use it; `accumulator.hooks` holds the mechanics):
   unchanged training function trains with accumulation, whichever Keras it
   compiles with; the model's AccumBatchNormalization layers get the same
   `accum_steps`;
-* with a `schedule`, the wrappers carry it, and `fit` follows it;
+* with a `schedule`, the wrappers carry it, and `fit` follows it (by epoch or
+  by optimizer update, with the learning-rate rule `lr_scaling`);
+* with `auto`, the wrappers measure the noise scale and `fit` grows their
+  `accum_steps` with it (`AutoAccumulation`, one per wrapper, so its
+  decisions stay readable after training and across `fit`s);
 * with a `strategy`, every `tf.distribute.Strategy.scope()` the training
   function opens maps onto that strategy (and the body runs in its scope);
 * with a `backup` (`accumulator.backup.TrainingBackup`), every `fit` is
@@ -34,7 +38,9 @@ import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import hooks, seam
 from tfx_gradient_accumulator.accumulator.batch_norm import configure_batch_norm
-from tfx_gradient_accumulator.accumulator.callbacks import accum_steps_at, validate_schedule
+from tfx_gradient_accumulator.accumulator.auto_batch import auto_accumulation_class
+from tfx_gradient_accumulator.accumulator.callbacks import accum_steps_at, validate_schedule, window_callback_classes
+from tfx_gradient_accumulator.accumulator.lr_scaling import validate_lr_scaling
 from tfx_gradient_accumulator.accumulator.gradient_cache import GradientCache
 from tfx_gradient_accumulator.accumulator.noise_scale import DEFAULT_SMOOTHING
 from tfx_gradient_accumulator.accumulator.optimizer import GradientAccumulator
@@ -46,7 +52,8 @@ logger = logging.getLogger(__name__)
 @contextlib.contextmanager
 def accumulating_compile(accum_steps, schedule=None, partial_window="apply", strategy=None,
                          measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING,
-                         merge_duplicate_rows=False, gradient_cache=False, backup=None):
+                         merge_duplicate_rows=False, gradient_cache=False, backup=None,
+                         schedule_by="epoch", lr_scaling="none", auto=None):
     """Wraps the optimizers `keras.Model.compile` is given; yields the wrappers made
     (with `gradient_cache`: the optimizers of the `GradientCache` models compiled).
 
@@ -60,9 +67,31 @@ def accumulating_compile(accum_steps, schedule=None, partial_window="apply", str
     options (`schedule`, `partial_window`, `measure_noise_scale`,
     `merge_duplicate_rows`) are then refused, as GradientCache has no windows.
     `backup`: a `TrainingBackup` that every `fit` inside runs through.
+    `schedule_by` ("epoch" or "update") and `lr_scaling` ("none", "linear",
+    "sqrt"): see `AccumulationSchedule`. `auto`: {"micro_batch_size": global
+    micro-batch, "max_effective_batch_size": ...} (and optionally `growth`,
+    `margin`, `patience`): `accum_steps` is the starting window (>= 2, so the
+    noise scale is measured) and every `fit` grows it (`AutoAccumulation`, read
+    back as `wrapper.auto_accumulation`).
     """
     if gradient_cache:
         _refuse_window_options(schedule, partial_window, measure_noise_scale, merge_duplicate_rows)
+        if auto is not None:
+            raise ValueError("accumulating_compile(gradient_cache=True) does not support `auto`: "
+                             "GradientCache has no windows and measures no noise scale.")
+    validate_lr_scaling(lr_scaling)
+    if schedule_by not in ("epoch", "update"):
+        raise ValueError(f"`schedule_by` must be 'epoch' or 'update'; received {schedule_by!r}.")
+    if auto is not None:
+        if schedule is not None:
+            raise ValueError("accumulating_compile: `auto` and `schedule` exclude each other "
+                             "(auto makes the schedule).")
+        accum_steps = validate_accum_steps(accum_steps)
+        if accum_steps < 2:
+            raise ValueError(f"accumulating_compile(auto=...) needs `accum_steps` >= 2 to start from "
+                             f"(the noise scale is measured over windows of several micro-batches); "
+                             f"received {accum_steps}.")
+        auto_accumulation_class(keras)(start_accum_steps=accum_steps, lr_scaling=lr_scaling, **auto)
     if schedule is not None:
         schedule = validate_schedule(schedule)
         accum_steps = accum_steps_at(schedule, 0)
@@ -104,11 +133,13 @@ def accumulating_compile(accum_steps, schedule=None, partial_window="apply", str
             inner = keras.optimizers.LossScaleOptimizer(inner)
             kwargs["auto_scale_loss"] = False
         wrapper = GradientAccumulator(
-            inner, accum_steps, partial_window=partial_window, schedulable=schedule is not None,
-            measure_noise_scale=measure_noise_scale, noise_scale_smoothing=noise_scale_smoothing,
-            merge_duplicate_rows=merge_duplicate_rows,
+            inner, accum_steps, partial_window=partial_window,
+            schedulable=schedule is not None or auto is not None,
+            measure_noise_scale=measure_noise_scale or auto is not None,
+            noise_scale_smoothing=noise_scale_smoothing, merge_duplicate_rows=merge_duplicate_rows,
         )
-        wrapper.epoch_schedule = schedule
+        wrapper.fit_callback = _fit_callback(package, accum_steps, schedule, schedule_by, lr_scaling, auto)
+        wrapper.auto_accumulation = wrapper.fit_callback() if auto is not None else None
         if not keras2:
             configure_batch_norm(model, accum_steps, wrapper)
         logger.info("Wrapped %s in GradientAccumulator(accum_steps=%d).", type(inner).__name__, accum_steps)
@@ -125,6 +156,19 @@ def accumulating_compile(accum_steps, schedule=None, partial_window="apply", str
         if backup is not None:
             stack.enter_context(hooks.fits_backed_up(backup))
         yield made
+
+
+def _fit_callback(package, accum_steps, schedule, schedule_by, lr_scaling, auto):
+    """What makes the window callback of each `fit` of a wrapper: a new
+    `AccumulationSchedule` per `fit`, or the wrapper's one `AutoAccumulation`
+    (its decisions carry on into a later `fit`); None for a plain `EpochWindows`."""
+    if auto is not None:
+        rule = auto_accumulation_class(package)(start_accum_steps=accum_steps, lr_scaling=lr_scaling, **auto)
+        return lambda: rule
+    if schedule is None:
+        return None
+    schedule_class = window_callback_classes(package)[1]
+    return lambda: schedule_class(schedule, by=schedule_by, lr_scaling=lr_scaling)
 
 
 def _set_up_gradient_cache(model, optimizer, accum_steps, gradient_cache):

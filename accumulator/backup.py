@@ -155,6 +155,9 @@ class TrainingBackup:
         # Callbacks that decide during training (AutoAccumulation) keep their decisions in the backup.
         saver.stateful = [c for c in arguments.get("callbacks") or []
                           if callable(getattr(c, "state", None)) and callable(getattr(c, "restore_state", None))]
+        auto = getattr(getattr(model, "optimizer", None), "auto_accumulation", None)
+        if auto is not None and auto not in saver.stateful:     # the one accumulating_compile made
+            saver.stateful.append(auto)
         history = None
         for call in _calls(arguments, shape, progress):
             call["callbacks"] = [saver] + list(call.get("callbacks") or [])

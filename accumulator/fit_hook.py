@@ -11,7 +11,8 @@ installs (`accumulator.hooks`) calls `before_fit`, which
   `jit_compile=True` under a multi-replica strategy;
 * ties the model's `AccumBatchNormalization` layers to the optimizer's windows;
 * puts an `accumulator.callbacks.EpochWindows` callback first in the list (or
-  the `AccumulationSchedule` that `accumulating_compile` asked for), so the
+  the `AccumulationSchedule` or `AutoAccumulation` that `accumulating_compile`
+  asked for), so the
   window is closed, as the optimizer's `partial_window` says, before
   validation, checkpoints, early stopping or any other callback looks at the
   weights. A callback of that kind the user passes is moved to the front
@@ -58,7 +59,7 @@ def with_epoch_windows(model, callbacks):
     if not isinstance(optimizer, AccumulationWindow) or optimizer.is_passthrough:
         return callbacks
     keras_package = seam.keras_package_of(model)
-    EpochWindows, AccumulationSchedule = window_callback_classes(keras_package)
+    EpochWindows, _ = window_callback_classes(keras_package)
     if seam.keras_is_3() and not seam.is_keras2_object(model):
         from tfx_gradient_accumulator.accumulator.batch_norm import configure_batch_norm
 
@@ -68,8 +69,7 @@ def with_epoch_windows(model, callbacks):
     items = callbacks.callbacks if as_list else list(callbacks or [])
     ours = [c for c in items if isinstance(c, EpochWindows)]
     if not ours:
-        schedule = optimizer.epoch_schedule
-        ours = [EpochWindows() if schedule is None else AccumulationSchedule(schedule)]
+        ours = [EpochWindows() if optimizer.fit_callback is None else optimizer.fit_callback()]
         if as_list:     # Keras configured the others already
             ours[0].set_model(model)
             ours[0].set_params(getattr(callbacks, "params", None) or {})

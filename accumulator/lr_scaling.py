@@ -101,8 +101,13 @@ class LearningRateScaler:
             self.multiplier = float(given.multiplier.numpy())
             return False
         if callable(given) and not isinstance(given, tf.Variable) and not hasattr(given, "assign"):
-            self._base = scaled_schedule_class(seam.keras_package_of(inner_optimizer))(given, self.multiplier)
+            package = seam.keras_package_of(inner_optimizer)
+            self._base = scaled_schedule_class(package)(given, self.multiplier)
             inner_optimizer.learning_rate = self._base
+            if package is not keras:
+                # Keras 2 saves the optimizer's traced functions in a SavedModel: the
+                # multiplier they read must be reachable from it (a tracked attribute).
+                inner_optimizer.lr_scaling_multiplier = self._base.multiplier
             return True
         self.multiplier = lr_multiplier(self.rule, accum_steps, self.start_accum_steps)
         self._base = float(keras.ops.convert_to_numpy(given)) / self.multiplier

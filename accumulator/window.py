@@ -207,7 +207,8 @@ class AccumulationWindow:
     ``_index_by_id``, ``_overwrite_indices``, ``_window_strategy`` (the strategy
     the window was built under), ``_passthrough`` (``accum_steps=1`` without
     `schedulable`: no buffers), ``_window_listeners`` (`AccumBatchNormalization`
-    layers that follow the windows), ``epoch_schedule``.
+    layers that follow the windows), ``fit_callback`` (set by `accumulating_compile`:
+    makes the window callback every `fit` uses; None: a plain `EpochWindows`).
 
     Python, filled while steps are traced (so the same on every worker), read
     when a close is traced: ``_indices_with_grads`` (variables that got a
@@ -240,8 +241,8 @@ class AccumulationWindow:
         self.measure_noise_scale = measure_noise_scale
         self.noise_scale_smoothing = noise_scale_smoothing
         self._seen_in_window = set()
-        # {epoch: accum_steps} that `fit` follows (set by `accumulating_compile`).
-        self.epoch_schedule = None
+        # Makes the window callback `fit` puts first (set by `accumulating_compile`).
+        self.fit_callback = None
         self._untracked(_window_listeners=[], _vars=[], _index_by_id={}, _accumulators=[],
                         _overwrite_indices=frozenset(), _window_strategy=None,
                         _noise_estimate=None, _noise_sums=[], _rows=[], _rows_seen=set(), _dense_seen=set(),

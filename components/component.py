@@ -2,8 +2,9 @@
 
 Same inputs, same outputs (`model`, `model_run`), same run_fn contract as the
 stock Trainer, plus the accumulation's parameters (`accum_steps`, `effective_batch_size`,
-`strategy`, `accum_schedule`, `partial_window`, `measure_noise_scale`, `merge_duplicate_rows`,
-`gradient_cache`, `backup_dir`, `backup_every`). On a cluster the chief alone
+`strategy`, `accum_schedule`, `accum_schedule_by`, `lr_scaling`, `max_effective_batch_size`,
+`partial_window`, `measure_noise_scale`, `merge_duplicate_rows`, `gradient_cache`,
+`backup_dir`, `backup_every`). On a cluster the chief alone
 exports and records (components.cluster).
 Change the class name in a pipeline and it trains with
 accumulation; feed `hyperparameters=tuner.outputs["best_hyperparameters"]` and
@@ -46,6 +47,10 @@ class AccumulatingTrainerSpec(standard_component_specs.TrainerSpec):
         executor.NOISE_SCALE_SMOOTHING_KEY: ExecutionParameter(type=float, optional=True),
         executor.MERGE_DUPLICATE_ROWS_KEY: ExecutionParameter(type=int, optional=True),
         executor.GRADIENT_CACHE_KEY: ExecutionParameter(type=int, optional=True),
+        executor.ACCUM_STEPS_AUTO_KEY: ExecutionParameter(type=int, optional=True),
+        executor.MAX_EFFECTIVE_BATCH_SIZE_KEY: ExecutionParameter(type=int, optional=True),
+        executor.ACCUM_SCHEDULE_BY_KEY: ExecutionParameter(type=str, optional=True),
+        executor.LR_SCALING_KEY: ExecutionParameter(type=str, optional=True),
         executor.BACKUP_DIR_KEY: ExecutionParameter(type=str, optional=True),
         executor.BACKUP_EVERY_KEY: ExecutionParameter(type=int, optional=True),
         exactness.VERIFY_EXACTNESS_KEY: ExecutionParameter(type=str, optional=True),
@@ -57,7 +62,18 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
 
     Args (besides those of `tfx.components.Trainer`, unchanged):
         accum_steps: micro-batches per optimizer update (default 1), unless the
-            `hyperparameters` input holds `accum_steps`.
+            `hyperparameters` input holds `accum_steps`. "auto": grow it during
+            training with the measured gradient noise scale
+            (`accumulator.AutoAccumulation`: doubled at a window boundary while
+            B_simple stays at least twice the effective batch, never shrunk),
+            from 2 micro-batches of `effective_batch_size / 2` samples up to
+            `max_effective_batch_size`; the noise scale is measured. Recorded:
+            `accum_schedule_taken` (the decisions, {update: accum_steps}, which
+            `accum_schedule=..., accum_schedule_by="update"` replays exactly),
+            `final_accum_steps`, `final_effective_batch_size`; TensorBoard
+            shows each decision (`accumulation/effective_batch_size_taken`) and
+            the run_fn's own TensorBoard callback the logs `accum_steps`,
+            `effective_batch_size`, `noise_scale`, `lr_multiplier`.
         effective_batch_size: samples per optimizer update over all replicas;
             when set, training datasets from `fn_args.data_accessor` come batched
             at `effective_batch_size // accum_steps`. The `hyperparameters`
@@ -67,6 +83,16 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
         accum_schedule: {epoch: accum_steps}: accumulation that changes at
             epoch starts (each change exact); it replaces `accum_steps`, the
             micro-batch stays fixed.
+        accum_schedule_by: "epoch" (the default) or "update": the schedule's
+            keys count optimizer updates, each change at the first window
+            boundary after that many (exact: Keras' own `fit`s at each batch
+            size, chained).
+        lr_scaling: "none" (the default), "linear" or "sqrt": the inner
+            optimizer's learning rate (constant or schedule) times the ratio of
+            the effective batch to the starting one, or its square root, at
+            every change (`accum_schedule` or "auto").
+        max_effective_batch_size: the limit of `accum_steps="auto"` (required
+            with it, refused without it).
         partial_window: "apply" (the default), "carry" or "drop": what the end
             of an epoch and of training does with a window still open.
         measure_noise_scale: estimate the gradient noise scale B_simple (the
@@ -120,7 +146,9 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
 
     `TrainArgs.num_steps` counts optimizer updates: the run_fn sees
     `fn_args.train_steps = num_steps * accum_steps` micro-steps (`num_steps`
-    with `gradient_cache`).
+    with `gradient_cache`). With a schedule or "auto" that is the starting
+    `accum_steps`: the samples stay, the updates change with the batch, and
+    `optimizer_updates` records how many were made.
     """
 
     SPEC_CLASS = AccumulatingTrainerSpec
@@ -139,7 +167,7 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
         train_args: Optional[Union[trainer_pb2.TrainArgs, data_types.RuntimeParameter]] = None,
         eval_args: Optional[Union[trainer_pb2.EvalArgs, data_types.RuntimeParameter]] = None,
         custom_config: Optional[Union[Dict[str, Any], data_types.RuntimeParameter]] = None,
-        accum_steps: Optional[Union[int, data_types.RuntimeParameter]] = None,
+        accum_steps: Optional[Union[int, str, data_types.RuntimeParameter]] = None,
         effective_batch_size: Optional[Union[int, data_types.RuntimeParameter]] = None,
         strategy: Optional[str] = "auto",
         accum_schedule: Optional[Dict[int, int]] = None,
@@ -151,6 +179,9 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
         backup_dir: Optional[Union[str, data_types.RuntimeParameter]] = None,
         backup_every: Optional[Union[int, data_types.RuntimeParameter]] = None,
         verify_exactness: Union[bool, str] = False,
+        accum_schedule_by: str = "epoch",
+        lr_scaling: str = "none",
+        max_effective_batch_size: Optional[int] = None,
     ):
         if [bool(module_file), bool(run_fn)].count(True) != 1:
             raise ValueError("Exactly one of 'module_file', or 'run_fn' must be supplied.")
@@ -167,11 +198,18 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
 
         # Whether measuring has windows depends on tuned values, when there are any.
         measure = None if hyperparameters is not None else static(measure_noise_scale)
+        auto = accum_steps == settings_lib.AUTO
+        if auto and accum_schedule is not None:
+            raise ValueError("`accum_steps='auto'` makes its own schedule: leave `accum_schedule` unset.")
         settings_lib.resolve(None, static(accum_steps), static(effective_batch_size), replicas=1,
                              partial_window=partial_window,
                              schedule=accum_schedule if measure or gradient_cache else None,
                              measure_noise_scale=measure, noise_scale_smoothing=static(noise_scale_smoothing),
-                             merge_duplicate_rows=merge_duplicate_rows, gradient_cache=gradient_cache)
+                             merge_duplicate_rows=merge_duplicate_rows, gradient_cache=gradient_cache,
+                             schedule_by=accum_schedule_by, lr_scaling=lr_scaling,
+                             max_effective_batch_size=max_effective_batch_size)
+        if auto:
+            accum_steps = None
         if accum_schedule is not None:
             accum_schedule = json.dumps(validate_schedule(accum_schedule))
         if isinstance(measure_noise_scale, bool):
@@ -206,6 +244,10 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             noise_scale_smoothing=noise_scale_smoothing,
             merge_duplicate_rows=int(merge_duplicate_rows),
             gradient_cache=int(gradient_cache),
+            accum_steps_auto=int(auto),
+            max_effective_batch_size=max_effective_batch_size,
+            accum_schedule_by=accum_schedule_by,
+            lr_scaling=lr_scaling,
             backup_dir=backup_dir,
             backup_every=backup_every,
             verify_exactness=exactness.validate_mode(verify_exactness),

@@ -41,6 +41,10 @@ MEASURE_NOISE_SCALE_KEY = "measure_noise_scale"
 NOISE_SCALE_SMOOTHING_KEY = "noise_scale_smoothing"
 MERGE_DUPLICATE_ROWS_KEY = "merge_duplicate_rows"
 GRADIENT_CACHE_KEY = "gradient_cache"
+ACCUM_STEPS_AUTO_KEY = "accum_steps_auto"
+MAX_EFFECTIVE_BATCH_SIZE_KEY = "max_effective_batch_size"
+ACCUM_SCHEDULE_BY_KEY = "accum_schedule_by"
+LR_SCALING_KEY = "lr_scaling"
 BACKUP_DIR_KEY = preemption.BACKUP_DIR_KEY
 BACKUP_EVERY_KEY = preemption.BACKUP_EVERY_KEY
 TENSORBOARD_SUBDIR = "accumulation"
@@ -103,9 +107,10 @@ def _as_bool(value):
 def _resolve_settings(hyperparameters, exec_properties, replicas):
     """The run's `AccumulationSettings`: the Tuner's best over the component's parameters."""
     schedule = exec_properties.get(ACCUM_SCHEDULE_KEY)
+    auto = _as_bool(exec_properties.get(ACCUM_STEPS_AUTO_KEY))
     return settings_lib.resolve(
         hyperparameters,
-        exec_properties.get(ACCUM_STEPS_KEY),
+        settings_lib.AUTO if auto else exec_properties.get(ACCUM_STEPS_KEY),
         exec_properties.get(EFFECTIVE_BATCH_SIZE_KEY),
         replicas,
         json.loads(schedule) if schedule else None,
@@ -114,6 +119,9 @@ def _resolve_settings(hyperparameters, exec_properties, replicas):
         exec_properties.get(NOISE_SCALE_SMOOTHING_KEY),
         exec_properties.get(MERGE_DUPLICATE_ROWS_KEY),
         exec_properties.get(GRADIENT_CACHE_KEY),
+        exec_properties.get(ACCUM_SCHEDULE_BY_KEY),
+        exec_properties.get(LR_SCALING_KEY),
+        exec_properties.get(MAX_EFFECTIVE_BATCH_SIZE_KEY),
     )
 
 
@@ -125,6 +133,10 @@ def _describe(settings, strategy, train_steps, role):
     else:
         micro_steps = (f"{train_steps} optimizer updates = {train_steps and train_steps * settings.accum_steps} "
                        f"micro-steps; partial windows: {settings.partial_window}")
+    if settings.auto:
+        micro_steps += (f"; accum_steps grows from {settings.accum_steps} with the noise scale up to an "
+                        f"effective batch of {settings.max_effective_batch_size} (lr_scaling="
+                        f"{settings.lr_scaling}); the micro-steps stay, so the updates are fewer")
     return (
         f"Accumulation: accum_steps={settings.accum_steps} ({settings.sources.get('accum_steps')}), "
         f"effective batch {settings.effective_batch_size} ({settings.sources.get('effective_batch_size')}), "
@@ -157,19 +169,35 @@ def _record(output_dict, model_run_dir, settings, strategy, optimizers, role, ba
     # `unapplied_micro_batches`: held in a window left open (partial_window="carry");
     # a GradientCache's plain optimizer holds none (each batch is one whole update).
     open_windows = sum(getattr(o, "held_micro_batches", 0) for o in optimizers)
+    schedule_taken = _schedule_taken(optimizers)
     reading = noise_scale.read(optimizers, settings.measure_noise_scale)
     if reading is not None:
         logging.info("%s", noise_scale.describe(reading, settings.effective_batch_size))
     logging.info("%d optimizer updates.", updates)
-    _write_record(output_dict, model_run_dir, settings, updates, strategy, open_windows, reading, role, backup)
+    _write_record(output_dict, model_run_dir, settings, updates, strategy, open_windows, reading, role, backup,
+                  schedule_taken)
 
 
-def _write_record(output_dict, model_run_dir, settings, updates, strategy, open_windows, reading, role, backup):
+def _schedule_taken(optimizers):
+    """{optimizer update: accum_steps} that `accum_steps="auto"` decided (the first
+    wrapper's), or None without "auto"."""
+    rules = [o.auto_accumulation for o in optimizers if getattr(o, "auto_accumulation", None) is not None]
+    return dict(rules[0].schedule) if rules else None
+
+
+def _write_record(output_dict, model_run_dir, settings, updates, strategy, open_windows, reading, role, backup,
+                  schedule_taken=None):
     backup_ints, backup_strings = preemption.properties(backup)
     properties = {**settings.as_properties(), "optimizer_updates": updates,
                   "unapplied_micro_batches": open_windows, "workers": role.workers, **backup_ints}
     strings = {"distribution_strategy": type(strategy).__name__, "partial_window": settings.partial_window,
-               **backup_strings}
+               "accum_schedule_by": settings.schedule_by, "lr_scaling": settings.lr_scaling, **backup_strings}
+    if schedule_taken is not None:
+        # What "auto" did, as the by-update schedule that replays it: AccumulatingTrainer(
+        # accum_schedule=json.loads(this), accum_schedule_by="update", lr_scaling=...).
+        strings["accum_schedule_taken"] = json.dumps({str(k): v for k, v in sorted(schedule_taken.items())})
+        properties["final_accum_steps"] = max(schedule_taken.items())[1]
+        properties["final_effective_batch_size"] = properties["final_accum_steps"] * (settings.micro_batch or 0)
     for key in (standard_component_specs.MODEL_KEY, standard_component_specs.MODEL_RUN_KEY):
         for artifact in output_dict.get(key, []):
             for name, value in properties.items():
@@ -185,6 +213,9 @@ def _write_record(output_dict, model_run_dir, settings, updates, strategy, open_
         for name, value in properties.items():
             tf.summary.scalar(f"accumulation/{name}", value, step=0)
         noise_scale.write_summaries(reading, step=updates)
+        for update, steps in sorted((schedule_taken or {}).items()):     # each decision, at its update
+            tf.summary.scalar("accumulation/effective_batch_size_taken", steps * (settings.micro_batch or 0),
+                              step=update)
         tf.summary.text("accumulation/settings", json.dumps(
             {**properties, **strings, "strategy": type(strategy).__name__, "sources": settings.sources},
             indent=1, sort_keys=True), step=0)

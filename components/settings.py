@@ -21,6 +21,7 @@ from typing import Any, Dict, Optional
 
 from tfx_gradient_accumulator.accumulator import validate_accum_steps
 from tfx_gradient_accumulator.accumulator.callbacks import accum_steps_at, validate_schedule
+from tfx_gradient_accumulator.accumulator.lr_scaling import validate_lr_scaling
 from tfx_gradient_accumulator.accumulator.noise_scale import DEFAULT_SMOOTHING, validate_smoothing
 from tfx_gradient_accumulator.accumulator.optimizer import validate_measure_noise_scale, validate_partial_window
 from tfx_gradient_accumulator.accumulator.window import validate_merge_duplicate_rows
@@ -31,6 +32,9 @@ EFFECTIVE_BATCH_SIZE = "effective_batch_size"
 MEASURE_NOISE_SCALE = "measure_noise_scale"
 NOISE_SCALE_SMOOTHING = "noise_scale_smoothing"
 GRADIENT_CACHE = "gradient_cache"
+MAX_EFFECTIVE_BATCH_SIZE = "max_effective_batch_size"
+AUTO = "auto"
+AUTO_START_ACCUM_STEPS = 2     # the smallest window that measures the noise scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +51,14 @@ class AccumulationSettings:
     noise_scale_smoothing: float = DEFAULT_SMOOTHING
     merge_duplicate_rows: bool = False
     gradient_cache: bool = False
+    schedule_by: str = "epoch"
+    lr_scaling: str = "none"
+    max_effective_batch_size: Optional[int] = None      # set: accum_steps="auto"
+
+    @property
+    def auto(self) -> bool:
+        """`accum_steps="auto"`: the window starts at 2 and grows with the noise scale."""
+        return self.max_effective_batch_size is not None
 
     @property
     def micro_batch(self) -> Optional[int]:
@@ -81,6 +93,10 @@ class AccumulationSettings:
             "noise_scale_smoothing": self.noise_scale_smoothing,
             "merge_duplicate_rows": self.merge_duplicate_rows,
             "gradient_cache": self.gradient_cache,
+            "schedule_by": self.schedule_by,
+            "lr_scaling": self.lr_scaling,
+            "auto": ({"micro_batch_size": self.micro_batch,
+                      "max_effective_batch_size": self.max_effective_batch_size} if self.auto else None),
         }
 
     def as_properties(self) -> Dict[str, int]:
@@ -93,6 +109,8 @@ class AccumulationSettings:
             "measure_noise_scale": int(self.measure_noise_scale),
             "merge_duplicate_rows": int(self.merge_duplicate_rows),
             "gradient_cache": int(self.gradient_cache),
+            "accum_steps_auto": int(self.auto),
+            "max_effective_batch_size": self.max_effective_batch_size or 0,
         }
 
 
@@ -116,6 +134,9 @@ def resolve(
     noise_scale_smoothing: Optional[float] = None,
     merge_duplicate_rows: Optional[bool] = None,
     gradient_cache: Optional[bool] = None,
+    schedule_by: Optional[str] = None,
+    lr_scaling: Optional[str] = None,
+    max_effective_batch_size: Optional[int] = None,
 ) -> AccumulationSettings:
     """Resolves and validates the settings of one run.
 
@@ -129,11 +150,36 @@ def resolve(
     reaches 2. `merge_duplicate_rows` and `gradient_cache` (default False) are
     the component's alone; `gradient_cache` refuses what would mean nothing or
     train wrong with `GradientCache` (`refuse_with_gradient_cache`).
+    `schedule_by` ("epoch" or "update") says what the schedule's keys count;
+    `lr_scaling` ("none", "linear", "sqrt") is the learning-rate rule of every
+    change of the effective batch. `accum_steps="auto"` grows the window with
+    the measured noise scale (`accumulator.AutoAccumulation`), from 2
+    micro-batches of `effective_batch_size / 2` samples (the effective batch to
+    start from, which must be given) up to `max_effective_batch_size`; a tuned
+    `accum_steps` does not apply then.
     """
     partial_window = validate_partial_window(partial_window or "apply")
     cache = boolean_parameter(gradient_cache, GRADIENT_CACHE)
+    schedule_by = schedule_by or "epoch"
+    if schedule_by not in ("epoch", "update"):
+        raise ValueError(f"`accum_schedule_by` must be 'epoch' or 'update'; received {schedule_by!r}.")
+    lr_scaling = validate_lr_scaling(lr_scaling or "none")
     values = hyperparameter_values(hyperparameters)
     sources = {}
+    auto = accum_steps == AUTO
+    if accum_steps is not None and isinstance(accum_steps, str) and not auto:
+        raise ValueError(f"`{ACCUM_STEPS}` must be an int >= 1 or {AUTO!r}; received {accum_steps!r}.")
+    if auto and schedule is not None:
+        raise ValueError(f"`{ACCUM_STEPS}={AUTO!r}` makes its own schedule: leave `accum_schedule` unset.")
+    if auto and cache:
+        raise ValueError(f"`{ACCUM_STEPS}={AUTO!r}` is not supported with `{GRADIENT_CACHE}=True`: GradientCache "
+                         "has no windows and measures no noise scale. Set an int `accum_steps`.")
+    if not auto and max_effective_batch_size is not None:
+        raise ValueError(f"`{MAX_EFFECTIVE_BATCH_SIZE}` is the limit of `{ACCUM_STEPS}={AUTO!r}`; "
+                         f"`{ACCUM_STEPS}` is {accum_steps!r}. Set accum_steps='auto', or leave it unset.")
+    if auto:
+        accum_steps = AUTO_START_ACCUM_STEPS
+        values = {k: v for k, v in values.items() if k != ACCUM_STEPS}
     if schedule is not None:
         schedule = validate_schedule(schedule)
         accum_steps = accum_steps_at(schedule, 0)
@@ -162,8 +208,17 @@ def resolve(
             )
     if schedule is not None:
         sources[ACCUM_STEPS] = "schedule"
+    if auto:
+        sources[ACCUM_STEPS] = AUTO
+        if effective is None:
+            raise ValueError(f"`{ACCUM_STEPS}={AUTO!r}` needs `{EFFECTIVE_BATCH_SIZE}`, the effective batch to "
+                             f"start from (2 micro-batches of half of it).")
+        if max_effective_batch_size is None:
+            raise ValueError(f"`{ACCUM_STEPS}={AUTO!r}` needs `{MAX_EFFECTIVE_BATCH_SIZE}` (an int >= "
+                             f"`{EFFECTIVE_BATCH_SIZE}`, {effective}): the largest effective batch to grow to.")
+        max_effective_batch_size = integer_at_least(max_effective_batch_size, MAX_EFFECTIVE_BATCH_SIZE, effective)
     measure = validate_measure_noise_scale(
-        pick(MEASURE_NOISE_SCALE, measure_noise_scale, False), name=MEASURE_NOISE_SCALE)
+        pick(MEASURE_NOISE_SCALE, measure_noise_scale, False), name=MEASURE_NOISE_SCALE) or auto
     smoothing = validate_smoothing(
         pick(NOISE_SCALE_SMOOTHING, noise_scale_smoothing, DEFAULT_SMOOTHING), name=NOISE_SCALE_SMOOTHING)
     merge = boolean_parameter(merge_duplicate_rows, "merge_duplicate_rows")
@@ -179,7 +234,8 @@ def resolve(
             f"that reaches it), or leave `{MEASURE_NOISE_SCALE}` off."
         )
     return AccumulationSettings(accum, effective, replicas, schedule, partial_window, sources,
-                                measure, smoothing, merge, cache)
+                                measure, smoothing, merge, cache, schedule_by, lr_scaling,
+                                max_effective_batch_size)
 
 
 def boolean_parameter(value, name):

@@ -20,7 +20,8 @@ def test_precedence():
     assert s.sources == {"accum_steps": "hyperparameters", "effective_batch_size": "component parameter",
                          "measure_noise_scale": "default", "noise_scale_smoothing": "default"}
     assert s.as_properties() == {"accum_steps": 8, "micro_batch_size": 8, "replicas": 2, "effective_batch_size": 64,
-                                 "measure_noise_scale": 0, "merge_duplicate_rows": 0, "gradient_cache": 0}
+                                 "measure_noise_scale": 0, "merge_duplicate_rows": 0, "gradient_cache": 0,
+                                 "accum_steps_auto": 0, "max_effective_batch_size": 0}
 
 
 @pytest.mark.parametrize(
