@@ -35,6 +35,9 @@ def main():
     parser.add_argument("--positions", action="store_true",
                         help="keras.io's token and position embedding (a lookup made once per batch) and plain Adam")
     parser.add_argument("--die-at", type=int, default=-1, help="SIGKILL self after this global micro-step")
+    parser.add_argument("--auto-margin", type=float, default=0.0,
+                        help="> 0: AutoAccumulation with this margin grows the window from --accum "
+                             "(up to 8 micro-batches); each worker writes the schedule it took")
     args = parser.parse_args()
 
     if args.hooks != "all":
@@ -67,7 +70,9 @@ def main():
                 keras.optimizers.schedules.ExponentialDecay(1e-2, 4, 0.5), weight_decay=0.05,
                 global_clipnorm=0.05)
         if args.accum > 1:
-            optimizer = GradientAccumulator(optimizer, args.accum, partial_window=args.partial_window)
+            optimizer = GradientAccumulator(optimizer, args.accum, partial_window=args.partial_window,
+                                            schedulable=args.auto_margin > 0,
+                                            measure_noise_scale=args.auto_margin > 0)
         model.compile(optimizer=optimizer, loss="mse")
 
     options = tf.data.Options()
@@ -90,6 +95,13 @@ def main():
                 if self.seen == args.die_at:
                     os.kill(os.getpid(), 9)
         callbacks.append(Die())
+    auto = None
+    if args.auto_margin > 0:
+        from tfx_gradient_accumulator.accumulator import AutoAccumulation
+        auto = AutoAccumulation(micro_batch_size=args.micro, max_effective_batch_size=8 * args.micro,
+                                start_accum_steps=args.accum, margin=args.auto_margin, patience=2,
+                                lr_scaling="sqrt")
+        callbacks.append(auto)
     model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=callbacks)
     if args.accum > 1:
         # A carried window is applied on demand: a collective, on every worker.
@@ -97,6 +109,8 @@ def main():
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
     result["iterations"] = np.array(int(optimizer.iterations.numpy()))
+    if auto is not None:
+        result["schedule"] = np.array(json.dumps(auto.schedule))
     np.savez(f"{args.out}.{task['index']}.npz", **result)
 
 

@@ -138,3 +138,33 @@ def _single_device_resumable(partial_window, model="mlp"):
     model.fit(x, y, batch_size=MICRO, epochs=3, shuffle=False, verbose=0)
     optimizer.close_partial_window("apply")
     return model.get_weights()
+
+
+def test_every_worker_takes_the_same_auto_accumulation_decisions_at_the_same_windows(tmp_path):
+    """AutoAccumulation reads B_simple from the window's all-reduced sums: both workers
+    grow the window at the same updates, and the run equals one device replaying the
+    decisions as a schedule by update (with the same learning-rate rule)."""
+    import json
+
+    import numpy as np
+
+    from tfx_gradient_accumulator.accumulator import AccumulationSchedule, GradientAccumulator
+
+    codes, output, result = run_cluster(tmp_path / "out", "--accum", 2, "--steps-per-epoch", 32,
+                                        "--epochs", 2, "--auto-margin", 0.15)
+    assert codes == [0, 0], output[-3000:]
+    schedules = [json.loads(str(np.load(f"{tmp_path / 'out'}.{i}.npz")["schedule"])) for i in (0, 1)]
+    assert schedules[0] == schedules[1]
+    taken = {int(k): v for k, v in schedules[0].items()}
+    assert taken[0] == 2 and len(taken) >= 2, taken
+    weights, iterations = result
+
+    x, y = ref.regression_data(MICRO * 32)
+    optimizer = keras.optimizers.AdamW(
+        keras.optimizers.schedules.ExponentialDecay(1e-2, 4, 0.5), weight_decay=0.05, global_clipnorm=0.05)
+    model = ref.mlp()
+    model.compile(optimizer=GradientAccumulator(optimizer, 2, schedulable=True), loss="mse")
+    model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0,
+              callbacks=[AccumulationSchedule(taken, by="update", lr_scaling="sqrt")])
+    assert int(model.optimizer.iterations.numpy()) == iterations
+    assert ref.max_abs_diff(weights, model.get_weights()) <= 1e-5
