@@ -88,8 +88,18 @@ def accum_steps_that_fit(micro_batch_size, accum_steps=(1, 2, 4, 8), effective_b
     return fitting[0]
 
 
+MAX_EFFECTIVE_BATCH_SIZE = "max_effective_batch_size"
+AUTO = "auto"
+AUTO_START_ACCUM_STEPS = 2      # the smallest window that measures the noise scale
+
+
 def micro_batch(hp):
-    return hp.get(EFFECTIVE_BATCH_SIZE) // hp.get(ACCUM_STEPS)
+    return hp.get(EFFECTIVE_BATCH_SIZE) // _starting_accum_steps(hp)
+
+
+def _starting_accum_steps(hp):
+    accum = hp.get(ACCUM_STEPS)
+    return AUTO_START_ACCUM_STEPS if accum == AUTO else accum
 
 
 class AccumulatingHyperModel(keras_tuner.HyperModel):
@@ -112,14 +122,29 @@ class AccumulatingHyperModel(keras_tuner.HyperModel):
             a fixed effective batch `accum_steps` changes memory and speed,
             not the training, so trials that differ only in it would train
             alike. Without it, `accum_steps` is searched too.
+        max_effective_batch_size: with `accum_steps="auto"`: each trial starts
+            from its `effective_batch_sizes` choice (2 micro-batches of half of
+            it) and grows the window with the measured noise scale up to this
+            (`AutoAccumulation`), as `AccumulatingTrainer(accum_steps="auto")`
+            trains the best: the hyperparameters hold `accum_steps="auto"` and
+            this limit, so the Trainer needs neither. `steps_per_epoch` then
+            counts updates at the starting batch (the samples stay).
     """
 
     def __init__(self, build_model, accum_steps=(1, 2, 4, 8),
                  effective_batch_sizes=(32, 64, 128), name=None, tunable=True, gradient_cache=False,
-                 micro_batch_size=None):
+                 micro_batch_size=None, max_effective_batch_size=None):
         super().__init__(name=name, tunable=tunable)
         if not isinstance(gradient_cache, bool):
             raise ValueError(f"`gradient_cache` must be True or False; received {gradient_cache!r}.")
+        self._max_effective_batch_size = None
+        if accum_steps == AUTO:
+            self._max_effective_batch_size = _auto_limit(
+                max_effective_batch_size, effective_batch_sizes, gradient_cache, micro_batch_size)
+            accum_steps = (AUTO,)
+        elif max_effective_batch_size is not None:
+            raise ValueError("`max_effective_batch_size` is the limit of `accum_steps='auto'`; "
+                             f"`accum_steps` is {accum_steps!r}.")
         if micro_batch_size is not None:   # one accum_steps: trials differ in the rest
             accum_steps = (accum_steps_that_fit(micro_batch_size, accum_steps, effective_batch_sizes),)
         if micro_batch_size is None and len(set(accum_steps)) > 1:
@@ -134,6 +159,14 @@ class AccumulatingHyperModel(keras_tuner.HyperModel):
         self._gradient_cache = gradient_cache
 
     def build(self, hp):
+        if self._max_effective_batch_size is not None:
+            hp.Fixed(ACCUM_STEPS, AUTO)
+            hp.Fixed(MAX_EFFECTIVE_BATCH_SIZE, self._max_effective_batch_size)
+            effective = hp.Choice(EFFECTIVE_BATCH_SIZE, list(self._effective_batch_sizes))
+            auto = {"micro_batch_size": effective // AUTO_START_ACCUM_STEPS,
+                    "max_effective_batch_size": self._max_effective_batch_size}
+            with accumulating_compile(AUTO_START_ACCUM_STEPS, auto=auto):
+                return self._build_model(hp)
         accum, _ = declare_accumulation(hp, self._accum_steps, self._effective_batch_sizes)
         with accumulating_compile(accum, gradient_cache=self._gradient_cache):
             return self._build_model(hp)
@@ -144,7 +177,7 @@ class AccumulatingHyperModel(keras_tuner.HyperModel):
         if self._gradient_cache:
             batch, steps_per_update = hp.get(EFFECTIVE_BATCH_SIZE), 1
         else:
-            batch, steps_per_update = micro_batch(hp), hp.get(ACCUM_STEPS)
+            batch, steps_per_update = micro_batch(hp), _starting_accum_steps(hp)
         if isinstance(x, tf.data.Dataset):
             # Datasets arrive batched at whatever size; trials need their own.
             x = x.unbatch().batch(batch)
@@ -153,6 +186,25 @@ class AccumulatingHyperModel(keras_tuner.HyperModel):
         if steps_per_epoch is not None:
             steps_per_epoch = steps_per_epoch * steps_per_update
         return model.fit(x, y, *args, steps_per_epoch=steps_per_epoch, batch_size=batch_size, **kwargs)
+
+
+def _auto_limit(max_effective_batch_size, effective_batch_sizes, gradient_cache, micro_batch_size):
+    """`max_effective_batch_size` checked against the starting choices of "auto"."""
+    if gradient_cache:
+        raise ValueError("`accum_steps='auto'` is not supported with `gradient_cache=True`: GradientCache "
+                         "has no windows and measures no noise scale.")
+    if micro_batch_size is not None:
+        raise ValueError("`micro_batch_size` chooses one `accum_steps`; `accum_steps='auto'` starts "
+                         "from 2 micro-batches of half of each effective batch: leave it unset.")
+    if max_effective_batch_size is None:
+        raise ValueError("`accum_steps='auto'` needs `max_effective_batch_size`: the largest effective "
+                         "batch a trial grows to.")
+    starts = [integer_at_least(v, f"effective_batch_sizes[{i}]") for i, v in enumerate(effective_batch_sizes)]
+    odd = [b for b in starts if b % AUTO_START_ACCUM_STEPS]
+    if odd:
+        raise ValueError(f"with `accum_steps='auto'` every `effective_batch_sizes` choice is the starting "
+                         f"batch of 2 micro-batches and must be even; these are not: {odd}.")
+    return integer_at_least(max_effective_batch_size, "max_effective_batch_size", max(starts))
 
 
 # --------------------------------------------------------- the noise scale

@@ -166,6 +166,11 @@ def resolve(
     lr_scaling = validate_lr_scaling(lr_scaling or "none")
     values = hyperparameter_values(hyperparameters)
     sources = {}
+    if values.get(ACCUM_STEPS) == AUTO and schedule is None:
+        # Tuned with AccumulatingHyperModel(accum_steps="auto"): its limit comes along.
+        accum_steps = AUTO
+        if values.get(MAX_EFFECTIVE_BATCH_SIZE) is not None:
+            max_effective_batch_size = values[MAX_EFFECTIVE_BATCH_SIZE]
     auto = accum_steps == AUTO
     if accum_steps is not None and isinstance(accum_steps, str) and not auto:
         raise ValueError(f"`{ACCUM_STEPS}` must be an int >= 1 or {AUTO!r}; received {accum_steps!r}.")

@@ -145,3 +145,53 @@ def test_gradient_cache_hypermodel_refuses_a_model_that_does_not_match():
         AccumulatingHyperModel(_build_gradient_cache, accum_steps=(2,), effective_batch_sizes=(32,)).build(hp)
     with pytest.raises(ValueError, match="`gradient_cache` must be True or False; received 'yes'"):
         AccumulatingHyperModel(_build, gradient_cache="yes")
+
+
+def test_auto_trials_start_from_their_effective_batch_grow_and_hand_auto_to_the_trainer(tmp_path):
+    """accum_steps="auto": each trial starts at 2 micro-batches of half its effective batch
+    and grows with the noise scale; the best hyperparameters make the Trainer's run auto."""
+    from tfx_gradient_accumulator.components import settings as settings_lib
+
+    x, y = ref.regression_data(512)
+    seen = []
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 0:
+                self.first_accum = self.model.optimizer.accum_steps
+
+        def on_epoch_end(self, epoch, logs=None):
+            opt = self.model.optimizer
+            seen.append((self.first_accum, int(logs["samples"]), dict(opt.auto_accumulation.schedule),
+                         int(opt.iterations.numpy())))
+
+    tuner = keras_tuner.GridSearch(
+        AccumulatingHyperModel(_build, accum_steps="auto", effective_batch_sizes=(4, 8),
+                               max_effective_batch_size=32),
+        objective="loss", directory=str(tmp_path), project_name="p", max_trials=2,
+    )
+    tuner.search(x=x, y=y, steps_per_epoch=40, epochs=1, verbose=0, callbacks=[Probe()])
+    # 40 updates at the starting batch: 80 micro-batches of E/2, so 40 x E samples; grown,
+    # the run makes fewer updates.
+    assert sorted((a, s) for a, s, _, _ in seen) == [(2, 160), (2, 320)]
+    for _, _, schedule, updates in seen:
+        assert schedule[0] == 2 and len(schedule) >= 2 and updates <= 40
+    assert min(updates for _, _, _, updates in seen) < 40
+    best = tuner.get_best_hyperparameters()[0]
+    assert (best.get("accum_steps"), best.get("max_effective_batch_size")) == ("auto", 32)
+    settings = settings_lib.resolve(best.get_config(), None, None, 1)
+    assert settings.auto and settings.max_effective_batch_size == 32
+    assert settings.micro_batch == best.get("effective_batch_size") // 2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(accum_steps="auto"), "needs `max_effective_batch_size`"),
+    (dict(accum_steps="auto", max_effective_batch_size=4), "`max_effective_batch_size` must be an integer >= 8"),
+    (dict(accum_steps="auto", max_effective_batch_size=32, effective_batch_sizes=(5, 8)), "must be even"),
+    (dict(accum_steps="auto", max_effective_batch_size=32, gradient_cache=True), "gradient_cache=True"),
+    (dict(accum_steps=(1, 2), max_effective_batch_size=32), "the limit of `accum_steps='auto'`"),
+])
+def test_bad_auto_tuning_arguments_are_refused_before_any_trial(kwargs, message):
+    kwargs.setdefault("effective_batch_sizes", (4, 8))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        AccumulatingHyperModel(_build, **kwargs)
