@@ -116,3 +116,48 @@ def test_an_interrupted_auto_run_resumes_with_its_decisions(tmp_path):
         resumed.fit(data, verbose=0, callbacks=[resumed_auto])
     assert resumed_auto.schedule == uninterrupted.schedule
     assert ref.max_abs_diff(resumed.get_weights(), expected.get_weights()) <= 1e-6
+
+
+def test_accumulating_compile_auto_grows_unchanged_training_code_and_resumes_with_its_decisions(tmp_path):
+    """What the Trainer's accum_steps="auto" runs: a plain compile and fit, wrapped by
+    `accumulating_compile(2, auto=...)`; interrupted and resumed from a backup, the run
+    keeps the decisions taken before the backup and ends as the uninterrupted one."""
+    import tensorflow as tf
+
+    from tfx_gradient_accumulator.accumulator.autowrap import accumulating_compile
+    from tfx_gradient_accumulator.accumulator.backup import TrainingBackup
+
+    class Interrupted(Exception):
+        pass
+
+    class StopAt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 61:
+                raise Interrupted()
+
+    x, y = ref.regression_data(MICRO * 96)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(MICRO)
+    auto = {"micro_batch_size": MICRO, "max_effective_batch_size": 64, "margin": 0.5, "patience": 2}
+
+    def train(backup=None, callbacks=()):      # training code that knows nothing of accumulation
+        model = ref.mlp()
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+        model.fit(data, verbose=0, callbacks=list(callbacks))
+        return model
+
+    with accumulating_compile(2, auto=auto, lr_scaling="linear"):
+        expected = train()
+    taken = expected.optimizer.auto_accumulation.schedule
+    assert len(taken) >= 2 and expected.optimizer.measure_noise_scale
+    directory = str(tmp_path / "backup")
+    with pytest.raises(Interrupted):
+        with accumulating_compile(2, auto=auto, lr_scaling="linear", backup=TrainingBackup(directory, 7)):
+            train(callbacks=[StopAt()])
+    assert len(TrainingBackup(directory, 7).latest()["callback_states"][0]["schedule"]) >= 2
+    with accumulating_compile(2, auto=auto, lr_scaling="linear", backup=TrainingBackup(directory, 7)):
+        resumed = train()
+    assert resumed.optimizer.auto_accumulation.schedule == taken
+    assert ref.max_abs_diff(resumed.get_weights(), expected.get_weights()) <= 1e-6
+    with pytest.raises(ValueError, match="`auto` and `schedule` exclude each other"):
+        with accumulating_compile(2, schedule={0: 2}, auto=auto):
+            pass
