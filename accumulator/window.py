@@ -81,6 +81,15 @@ def validate_measure_noise_scale(measure, name="measure_noise_scale"):
     return measure
 
 
+SUMMED_NOISE_SCALE_MESSAGE = (
+    "`measure_noise_scale=True` needs a loss that is a mean over its samples: the noise scale "
+    "compares micro-batch gradients that are means, each weighed by its samples (the loss's "
+    "denominator). This loss sums over its samples (reduction 'sum' or 'none', or "
+    "loss_reduction='sum'): its micro-batches carry no sample count, and the estimate would "
+    "be off by the micro-batch size. Use a mean loss (Keras' default "
+    "'sum_over_batch_size'), or leave `measure_noise_scale` off.")
+
+
 def validate_loss_reduction(reduction, name="loss_reduction"):
     """Returns `reduction` if it is one of LOSS_REDUCTIONS, or raises naming the parameter."""
     if reduction not in LOSS_REDUCTIONS:
@@ -264,6 +273,8 @@ class AccumulationWindow:
                 "and `accum_steps=1` (without `schedulable=True`) makes a pass-through "
                 "with windows of 1, which give no estimate. Use accum_steps >= 2."
             )
+        if measure_noise_scale and loss_reduction == "sum":
+            raise ValueError(SUMMED_NOISE_SCALE_MESSAGE)
         return (accum_steps, partial_window, schedulable, measure_noise_scale, noise_scale_smoothing,
                 merge_duplicate_rows, loss_reduction)
 
@@ -581,6 +592,8 @@ class AccumulationWindow:
         summed = self.loss_reduction == "sum" or (
             self.loss_reduction == "auto" and micro_batch_weight is None and _is_summed(noted_weight))
         if summed:
+            if self.measure_noise_scale:
+                raise ValueError(SUMMED_NOISE_SCALE_MESSAGE)
             if micro_batch_weight is not None:
                 raise ValueError(
                     "`micro_batch_weight` is for losses that are means; this GradientAccumulator "

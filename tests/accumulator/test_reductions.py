@@ -144,3 +144,20 @@ def test_bad_input_is_refused_before_training():
     with pytest.raises(ValueError, match="`micro_batch_weight` is for losses that are means"):
         accumulator.apply([tf.ones(2)], [variable], micro_batch_weight=3.0)
     assert accumulator.get_config()["loss_reduction"] == "sum"
+
+
+def test_a_summed_loss_cannot_measure_the_noise_scale():
+    """The noise scale weighs each micro-batch's mean gradient by its samples; a summed
+    loss carries neither: refused at construction when said, at the first step when seen."""
+    with pytest.raises(ValueError, match="`measure_noise_scale=True` needs a loss that is a mean"):
+        GradientAccumulator(keras.optimizers.SGD(), ACCUM, loss_reduction="sum", measure_noise_scale=True)
+    model = _model()
+    optimizer = GradientAccumulator(keras.optimizers.SGD(1e-3), ACCUM, measure_noise_scale=True)
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match="This loss sums over its samples"):
+        _fit(optimizer, MICRO, "sum", False, model=model)
+    assert ref.max_abs_diff(model.get_weights(), before) == 0.0 and int(optimizer.iterations.numpy()) == 0
+    # The same with a mean loss measures.
+    measured = GradientAccumulator(keras.optimizers.SGD(1e-3), ACCUM, measure_noise_scale=True)
+    _fit(measured, MICRO, "sum_over_batch_size", False)
+    assert measured.noise_scale_estimate.window_count > 0
