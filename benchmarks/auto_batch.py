@@ -14,8 +14,10 @@ lr(E) = lr0 x sqrt(E / E0), E0 the smallest effective batch (`lr_scaling="sqrt"`
 for the ramp and auto; fixed batches start at their lr(E)). Per task and seed:
 
 * auto: `AutoAccumulation` from E0 up to the largest batch;
-* fixed: E0, the effective batch auto ended with (the most common over the
-  seeds), and the largest batch;
+* fixed: every effective batch from E0 to the largest, doubling (among them
+  the smallest, the one auto ended with and the largest);
+* auto's variants (`--auto_variants`): other margin/patience/growth settings,
+  shown next to the headline setting (the library's defaults);
 * ramp: a hand-made `AccumulationSchedule(by="update")` that doubles the
   effective batch from E0 to the largest in equal shares of the samples.
 
@@ -52,6 +54,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks.auto_batch_analysis import final_loss, smooth  # noqa: E402  (pure Python)
+
 TASKS = ("digits", "text")
 GOODPUT_ACCUMS = (1, 2, 4, 8)
 
@@ -66,6 +70,9 @@ PATIENCE = flags.DEFINE_integer("patience", 3, "AutoAccumulation's patience.")
 GROWTH = flags.DEFINE_integer("growth", 2, "AutoAccumulation's growth.")
 LR_SCALING = flags.DEFINE_enum("lr_scaling", "sqrt", ["sqrt", "linear", "none"],
                                "The learning-rate rule of every run (auto, ramp, fixed batches).")
+AUTO_VARIANTS = flags.DEFINE_list("auto_variants", ["4:3:2", "8:10:2"],
+                                  "Other AutoAccumulation settings to run alongside, as margin:patience:growth "
+                                  "(the report's verdicts are those of --margin/--patience/--growth).")
 TUNER = flags.DEFINE_bool("tuner", True, "Run the KerasTuner search against one auto run (digits, seed 0).")
 GOODPUT = flags.DEFINE_bool("goodput", True, "Time accum_steps 1, 2, 4, 8 on 2 worker processes.")
 GOODPUT_ROUNDS = flags.DEFINE_integer("goodput_rounds", 7, "Interleaved rounds of the goodput timing.")
@@ -96,11 +103,25 @@ def _check_flags():
         raise app.UsageError(f"--evals must be >= 2; received {EVALS.value}")
     if GROWTH.value < 2 or PATIENCE.value < 1 or not MARGIN.value > 0:
         raise app.UsageError("--growth must be >= 2, --patience >= 1 and --margin > 0")
+    for variant in AUTO_VARIANTS.value:
+        _variant(variant)
     if GOODPUT_ROUNDS.value < 2:
         raise app.UsageError(f"--goodput_rounds must be >= 2 (ratios need spread); received {GOODPUT_ROUNDS.value}")
     if GOODPUT_MICRO_STEPS.value < 8 or GOODPUT_MICRO_STEPS.value % max(GOODPUT_ACCUMS):
         raise app.UsageError(f"--goodput_micro_steps must be a positive multiple of {max(GOODPUT_ACCUMS)}; "
                              f"received {GOODPUT_MICRO_STEPS.value}")
+
+
+def _variant(text):
+    """"margin:patience:growth" -> (float, int, int), or a usage error naming the flag."""
+    try:
+        margin, patience, growth = text.split(":")
+        margin, patience, growth = float(margin), int(patience), int(growth)
+    except ValueError:
+        raise app.UsageError(f"--auto_variants: {text!r} is not margin:patience:growth (e.g. 4:3:2)") from None
+    if not margin > 0 or patience < 1 or growth < 2:
+        raise app.UsageError(f"--auto_variants: {text!r} needs margin > 0, patience >= 1, growth >= 2")
+    return margin, patience, growth
 
 
 # ------------------------------------------------------------------ tasks
@@ -238,11 +259,12 @@ def _recorder(task, evaluate):
     return Recorder()
 
 
-def train(task, seed, kind, effective=None, schedule=None, model=None):
+def train(task, seed, kind, effective=None, schedule=None, model=None, rule_settings=None):
     """One run; returns {"curve", "schedule", "seconds"}.
 
     kind: "fixed" (at `effective`), "ramp" (`schedule` by update) or "auto";
-    `model`: one built after `keras.utils.set_random_seed(seed)` (default: built here)."""
+    `model`: one built after `keras.utils.set_random_seed(seed)` (default: built here);
+    `rule_settings`: auto's (margin, patience, growth) (default: the flags')."""
     import keras
     import tensorflow as tf
 
@@ -268,8 +290,9 @@ def train(task, seed, kind, effective=None, schedule=None, model=None):
     callbacks = []
     rule = None
     if kind == "auto":
-        rule = AutoAccumulation(micro, s["max"], start_accum_steps=start // micro, growth=GROWTH.value,
-                                margin=MARGIN.value, patience=PATIENCE.value, lr_scaling=LR_SCALING.value)
+        margin, patience, growth = rule_settings or (MARGIN.value, PATIENCE.value, GROWTH.value)
+        rule = AutoAccumulation(micro, s["max"], start_accum_steps=start // micro, growth=growth,
+                                margin=margin, patience=patience, lr_scaling=LR_SCALING.value)
         callbacks.append(rule)
     elif kind == "ramp":
         callbacks.append(AccumulationSchedule(schedule, by="update", lr_scaling=LR_SCALING.value))
@@ -284,14 +307,19 @@ def train(task, seed, kind, effective=None, schedule=None, model=None):
             "seconds": round(seconds, 1)}
 
 
+def batch_grid(task):
+    """The effective batches from the smallest to the largest, doubling."""
+    batches, e = [], task.settings["start"]
+    while e <= task.settings["max"]:
+        batches.append(e)
+        e *= 2
+    return batches
+
+
 def ramp_schedule(task):
     """{update: accum_steps}: the effective batch doubles from the smallest to the largest in equal shares of samples."""
     s = task.settings
-    batches = []
-    e = s["start"]
-    while e <= s["max"]:
-        batches.append(e)
-        e *= 2
+    batches = batch_grid(task)
     share = task.budget / len(batches)
     schedule, update = {}, 0
     for e in batches:
@@ -326,7 +354,16 @@ def run_task(name):
     record("auto", "auto", auto)
     finals = [r["curve"][-1]["effective_batch"] for r in auto]
     auto_final = max(set(finals), key=lambda e: (finals.count(e), e))
-    for effective in sorted({s["start"], auto_final, s["max"]}):
+    for variant in AUTO_VARIANTS.value:
+        margin, patience, growth = _variant(variant)
+        label = f"auto m{margin:g} p{patience} g{growth}"
+        runs_of_variant = []
+        for seed in seeds:
+            runs_of_variant.append(train(task, seed, "auto", rule_settings=(margin, patience, growth)))
+            _log_run(task, label, seed, runs_of_variant[-1])
+        runs[label] = {"kind": "auto variant", "effective_batch": None, "runs": runs_of_variant,
+                       "settings": {"margin": margin, "patience": patience, "growth": growth}}
+    for effective in batch_grid(task):
         label = f"fixed {effective}"
         fixed = []
         for seed in seeds:
@@ -342,7 +379,7 @@ def run_task(name):
     return {"description": task.description, "settings": s, "budget": task.budget, "train_size": task.train_size,
             "entropy": task.entropy, "auto_final_batches": finals, "auto_final_batch": auto_final,
             "ramp_schedule": {str(k): v for k, v in schedule.items()},
-            "lr": {str(e): task.lr(e) for e in sorted({s["start"], auto_final, s["max"]})}, "runs": runs}
+            "lr": {str(e): task.lr(e) for e in batch_grid(task)}, "runs": runs}
 
 
 # ------------------------------------------------------------------ KerasTuner
@@ -351,12 +388,7 @@ def run_tuner(task_name="digits", seed=0):
     import keras_tuner
 
     task = Task(task_name)
-    s = task.settings
-    grid = []
-    e = s["start"]
-    while e <= s["max"]:
-        grid.append(e)
-        e *= 2
+    grid = batch_grid(task)
     trials = []
 
     class BatchSearch(keras_tuner.HyperModel):
@@ -370,9 +402,10 @@ def run_tuner(task_name="digits", seed=0):
             effective = hp.get("effective_batch_size")
             run = train(task, seed, "fixed", effective=effective, model=model)
             _log_run(task, f"tuner {effective}", seed, run)
+            final = final_loss(smooth(run["curve"]))
             trials.append({"effective_batch": effective, "samples": run["curve"][-1]["samples"],
-                           "final_val_loss": run["curve"][-1]["val_loss"], "seconds": run["seconds"]})
-            return run["curve"][-1]["val_loss"]
+                           "final_val_loss": final, "seconds": run["seconds"]})
+            return final
 
     with tempfile.TemporaryDirectory() as directory:
         tuner = keras_tuner.GridSearch(BatchSearch(), objective=keras_tuner.Objective("val_loss", "min"),
@@ -384,7 +417,7 @@ def run_tuner(task_name="digits", seed=0):
     _log_run(task, "auto (tuner)", seed, auto)
     return {"task": task_name, "seed": seed, "grid": grid, "trials": trials, "best_effective_batch": best,
             "search_samples": sum(t["samples"] for t in trials),
-            "auto": {"samples": auto["curve"][-1]["samples"], "final_val_loss": auto["curve"][-1]["val_loss"],
+            "auto": {"samples": auto["curve"][-1]["samples"], "final_val_loss": final_loss(smooth(auto["curve"])),
                      "schedule": auto["schedule"], "seconds": auto["seconds"]}}
 
 
@@ -496,7 +529,7 @@ def main(argv):
                    "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
                                 "python": platform.python_version()},
                    "cpus": os.cpu_count(), "load_at_start": [round(v, 2) for v in os.getloadavg()],
-                   "settings": {"seeds": SEEDS.value, "evals": EVALS.value, "margin": MARGIN.value,
+                   "settings": {"seeds": SEEDS.value, "auto_variants": AUTO_VARIANTS.value, "evals": EVALS.value, "margin": MARGIN.value,
                                 "patience": PATIENCE.value, "growth": GROWTH.value,
                                 "lr_scaling": LR_SCALING.value, "quick": QUICK.value,
                                 "epochs": EPOCHS.value},

@@ -5,6 +5,7 @@ A run's curve is a list of evaluation points, each {"samples", "updates",
 validation loss of the weights after that update. `benchmarks.auto_batch`
 records them; this module turns them into what the report states:
 
+* every curve read through a trailing mean of `SMOOTHING` evaluations (`smooth`);
 * the target: the best fixed effective batch's final validation loss (the
   lowest, over the fixed batches, of their final loss averaged over seeds);
 * what each run needs to reach it: the samples and the updates at the curve's
@@ -23,6 +24,25 @@ import statistics
 
 FEWER_UPDATES = 0.25        # auto needs at most (1 - this) x the updates of its peer
 MORE_SAMPLES = 0.10         # ... and at most (1 + this) x the samples of the most sample-efficient
+
+
+SMOOTHING = 3              # evaluations in the trailing mean the figures are read from
+
+
+def smooth(curve, k=SMOOTHING):
+    """The curve with each validation loss replaced by the mean of the last `k` evaluations up to it.
+
+    One evaluation of a small validation set moves by more than the differences
+    read here (a spike at one point, a lucky dip at the next): the target and
+    the crossings are read from this trailing mean, the same for every run, so a
+    run is neither credited for a dip nor charged for a spike."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1; received {k}")
+    out = []
+    for i, point in enumerate(curve):
+        window = [p["val_loss"] for p in curve[max(0, i - k + 1):i + 1] if math.isfinite(p["val_loss"])]
+        out.append({**point, "val_loss": statistics.fmean(window) if window else float("nan")})
+    return out
 
 
 def first_crossing(curve, target):

@@ -20,21 +20,37 @@ def _fmt(s, digits=0, scale=1.0):
 
 
 def _curves(entry):
-    return [r["curve"] for r in entry["runs"]]
+    return [aba.smooth(r["curve"]) for r in entry["runs"]]
 
 
 def analyse(task):
-    """Target, needs and verdicts of one task's results."""
+    """Target, needs and verdicts of one task's results (curves through `aba.smooth`)."""
     runs = task["runs"]
     fixed = {label: _curves(e) for label, e in runs.items() if e["kind"] == "fixed"}
     target, source = aba.target(fixed)
     needs = {label: aba.needs(_curves(e), target) for label, e in runs.items()}
     fixed_needs = {label: needs[label] for label in fixed}
+    judged = [label for label, e in runs.items() if e["kind"] != "fixed"]
     return {"target": target, "target_from": source, "needs": needs,
             "verdicts": aba.verdicts(needs["auto"], fixed_needs),
-            "ramp_verdicts": aba.verdicts(needs["ramp"], fixed_needs),
+            "all_verdicts": {label: aba.verdicts(needs[label], fixed_needs) for label in judged},
+            "all_per_seed": {label: aba.per_seed_verdicts(_curves(runs[label]), fixed, target) for label in judged},
             "per_seed": aba.per_seed_verdicts(_curves(runs["auto"]), fixed, target),
             "seeds": len(runs["auto"]["runs"])}
+
+
+def _verdict_cell(v, key, per_seed, seeds):
+    one = v[key]
+    met = "**met**" if one["met"] else "**missed**"
+    if "ratio" in one:
+        figure = f"{one['ratio']:.2f}× {one['peer']}"
+    elif one.get("dominated_by"):
+        figure = "dominated by " + ", ".join(one["dominated_by"])
+    elif one.get("why"):
+        figure = one["why"]
+    else:
+        figure = "none dominates"
+    return f"{met}: {figure} (seeds: {per_seed[key]} of {seeds})"
 
 
 def _verdict_lines(v, per_seed, seeds, who="auto"):
@@ -78,19 +94,30 @@ def _task_section(name, task, a, settings):
              "| updates in all |", "|---|---|---|---|---|---|"]
     for label, entry in task["runs"].items():
         n = a["needs"][label]
-        finals = aba.spread([r["curve"][-1]["val_loss"] for r in entry["runs"]])
+        finals = aba.spread([aba.final_loss(aba.smooth(r["curve"])) for r in entry["runs"]])
         total = aba.spread([r["curve"][-1]["updates"] for r in entry["runs"]])
         lines.append(f"| {label} | {_fmt(finals, 4)} | {_fmt(n['samples'])} | {_fmt(n['updates'])} | "
                      f"{n['reached']} of {n['seeds']} | {_fmt(total)} |")
-    lines += ["", "Mean over seeds [min–max]; samples and updates to the target over the seeds that reach it "
+    lines += ["", "Mean over seeds [min–max], read from each curve's trailing mean over "
+              f"{aba.SMOOTHING} evaluations; samples and updates to the target over the seeds that reach it "
               "(first crossing, linear between evaluations). A configuration that misses the target on any "
-              "seed counts as not reaching it in the verdicts.", "", "**auto**:"]
+              f"seed counts as not reaching it in the verdicts. {task['auto_final_batch']}: the effective "
+              "batch auto ended with (most seeds).", "", "**auto** (the headline setting):"]
     lines += _verdict_lines(a["verdicts"], a["per_seed"], a["seeds"])
-    lines += ["", "**The hand ramp**, judged the same way:"]
-    lines += _verdict_lines(a["ramp_verdicts"], None, a["seeds"], who="the ramp")
-    schedules = [r["schedule"] for r in task["runs"]["auto"]["runs"]]
-    lines += ["", "auto's decisions (update: accum_steps), seed by seed: "
-              + "; ".join(str(sch) for sch in schedules) + ".", ""]
+    lines += ["", "Every run that changes its batch, judged the same way (means over seeds; in brackets, the seeds "
+              "on which the same verdict holds seed by seed):", "",
+              "| run | Pareto | updates (≤ 0.75× the peer's) | samples (≤ 1.10× the most sample-efficient) |",
+              "|---|---|---|---|"]
+    for label, v in a["all_verdicts"].items():
+        per_seed = a["all_per_seed"][label]
+        lines.append(f"| {label} | " + " | ".join(_verdict_cell(v, key, per_seed, a["seeds"])
+                                                   for key in ("pareto", "updates", "samples")) + " |")
+    lines += [""]
+    for label, entry in task["runs"].items():
+        if entry["kind"] in ("auto", "auto variant"):
+            lines.append(f"{label}'s decisions (update: accum_steps), seed by seed: "
+                         + "; ".join(str(r["schedule"]) for r in entry["runs"]) + ".")
+            lines.append("")
     return lines
 
 
@@ -100,7 +127,8 @@ def _tuner_section(tuner):
     lines = ["## One auto run against a KerasTuner search", "",
              f"{TITLES.get(tuner['task'], tuner['task'])}, seed {tuner['seed']}: `keras_tuner.GridSearch` over the "
              f"fixed effective batch ({', '.join(map(str, tuner['grid']))}; objective: final validation loss), each "
-             "trial a full run, against one AutoAccumulation run of the same length.", "",
+             "trial a full run, against one AutoAccumulation run of the same length. Final validation loss: the "
+             f"trailing mean of the last {aba.SMOOTHING} evaluations, as above.", "",
              "| | samples trained | final validation loss |", "|---|---|---|"]
     for t in trials:
         lines.append(f"| trial: fixed {t['effective_batch']} | {t['samples']:,} | {t['final_val_loss']:.4f} |")
@@ -208,8 +236,9 @@ def _draw(results, analyses, folder):
             color = "k" if label == "auto" else f"C{i}"
             width = 2.0 if label == "auto" else 1.1
             for j, run in enumerate(entry["runs"]):
-                curve = run["curve"]
-                kwargs = {"color": color, "lw": width, "alpha": 0.8, "label": label if j == 0 else None}
+                curve = aba.smooth(run["curve"])
+                kwargs = {"color": color, "lw": width, "alpha": 0.8, "label": label if j == 0 else None,
+                          "ls": "--" if entry["kind"] == "auto variant" else "-"}
                 axes[row][0].plot([p["samples"] for p in curve], [p["val_loss"] for p in curve], **kwargs)
                 axes[row][1].plot([max(p["updates"], 1) for p in curve], [p["val_loss"] for p in curve], **kwargs)
                 if entry["kind"] != "fixed":
@@ -217,13 +246,13 @@ def _draw(results, analyses, folder):
                                       drawstyle="steps-post", **kwargs)
         for ax in axes[row][:2]:
             ax.axhline(a["target"], color="grey", ls="--", lw=1, label=f"target ({a['target_from']})")
-            ax.set_ylabel("validation loss")
+            ax.set_ylabel(f"validation loss (trailing mean of {aba.SMOOTHING} evaluations)")
             finals = [r["curve"][-1]["val_loss"] for e in task["runs"].values() for r in e["runs"]]
             ax.set_ylim(min(finals) * 0.9, max(finals) * 2.5)
             ax.grid(alpha=0.3)
         axes[row][0].set(title=f"{TITLES.get(name, name)}: against samples", xlabel="samples")
         axes[row][1].set(title="against optimizer updates", xlabel="updates (log)", xscale="log")
-        axes[row][2].set(title="effective batch (auto: 3 seeds; ramp)", xlabel="samples", ylabel="effective batch",
+        axes[row][2].set(title="effective batch (auto, its variants, ramp; every seed)", xlabel="samples", ylabel="effective batch",
                          yscale="log")
         axes[row][0].legend(fontsize=8)
         axes[row][2].legend(fontsize=8)

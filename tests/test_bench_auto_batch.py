@@ -126,3 +126,15 @@ def test_goodput_model_recovers_t_micro_and_t_update():
     assert model["t_micro"] == pytest.approx(0.003) and model["t_update"] == pytest.approx(0.010)
     with pytest.raises(ValueError):
         aba.goodput_model({1: 0.01})
+
+
+def test_smooth_is_a_trailing_mean_that_keeps_samples_and_updates():
+    c = curve([(0, 0, 3.0), (10, 1, 1.0), (20, 2, 2.0), (30, 3, float("nan")), (40, 4, 0.0)])
+    smoothed = aba.smooth(c, k=3)
+    assert [p["val_loss"] for p in smoothed] == pytest.approx([3.0, 2.0, 2.0, 1.5, 1.0])
+    assert [(p["samples"], p["updates"]) for p in smoothed] == [(p["samples"], p["updates"]) for p in c]
+    # A one-point dip below the target is not a crossing once smoothed.
+    dip = curve([(0, 0, 2.0), (10, 1, 2.0), (20, 2, 0.5), (30, 3, 2.0), (40, 4, 2.0)])
+    assert aba.first_crossing(dip, 1.0) is not None and aba.first_crossing(aba.smooth(dip), 1.0) is None
+    with pytest.raises(ValueError):
+        aba.smooth(c, k=0)
