@@ -170,9 +170,10 @@ def _goodput_section(g):
               f"t_update = {model['t_update'] * 1e3:.2f} ms (what an update adds: the all-reduce of the "
               "gradients and the inner optimizer's step). So a run that needs U updates of N micro-steps takes "
               "U × (N × t_micro + t_update): at the same samples, fewer, larger updates save U × t_update. "
-              "Here an update costs as much as "
-              f"{model['t_update'] / model['t_micro']:.1f} micro-steps; on a real cluster the all-reduce crosses "
-              "a network and the share grows with the model's size.", "",
+              + (f"Here an update costs as much as {model['t_update'] / model['t_micro']:.1f} micro-steps"
+                 if model["t_update"] > 0 and model["t_micro"] > 0 else
+                 "Here the fit does not resolve a positive t_update (the rounds' spread is larger than it)")
+              + "; on a cluster the all-reduce crosses a network, and its share grows with the model's size.", "",
               "![goodput](auto_batch_goodput.png)", ""]
     return lines
 
@@ -190,8 +191,10 @@ def write(results, folder):
              "Every run trains with `GradientAccumulator` at one micro-batch, so runs differ only in their "
              "effective batch (accum_steps × micro-batch), on the same samples. **auto**: `AutoAccumulation("
              f"margin={settings['margin']:g}, patience={settings['patience']}, growth={settings['growth']}, "
-             f"lr_scaling=\"{settings['lr_scaling']}\")` from the smallest effective batch; **fixed**: the smallest, "
-             "the one auto ended with, the largest; **ramp**: a hand-made `AccumulationSchedule(by=\"update\")` "
+             f"lr_scaling=\"{settings['lr_scaling']}\")` from the smallest effective batch (the library's defaults for "
+             "margin, patience and growth, chosen before any run; the variants named `auto m… p… g…` are other "
+             "settings, run alongside and shown, not picked from); **fixed**: every effective batch from the "
+             "smallest to the largest, doubling (the one auto ends with among them); **ramp**: a hand-made `AccumulationSchedule(by=\"update\")` "
              "doubling the effective batch in equal shares of the samples. One learning-rate rule for all: "
              f"`{settings['lr_scaling']}` scaling from the smallest batch's learning rate (fixed batches start at "
              f"theirs). {settings['seeds']} seeds (weights and shuffling).", "",
@@ -232,9 +235,16 @@ def _draw(results, analyses, folder):
     fig, axes = plt.subplots(len(tasks), 3, figsize=(16, 4.6 * len(tasks)), squeeze=False)
     for row, name in enumerate(tasks):
         task, a = results["tasks"][name], analyses[name]
-        for i, (label, entry) in enumerate(task["runs"].items()):
-            color = "k" if label == "auto" else f"C{i}"
-            width = 2.0 if label == "auto" else 1.1
+        fixed_labels = [label for label, e in task["runs"].items() if e["kind"] == "fixed"]
+        variants = [label for label, e in task["runs"].items() if e["kind"] == "auto variant"]
+        for label, entry in task["runs"].items():
+            if entry["kind"] == "fixed":
+                color = plt.cm.viridis(fixed_labels.index(label) / max(1, len(fixed_labels) - 1) * 0.9)
+            elif entry["kind"] == "auto variant":
+                color = ("tab:orange", "tab:red", "tab:brown")[variants.index(label) % 3]
+            else:
+                color = {"auto": "k", "ramp": "tab:pink"}.get(label, "tab:gray")
+            width = 2.2 if label == "auto" else 1.1
             for j, run in enumerate(entry["runs"]):
                 curve = aba.smooth(run["curve"])
                 kwargs = {"color": color, "lw": width, "alpha": 0.8, "label": label if j == 0 else None,
@@ -247,8 +257,10 @@ def _draw(results, analyses, folder):
         for ax in axes[row][:2]:
             ax.axhline(a["target"], color="grey", ls="--", lw=1, label=f"target ({a['target_from']})")
             ax.set_ylabel(f"validation loss (trailing mean of {aba.SMOOTHING} evaluations)")
-            finals = [r["curve"][-1]["val_loss"] for e in task["runs"].values() for r in e["runs"]]
-            ax.set_ylim(min(finals) * 0.9, max(finals) * 2.5)
+            smoothed = [aba.smooth(r["curve"]) for e in task["runs"].values() for r in e["runs"]]
+            low = min(p["val_loss"] for c in smoothed for p in c)
+            high = max(c[0]["val_loss"] for c in smoothed)
+            ax.set(yscale="log", ylim=(low * 0.85, high * 1.1))
             ax.grid(alpha=0.3)
         axes[row][0].set(title=f"{TITLES.get(name, name)}: against samples", xlabel="samples")
         axes[row][1].set(title="against optimizer updates", xlabel="updates (log)", xscale="log")
