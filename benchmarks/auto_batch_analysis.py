@@ -103,10 +103,19 @@ def all_reached(need):
     return need["seeds"] > 0 and need["reached"] == need["seeds"]
 
 
+def most_reached(need):
+    """A majority of the seeds reached the target (how a fixed batch counts as reaching it)."""
+    return need["seeds"] > 0 and 2 * need["reached"] > need["seeds"]
+
+
 def verdicts(auto, fixed, fewer_updates=FEWER_UPDATES, more_samples=MORE_SAMPLES):
     """The goal's three verdicts for `auto` against `fixed` ({label: needs(...)}), on seed means.
 
-    A configuration counts as reaching the target only when every seed does.
+    Auto counts as reaching the target only when every seed does; a fixed
+    batch when most of its seeds do (its figures: the mean over those). The
+    target is the best fixed batch's own mean final loss, which about half of
+    its seeds reach by the end: stricter, it would not count as reaching its
+    own target. Both choices lean against auto.
     Returns {"pareto": {...}, "updates": {...}, "samples": {...}}, each with
     "met" (bool) and the figures it was judged on:
 
@@ -121,7 +130,7 @@ def verdicts(auto, fixed, fewer_updates=FEWER_UPDATES, more_samples=MORE_SAMPLES
 
     Where auto does not reach the target on every seed, all three are missed.
     """
-    reached = {label: n for label, n in fixed.items() if all_reached(n)}
+    reached = {label: n for label, n in fixed.items() if most_reached(n)}
     if not all_reached(auto):
         why = f"it reached the target on {auto['reached']} of {auto['seeds']} seeds"
         return {key: {"met": False, "why": why} for key in ("pareto", "updates", "samples")}
@@ -130,7 +139,7 @@ def verdicts(auto, fixed, fewer_updates=FEWER_UPDATES, more_samples=MORE_SAMPLES
                   if n["samples"]["mean"] < a_samples and n["updates"]["mean"] < a_updates]
     result = {"pareto": {"met": not dominating, "dominated_by": dominating}}
     if not reached:
-        why = "no fixed batch reached the target on every seed"
+        why = "no fixed batch reached the target on most seeds"
         result["updates"] = {"met": True, "why": why, "peer": None}
         result["samples"] = {"met": True, "why": why, "peer": None}
         return result
@@ -156,6 +165,16 @@ def per_seed_verdicts(auto_curves, fixed_curves, target_loss, **kwargs):
         for key in counts:
             counts[key] += bool(one[key]["met"])
     return counts
+
+
+def goodput_rounds(seconds_per_update_by_round):
+    """`goodput_model` fitted round by round: {accum_steps: [seconds per update, a round each]} ->
+    {"t_micro": [...], "t_update": [...]}, a value per round (their spread is the fit's)."""
+    rounds = {len(v) for v in seconds_per_update_by_round.values()}
+    if len(rounds) != 1:
+        raise ValueError(f"rounds do not pair up: {sorted(rounds)}")
+    fits = [goodput_model({n: v[r] for n, v in seconds_per_update_by_round.items()}) for r in range(rounds.pop())]
+    return {"t_micro": [f["t_micro"] for f in fits], "t_update": [f["t_update"] for f in fits]}
 
 
 def goodput_model(seconds_per_update):

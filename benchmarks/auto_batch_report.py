@@ -148,6 +148,8 @@ def goodput(g):
     per_update = {int(n): [t / (g["micro_steps_per_cell"] / int(n)) for t in v] for n, v in g["seconds"].items()}
     ratios = {n: stats.ratio_summary(per_sample[n], per_sample[1]) for n in per_sample if 1 in per_sample}
     model = aba.goodput_model({n: stats.summary(v)["median"] for n, v in per_update.items()})
+    per_round = aba.goodput_rounds(per_update)
+    model["by_round"] = {key: stats.summary(values) for key, values in per_round.items()}
     return per_sample, per_update, ratios, model
 
 
@@ -165,10 +167,13 @@ def _goodput_section(g):
     for n in sorted(per_sample):
         lines.append(f"| {n} | {stats.fmt(stats.summary(per_sample[n]), 3, 1e3)} | "
                      f"{stats.fmt(stats.summary(per_update[n]), 2, 1e3)} | {stats.fmt(ratios[n], 3)} |")
+    by_round = model["by_round"]
     lines += ["", f"Fitted over N (least squares on the medians): **time per update = N × t_micro + t_update**, "
               f"t_micro = {model['t_micro'] * 1e3:.2f} ms (one micro-step of {global_micro} samples), "
               f"t_update = {model['t_update'] * 1e3:.2f} ms (what an update adds: the all-reduce of the "
-              "gradients and the inner optimizer's step). So a run that needs U updates of N micro-steps takes "
+              "gradients and the inner optimizer's step). Fitted round by round instead: t_micro "
+              f"{stats.fmt(by_round['t_micro'], 2, 1e3)} ms, t_update {stats.fmt(by_round['t_update'], 2, 1e3)} ms "
+              "(median [min–max] over the rounds: the spread of the fit). So a run that needs U updates of N micro-steps takes "
               "U × (N × t_micro + t_update): at the same samples, fewer, larger updates save U × t_update. "
               + (f"Here an update costs as much as {model['t_update'] / model['t_micro']:.1f} micro-steps"
                  if model["t_update"] > 0 and model["t_micro"] > 0 else
@@ -202,6 +207,8 @@ def write(results, folder):
              f"fewer samples and fewer updates), needs at least {aba.FEWER_UPDATES:.0%} fewer updates than the "
              f"fixed batch that needs as few samples, and at most {aba.MORE_SAMPLES:.0%} more samples than the "
              "most sample-efficient fixed batch. Judged on the means over seeds, with the seed-by-seed count.", ""]
+    if results.get("reading"):
+        lines += ["## Reading", ""] + [p for paragraph in results["reading"] for p in (paragraph, "")]
     summary = {}
     for name, a in analyses.items():
         lines += _task_section(name, results["tasks"][name], a, settings)
@@ -218,7 +225,9 @@ def write(results, folder):
     if results.get("goodput"):
         lines += _goodput_section(results["goodput"])
         _, _, ratios, model = goodput(results["goodput"])
-        summary["goodput"] = {"ratios": {str(n): r["median"] for n, r in ratios.items()}, **model}
+        summary["goodput"] = {"ratios": {str(n): r["median"] for n, r in ratios.items()},
+                              "t_micro": model["t_micro"], "t_update": model["t_update"],
+                              "t_update_by_round": model["by_round"]["t_update"]}
     with open(os.path.join(folder, "auto_batch.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     _draw(results, analyses, folder)

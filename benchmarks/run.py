@@ -27,7 +27,7 @@ the library's memory use):
   (time per sample at accum_steps 1, 2, 4, 8 on 2 worker processes):
   `benchmarks/auto_batch.py` in its own process, which writes auto_batch.json,
   auto_batch.md and its plots next to results.json; results.json keeps its
-  verdicts (about 12 minutes; ``--quick`` a smoke run).
+  verdicts (about 18 minutes; ``--quick`` a smoke run).
 
 Writes docs/benchmarks/<device>/results.json (here), results.md (`report.py`)
 and PNG plots (`plots.py`); ``--report_only`` rewrites the last two from the

@@ -106,12 +106,15 @@ def test_verdicts_all_missed_when_auto_misses_the_target_on_a_seed():
     assert "1 of 2" in v["pareto"]["why"]
 
 
-def test_fixed_batches_that_miss_on_a_seed_do_not_dominate():
+def test_fixed_batches_count_as_reaching_on_most_seeds():
     target = 1.0
-    fixed = {"small": aba.needs([decaying(32, rate=3.0), decaying(32, rate=0.1)], target)}
-    auto = aba.needs([decaying(64, rate=2.0)] * 2, target)
-    v = aba.verdicts(auto, fixed)
-    assert v["pareto"]["met"] and v["updates"]["peer"] is None
+    auto = aba.needs([decaying(16, rate=2.0)] * 3, target)          # more samples and more updates
+    one_of_three = {"small": aba.needs([decaying(32, rate=3.0)] + [decaying(32, rate=0.1)] * 2, target)}
+    v = aba.verdicts(auto, one_of_three)
+    assert v["pareto"]["met"] and v["updates"]["peer"] is None        # 1 of 3: not reaching
+    two_of_three = {"small": aba.needs([decaying(32, rate=3.0)] * 2 + [decaying(32, rate=0.1)], target)}
+    v = aba.verdicts(auto, two_of_three)
+    assert not v["pareto"]["met"] and v["pareto"]["dominated_by"] == ["small"]
 
 
 def test_per_seed_verdicts_count_seeds():
@@ -126,6 +129,10 @@ def test_goodput_model_recovers_t_micro_and_t_update():
     assert model["t_micro"] == pytest.approx(0.003) and model["t_update"] == pytest.approx(0.010)
     with pytest.raises(ValueError):
         aba.goodput_model({1: 0.01})
+    per_round = aba.goodput_rounds({1: [0.013, 0.026], 2: [0.016, 0.032], 8: [0.034, 0.068]})
+    assert per_round["t_micro"] == pytest.approx([0.003, 0.006]) and per_round["t_update"] == pytest.approx([0.01, 0.02])
+    with pytest.raises(ValueError):
+        aba.goodput_rounds({1: [0.01], 2: [0.01, 0.02]})
 
 
 def test_smooth_is_a_trailing_mean_that_keeps_samples_and_updates():
