@@ -93,7 +93,7 @@ demo: $(VENV)/.installed
 demo-retrieval: $(VENV)/.installed
 	$(VENV)/bin/python -m tfx_gradient_accumulator.pipelines.run_local --pipeline=retrieval --output_dir=work/retrieval
 
-# Benchmarks (14 to 17 minutes on 2 cores): tables and plots under docs/benchmarks/.
+# Benchmarks (about 35 minutes on 2 cores): tables and plots under docs/benchmarks/.
 # BENCH_ARGS=--parts=memory re-runs one part alone (parts: benchmarks/run.py).
 BENCH_ARGS ?=
 bench: $(VENV)/.installed

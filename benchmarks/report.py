@@ -42,6 +42,7 @@ REASONS = {
                        "micro-batch that fills it"),
     "reductions": "more than one all-reduce per window",
     "leak": "resident memory grows with training steps",
+    "auto_batch": "see [auto_batch.md](auto_batch.md): the runs' curves, what each needs and why",
 }
 
 
@@ -65,6 +66,8 @@ def write(results, folder):
         lines += _distributed(results["distributed"], targets)
     if results.get("leak"):
         lines += _leak(results["leak"], targets)
+    if results.get("auto_batch"):
+        lines += _auto_batch(results["auto_batch"], targets)
     lines += _targets_table(targets, results.get("reasons", {}))
     with open(os.path.join(folder, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -397,6 +400,34 @@ def _leak(leak, targets):
     return ["## Leak check", "",
             f"Resident memory after 1,000 micro-steps: {leak['rss_after_1000_mb']:.1f} MB; after 10,000: "
             f"{leak['rss_after_10000_mb']:.1f} MB (growth {growth:+.1f} MB, {leak['updates']} updates).", ""]
+
+
+def _auto_batch(summary, targets):
+    """AutoAccumulation against fixed effective batches: the verdicts, from auto_batch.md's part."""
+    lines = ["## AutoAccumulation against fixed effective batches", "",
+             "The effective batch grown by the measured noise scale against fixed effective batches, a hand "
+             "ramp and a KerasTuner search, on the digits CNN and a small language model, over seeds; and the "
+             "goodput model (why updates cost time). The curves, tables and plots: "
+             "[auto_batch.md](auto_batch.md).", ""]
+    labels = {"pareto": "auto Pareto-better than every fixed batch (samples and updates to the target)",
+              "updates": "auto needs ≥ 25% fewer updates than the fixed batch that needs as few samples",
+              "samples": "auto needs ≤ 10% more samples than the most sample-efficient fixed batch"}
+    for task in ("digits", "text"):
+        if task not in summary:
+            continue
+        verdicts, per_seed, seeds = summary[task]["verdicts"], summary[task]["per_seed"], summary[task]["seeds"]
+        for key, label in labels.items():
+            v = verdicts[key]
+            measured = f"{v['ratio']:.2f}× {v['peer']}" if "ratio" in v else (
+                "dominated by " + ", ".join(v["dominated_by"]) if v.get("dominated_by") else v.get("why", "none"))
+            targets.append((f"{task}: {label}", f"{measured} (seeds met: {per_seed[key]} of {seeds})",
+                            "met" if v["met"] else "missed", "auto_batch"))
+    goodput = summary.get("goodput")
+    if goodput:
+        lines += [f"Goodput model on 2 worker processes: time per update = N × {goodput['t_micro'] * 1e3:.2f} ms + "
+                  f"{goodput['t_update'] * 1e3:.2f} ms; time per sample against N = 1: "
+                  + ", ".join(f"N={n}: {r:.2f}×" for n, r in goodput["ratios"].items()) + ".", ""]
+    return lines
 
 
 def _targets_table(targets, reasons):

@@ -21,6 +21,13 @@ the library's memory use):
 * ``distributed``: cross-replica reductions per update (MirroredStrategy, 2
   logical CPUs; MultiWorkerMirroredStrategy, 2 workers on 127.0.0.1), tiny model.
 * ``leak``: resident memory after 1,000 vs 10,000 micro-steps.
+* ``auto_batch``: `AutoAccumulation` against fixed effective batches, a hand
+  ramp and a KerasTuner search (validation loss against samples and updates,
+  3 seeds, the digits CNN and a small language model), and the goodput model
+  (time per sample at accum_steps 1, 2, 4, 8 on 2 worker processes):
+  `benchmarks/auto_batch.py` in its own process, which writes auto_batch.json,
+  auto_batch.md and its plots next to results.json; results.json keeps its
+  verdicts (about 18 minutes; ``--quick`` a smoke run).
 
 Writes docs/benchmarks/<device>/results.json (here), results.md (`report.py`)
 and PNG plots (`plots.py`); ``--report_only`` rewrites the last two from the
@@ -141,7 +148,18 @@ def _run_leak(results):
     results["leak"] = _measure("--mode=leak")
 
 
-def _measure_parts(path, device_name, started):
+def _run_auto_batch(results, folder):
+    """`benchmarks.auto_batch` in its own process; its summary (the verdicts) from its last line."""
+    command = [sys.executable, "-m", "benchmarks.auto_batch", f"--out={folder}"] + (["--quick"] if QUICK.value else [])
+    logging.info("measuring: %s  (load %s)", " ".join(command[1:]), _load())
+    out = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, text=True, timeout=3600,
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow"))
+    if out.returncode:
+        raise RuntimeError(f"benchmarks.auto_batch failed (exit {out.returncode}); its log is above")
+    results["auto_batch"] = json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _measure_parts(path, device_name, started, folder):
     """Runs the parts of --parts in PARTS' order and writes results.json.
 
     A subset of the parts replaces only its own sections of an existing
@@ -164,7 +182,10 @@ def _measure_parts(path, device_name, started):
     for part in PARTS:
         if part in parts:
             part_started = time.perf_counter()
-            globals()[f"_run_{part}"](results)
+            if part == "auto_batch":
+                _run_auto_batch(results, folder)
+            else:
+                globals()[f"_run_{part}"](results)
             results.setdefault("part_seconds", {})[part] = round(time.perf_counter() - part_started, 1)
             results.setdefault("part_dates", {})[part] = results["date"]
     results["load_at_end"] = _load()
@@ -193,7 +214,7 @@ def main(argv):
         with open(path) as f:
             results = json.load(f)
     else:
-        results = _measure_parts(path, device_name, started)
+        results = _measure_parts(path, device_name, started, folder)
     plots.draw(results, folder)
     missed = report.write(results, folder)
     print(open(os.path.join(folder, "results.md")).read())
