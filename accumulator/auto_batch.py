@@ -24,6 +24,7 @@ import functools
 import math
 
 import keras
+import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator.callbacks import EpochWindows, _AccumulationScheduleRule, window_callback_classes
 
@@ -120,3 +121,33 @@ def auto_accumulation_class(keras_package):
     schedule = window_callback_classes(keras_package)[1]
     return type("AutoAccumulation", (_AutoAccumulationRule, schedule), {
         "__doc__": _AutoAccumulationRule.__doc__, "__module__": __name__})
+
+
+def auto_rule_of(optimizer, keras_package, fit_arguments):
+    """The `AutoAccumulation` of a `GradientAccumulator(accum_steps="auto")`, made by its
+    first `fit` (whose arguments tell the micro-batch) and kept on the optimizer."""
+    if optimizer.auto_accumulation is None:
+        optimizer.auto_accumulation = auto_accumulation_class(keras_package)(
+            micro_batch_size=global_micro_batch_size(fit_arguments),
+            start_accum_steps=optimizer.accum_steps, **optimizer.auto)
+    return optimizer.auto_accumulation
+
+
+def global_micro_batch_size(fit_arguments):
+    """The samples of one step of `fit` (all replicas'): its `batch_size` for arrays
+    (Keras' default 32), a dataset's batch (static, else read from its first batch)."""
+    x = fit_arguments.get("x")
+    if isinstance(x, tf.data.Dataset):
+        shape = tf.nest.flatten(x.element_spec)[0].shape
+        if shape.rank and shape[0] is not None:
+            return int(shape[0])
+        for first in x.take(1):
+            return int(tf.shape(tf.nest.flatten(first)[0])[0])
+        raise ValueError("GradientAccumulator(accum_steps='auto'): the dataset given to fit is empty.")
+    if x is None or not (hasattr(x, "shape") or isinstance(x, (dict, list, tuple))):
+        raise ValueError(
+            "GradientAccumulator(accum_steps='auto') reads the micro-batch from fit's `batch_size` or "
+            f"from a tf.data.Dataset; fit got a {type(x).__name__}. Pass the rule yourself: "
+            "fit(..., callbacks=[AutoAccumulation(micro_batch_size=<samples per step>, "
+            "max_effective_batch_size=...)]).")
+    return int(fit_arguments.get("batch_size") or 32)

@@ -46,6 +46,7 @@ import keras
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import seam
+from tfx_gradient_accumulator.accumulator.auto_batch import auto_rule_of
 from tfx_gradient_accumulator.accumulator.validation import integer_at_least
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,10 @@ class TrainingBackup:
         # Callbacks that decide during training (AutoAccumulation) keep their decisions in the backup.
         saver.stateful = [c for c in arguments.get("callbacks") or []
                           if callable(getattr(c, "state", None)) and callable(getattr(c, "restore_state", None))]
-        auto = getattr(getattr(model, "optimizer", None), "auto_accumulation", None)
+        optimizer = getattr(model, "optimizer", None)
+        auto = getattr(optimizer, "auto_accumulation", None)
+        if auto is None and getattr(optimizer, "auto", None) is not None and not saver.stateful:
+            auto = auto_rule_of(optimizer, seam.keras_package_of(model), arguments)  # accum_steps="auto"
         if auto is not None and auto not in saver.stateful:     # the one accumulating_compile made
             saver.stateful.append(auto)
         history = None

@@ -12,7 +12,8 @@ installs (`accumulator.hooks`) calls `before_fit`, which
 * ties the model's `AccumBatchNormalization` layers to the optimizer's windows;
 * puts an `accumulator.callbacks.EpochWindows` callback first in the list (or
   the `AccumulationSchedule` or `AutoAccumulation` that `accumulating_compile`
-  asked for), so the
+  asked for, or the `AutoAccumulation` of a `GradientAccumulator(accum_steps="auto")`,
+  made by its first `fit`, which knows the micro-batch), so the
   window is closed, as the optimizer's `partial_window` says, before
   validation, checkpoints, early stopping or any other callback looks at the
   weights. A callback of that kind the user passes is moved to the front
@@ -27,12 +28,14 @@ import keras
 
 from tfx_gradient_accumulator.accumulator import seam
 from tfx_gradient_accumulator.accumulator._tf import NO_MERGE_CALL_MESSAGE
+from tfx_gradient_accumulator.accumulator.auto_batch import auto_accumulation_class, auto_rule_of
 from tfx_gradient_accumulator.accumulator.callbacks import window_callback_classes
 from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
 
 
-def before_fit(model, callbacks):
-    """The checks above, then `callbacks` with the window callback first."""
+def before_fit(model, callbacks, fit_arguments=None):
+    """The checks above, then `callbacks` with the window callback first.
+    `fit_arguments` ({name: value} of the `fit` call) tell an "auto" window its micro-batch."""
     optimizer = getattr(model, "optimizer", None)
     if not seam.is_keras2_object(model) and isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and \
             isinstance(optimizer.inner_optimizer, AccumulationWindow):
@@ -50,10 +53,10 @@ def before_fit(model, callbacks):
     if getattr(model, "jit_compile", False) is True and \
             model.distribute_strategy.num_replicas_in_sync > 1:
         raise NotImplementedError(NO_MERGE_CALL_MESSAGE)
-    return with_epoch_windows(model, callbacks)
+    return with_epoch_windows(model, callbacks, fit_arguments)
 
 
-def with_epoch_windows(model, callbacks):
+def with_epoch_windows(model, callbacks, fit_arguments=None):
     """`callbacks` with an `EpochWindows` first, if `model` trains with an accumulator."""
     optimizer = getattr(model, "optimizer", None)
     if not isinstance(optimizer, AccumulationWindow) or optimizer.is_passthrough:
@@ -68,6 +71,10 @@ def with_epoch_windows(model, callbacks):
     as_list = isinstance(callbacks, keras_package.callbacks.CallbackList)
     items = callbacks.callbacks if as_list else list(callbacks or [])
     ours = [c for c in items if isinstance(c, EpochWindows)]
+    if ours and optimizer.auto is not None and isinstance(ours[0], auto_accumulation_class(keras_package)):
+        optimizer.auto_accumulation = ours[0]      # the user's own: kept for the next fit and backups
+    if not ours and optimizer.auto is not None:
+        ours = [auto_rule_of(optimizer, keras_package, fit_arguments or {})]
     if not ours:
         ours = [EpochWindows() if optimizer.fit_callback is None else optimizer.fit_callback()]
         if as_list:     # Keras configured the others already
@@ -78,3 +85,4 @@ def with_epoch_windows(model, callbacks):
         items[:] = ordered
         return callbacks
     return ordered
+

@@ -129,7 +129,8 @@ def _make_fit(original):
     @functools.wraps(original)
     def fit(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs)
-        bound.arguments["callbacks"] = fit_hook.before_fit(self, bound.arguments.get("callbacks"))
+        bound.arguments["callbacks"] = fit_hook.before_fit(self, bound.arguments.get("callbacks"),
+                                                            dict(bound.arguments))
         return original(*bound.args, **bound.kwargs)
 
     fit.accumulator_hook = True     # the optimizer asks, to warn when it is missing

@@ -122,10 +122,11 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
 
     def __init__(self, optimizer, accum_steps=1, partial_window="apply", schedulable=False,
                  measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING,
-                 merge_duplicate_rows=False, loss_reduction="auto", name=None, **kwargs):
+                 merge_duplicate_rows=False, loss_reduction="auto", max_effective_batch_size=None,
+                 lr_scaling="none", name=None, **kwargs):
         window_args = self._validate_window_arguments(
             accum_steps, partial_window, schedulable, measure_noise_scale, noise_scale_smoothing,
-            merge_duplicate_rows, loss_reduction)
+            merge_duplicate_rows, loss_reduction, max_effective_batch_size, lr_scaling)
         optimizer = _resolve_optimizer(optimizer)
         kwargs.pop("is_legacy_optimizer", None)     # in every Keras 2 optimizer config
         refuse_unknown_arguments(kwargs, "set clipping, weight decay and EMA on the inner optimizer.")

@@ -110,7 +110,8 @@ class LearningRateScaler:
                 inner_optimizer.lr_scaling_multiplier = self._base.multiplier
             return True
         self.multiplier = lr_multiplier(self.rule, accum_steps, self.start_accum_steps)
-        self._base = float(keras.ops.convert_to_numpy(given)) / self.multiplier
+        # A constant (a float, or a variable of either Keras: TF 2.15's `keras` has no `ops`).
+        self._base = float(given.numpy() if hasattr(given, "numpy") else given) / self.multiplier
         return False
 
     def set(self, accum_steps):

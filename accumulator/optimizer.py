@@ -125,7 +125,19 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
             (not one built with Keras' own `gradient_accumulation_steps`) or a
             name accepted by `keras.optimizers.get` (for example "adam").
         accum_steps: positive int, the micro-batches in one window. The default,
-            1, makes the wrapper a transparent pass-through.
+            1, makes the wrapper a transparent pass-through. Or "auto": the
+            window starts at 2 micro-batches and `fit` grows it while the
+            measured noise scale says the effective batch is below the critical
+            batch (`accumulator.AutoAccumulation`, which `fit` adds itself, with
+            the micro-batch read from `fit`'s `batch_size` or the dataset's
+            first batch); the rule is kept as `auto_accumulation`, its
+            decisions as `auto_accumulation.schedule`, which
+            `AccumulationSchedule(schedule, by="update")` replays exactly.
+        max_effective_batch_size: with accum_steps="auto" (and only then): the
+            effective batch, in samples per update, it may grow to.
+        lr_scaling: with accum_steps="auto": "none" (the default), "linear" or
+            "sqrt", the rule that multiplies the inner optimizer's learning
+            rate as the effective batch grows.
         partial_window: "apply", "carry" or "drop": what the end of an epoch
             and of `fit` does with an open window.
         schedulable: keep the accumulating path even at `accum_steps=1`, so
@@ -176,10 +188,11 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
 
     def __init__(self, optimizer, accum_steps=1, partial_window="apply", schedulable=False,
                  measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING,
-                 merge_duplicate_rows=False, loss_reduction="auto", name=None, **kwargs):
+                 merge_duplicate_rows=False, loss_reduction="auto", max_effective_batch_size=None,
+                 lr_scaling="none", name=None, **kwargs):
         window_args = self._validate_window_arguments(
             accum_steps, partial_window, schedulable, measure_noise_scale, noise_scale_smoothing,
-            merge_duplicate_rows, loss_reduction)
+            merge_duplicate_rows, loss_reduction, max_effective_batch_size, lr_scaling)
         optimizer = _resolve_optimizer(optimizer)
         for arg_name, default in _BASE_ARG_DEFAULTS.items():
             if arg_name in kwargs and kwargs.pop(arg_name) != default:

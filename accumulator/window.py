@@ -41,6 +41,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import _tf, lookups, seam
+from tfx_gradient_accumulator.accumulator.lr_scaling import validate_lr_scaling
 from tfx_gradient_accumulator.accumulator.noise_scale import (
     DEFAULT_SMOOTHING, NoiseScaleEstimate, micro_batch_terms, squared_norm, validate_smoothing,
 )
@@ -120,13 +121,37 @@ def optimizer_chain(optimizer):
     return chain
 
 
+AUTO_START_ACCUM_STEPS = 2
+
+
+def validate_auto(accum_steps, max_effective_batch_size, lr_scaling):
+    """`accum_steps="auto"`'s settings ({"max_effective_batch_size", "lr_scaling"}),
+    or None for a fixed `accum_steps`; raises on settings that go only with "auto"."""
+    if isinstance(accum_steps, str) and accum_steps != "auto":
+        raise TypeError(f"`accum_steps` must be an integer >= 1 or 'auto'; received {accum_steps!r}.")
+    if accum_steps != "auto":
+        if max_effective_batch_size is not None or lr_scaling != "none":
+            raise ValueError(
+                "`max_effective_batch_size` and `lr_scaling` go with accum_steps='auto'; received "
+                f"accum_steps={accum_steps!r}. A fixed schedule takes its own "
+                "(AccumulationSchedule(schedule, lr_scaling=...)).")
+        return None
+    if max_effective_batch_size is None:
+        raise ValueError("accum_steps='auto' needs `max_effective_batch_size`: the effective batch "
+                         "(samples per update) it may grow to, an int >= 2.")
+    integer_at_least(max_effective_batch_size, "max_effective_batch_size", 2)
+    validate_lr_scaling(lr_scaling)
+    return {"max_effective_batch_size": int(max_effective_batch_size), "lr_scaling": lr_scaling}
+
+
 def refuse_unknown_arguments(kwargs, advice=""):
     """Raises naming the constructor arguments left in `kwargs`, if any (both Keras)."""
     if kwargs:
         raise ValueError(
             f"GradientAccumulator got unknown arguments: {sorted(kwargs)}. "
             "It takes `optimizer`, `accum_steps`, `partial_window`, `schedulable`, "
-            "`measure_noise_scale`, `noise_scale_smoothing`, `merge_duplicate_rows`, `loss_reduction` and `name`" + (f"; {advice}" if advice else ".")
+            "`measure_noise_scale`, `noise_scale_smoothing`, `merge_duplicate_rows`, `loss_reduction`, "
+            "`max_effective_batch_size`, `lr_scaling` (with accum_steps='auto') and `name`" + (f"; {advice}" if advice else ".")
         )
 
 
@@ -234,8 +259,14 @@ class AccumulationWindow:
 
     # ------------------------------------------------------------------ setup
     def _init_window(self, accum_steps, partial_window, schedulable, measure_noise_scale,
-                     noise_scale_smoothing, merge_duplicate_rows, loss_reduction="auto"):
+                     noise_scale_smoothing, merge_duplicate_rows, loss_reduction="auto", auto=None):
         self._accum_steps = accum_steps
+        # accum_steps="auto": {"max_effective_batch_size", "lr_scaling"}; the rule
+        # (`AutoAccumulation`) is made by the first `fit` (`accumulator.fit_hook`),
+        # which knows the micro-batch, and kept here: its decisions carry on into a
+        # later `fit` and into a `TrainingBackup`.
+        self.auto = auto
+        self.auto_accumulation = None
         self.loss_reduction = loss_reduction
         self.merge_duplicate_rows = merge_duplicate_rows
         self.partial_window = partial_window
@@ -259,7 +290,13 @@ class AccumulationWindow:
 
     @staticmethod
     def _validate_window_arguments(accum_steps, partial_window, schedulable, measure_noise_scale,
-                                   noise_scale_smoothing, merge_duplicate_rows, loss_reduction="auto"):
+                                   noise_scale_smoothing, merge_duplicate_rows, loss_reduction="auto",
+                                   max_effective_batch_size=None, lr_scaling="none"):
+        auto = validate_auto(accum_steps, max_effective_batch_size, lr_scaling)
+        if auto is not None:
+            # Starts at 2 micro-batches (the noise scale needs windows of several),
+            # schedulable (the window's size changes) and measuring.
+            accum_steps, schedulable, measure_noise_scale = AUTO_START_ACCUM_STEPS, True, True
         accum_steps = validate_accum_steps(accum_steps)
         loss_reduction = validate_loss_reduction(loss_reduction)
         merge_duplicate_rows = validate_merge_duplicate_rows(merge_duplicate_rows)
@@ -276,7 +313,7 @@ class AccumulationWindow:
         if measure_noise_scale and loss_reduction == "sum":
             raise ValueError(SUMMED_NOISE_SCALE_MESSAGE)
         return (accum_steps, partial_window, schedulable, measure_noise_scale, noise_scale_smoothing,
-                merge_duplicate_rows, loss_reduction)
+                merge_duplicate_rows, loss_reduction, auto)
 
     def _untracked(self, **attributes):
         # Plain Python state, set past TensorFlow's attribute tracking: the
@@ -900,6 +937,10 @@ class AccumulationWindow:
             total.assign(0.0)
 
     def _window_config(self):
+        if self.auto is not None:
+            return {"accum_steps": "auto", **self.auto, "partial_window": self.partial_window,
+                    "noise_scale_smoothing": self.noise_scale_smoothing,
+                    "merge_duplicate_rows": self.merge_duplicate_rows, "loss_reduction": self.loss_reduction}
         return {
             "accum_steps": self.accum_steps,
             "partial_window": self.partial_window,

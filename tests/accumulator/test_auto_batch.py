@@ -161,3 +161,104 @@ def test_accumulating_compile_auto_grows_unchanged_training_code_and_resumes_wit
     with pytest.raises(ValueError, match="`auto` and `schedule` exclude each other"):
         with accumulating_compile(2, schedule={0: 2}, auto=auto):
             pass
+
+
+# ------------------------------------------------- GradientAccumulator(accum_steps="auto")
+def _noisy(samples):
+    """Labels with much noise: the measured noise scale is far above small batches."""
+    import numpy as np
+    x, y = ref.regression_data(samples)
+    return x, (y + np.random.RandomState(1).randn(*y.shape)).astype("float32")
+
+
+def _auto_model(**kwargs):
+    model = ref.mlp()
+    optimizer = GradientAccumulator(keras.optimizers.SGD(0.02), accum_steps="auto", **kwargs)
+    model.compile(optimizer, "mse")
+    return model, optimizer
+
+
+def test_accum_steps_auto_grows_in_plain_fit_and_its_schedule_replays_exactly():
+    """`GradientAccumulator(opt, accum_steps="auto", max_effective_batch_size=M)` and a plain
+    `fit(batch_size=...)`: the window starts at 2, grows (default rule) up to M, never
+    shrinks; the decisions, replayed as a schedule by update, give the same weights."""
+    x, y = _noisy(MICRO * 128)
+    model, optimizer = _auto_model(max_effective_batch_size=32, lr_scaling="sqrt")
+    assert optimizer.accum_steps == 2 and optimizer.measure_noise_scale and optimizer.schedulable
+    history = model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
+    auto = optimizer.auto_accumulation
+    assert auto is not None and auto.micro_batch_size == MICRO       # read from fit's batch_size
+    assert len(auto.schedule) >= 2, auto.schedule                    # it grew
+    assert sorted(auto.schedule.values()) == list(auto.schedule.values())
+    assert max(auto.schedule.values()) * MICRO <= 32
+    assert history.history["effective_batch_size"][-1] == optimizer.accum_steps * MICRO
+    assert history.history["lr_multiplier"][-1] == pytest.approx((optimizer.accum_steps / 2) ** 0.5)
+
+    replay = ref.mlp()
+    replay_optimizer = GradientAccumulator(keras.optimizers.SGD(0.02), 2, schedulable=True)
+    replay.compile(replay_optimizer, "mse")
+    replay.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0,
+               callbacks=[AccumulationSchedule(auto.schedule, by="update", lr_scaling="sqrt")])
+    print("auto vs its replay:", ref.max_abs_diff(replay.get_weights(), model.get_weights()), auto.schedule)
+    assert int(replay_optimizer.iterations.numpy()) == int(optimizer.iterations.numpy())
+    assert ref.max_abs_diff(replay.get_weights(), model.get_weights()) <= 1e-6
+    # Control: 2 micro-batches throughout is another run.
+    fixed = ref.mlp()
+    fixed.compile(GradientAccumulator(keras.optimizers.SGD(0.02), 2), "mse")
+    fixed.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
+    assert ref.max_abs_diff(fixed.get_weights(), model.get_weights()) > 1e-3
+
+    # A second fit carries on with the same rule and its decisions.
+    grown = dict(auto.schedule)
+    model.fit(x, y, batch_size=MICRO, epochs=1, shuffle=False, verbose=0)
+    assert optimizer.auto_accumulation is auto and all(auto.schedule[k] == v for k, v in grown.items())
+
+
+def test_accum_steps_auto_reads_the_micro_batch_from_a_dataset_and_takes_the_users_rule():
+    import tensorflow as tf
+    x, y = _noisy(MICRO * 40)
+    model, optimizer = _auto_model(max_effective_batch_size=64)
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(MICRO), verbose=0)   # batch dim unknown
+    assert optimizer.auto_accumulation.micro_batch_size == MICRO
+    # A rule passed to fit (its own margin, patience) is the optimizer's from then on.
+    model, optimizer = _auto_model(max_effective_batch_size=64)
+    mine = _auto()
+    model.fit(x, y, batch_size=MICRO, verbose=0, callbacks=[mine])
+    assert optimizer.auto_accumulation is mine
+
+
+def test_accum_steps_auto_saves_and_loads(tmp_path):
+    x, y = _noisy(MICRO * 16)
+    model, optimizer = _auto_model(max_effective_batch_size=64, lr_scaling="linear")
+    config = optimizer.get_config()
+    assert (config["accum_steps"], config["max_effective_batch_size"], config["lr_scaling"]) == ("auto", 64, "linear")
+    model.fit(x, y, batch_size=MICRO, verbose=0)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert loaded.optimizer.auto == {"max_effective_batch_size": 64, "lr_scaling": "linear"}
+    assert ref.max_abs_diff(loaded.get_weights(), model.get_weights()) == 0.0
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"accum_steps": "auto"}, ValueError, "needs `max_effective_batch_size`"),
+    ({"accum_steps": "Auto", "max_effective_batch_size": 64}, TypeError, "integer >= 1 or 'auto'"),
+    ({"accum_steps": "auto", "max_effective_batch_size": 1}, ValueError, "max_effective_batch_size"),
+    ({"accum_steps": "auto", "max_effective_batch_size": 64, "lr_scaling": "cubic"}, ValueError, "lr_scaling"),
+    ({"accum_steps": 4, "max_effective_batch_size": 64}, ValueError, "go with accum_steps='auto'"),
+    ({"accum_steps": 4, "lr_scaling": "sqrt"}, ValueError, "go with accum_steps='auto'"),
+])
+def test_accum_steps_auto_bad_settings_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        GradientAccumulator(keras.optimizers.SGD(0.02), **kwargs)
+
+
+def test_accum_steps_auto_without_a_readable_micro_batch_says_what_to_pass():
+    x, y = _noisy(MICRO * 8)
+
+    def batches():
+        while True:
+            yield x[:MICRO], y[:MICRO]
+
+    model, _ = _auto_model(max_effective_batch_size=64)
+    with pytest.raises(ValueError, match="AutoAccumulation\\(micro_batch_size="):
+        model.fit(batches(), steps_per_epoch=4, verbose=0)

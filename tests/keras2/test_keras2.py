@@ -367,6 +367,27 @@ def test_schedule_by_update_with_sqrt_lr_scaling_equals_keras_fits_chained():
     assert max_diff(control.get_weights(), expected.get_weights()) > 1e-4
 
 
+def test_accum_steps_auto_grows_a_keras_2_fit_and_its_schedule_replays_exactly():
+    from tfx_gradient_accumulator.accumulator.callbacks import window_callback_classes
+    x, y = data(256)
+    y = y + np.random.default_rng(1).normal(size=y.shape).astype("float32")   # noisy: large B_simple
+    model = mlp()
+    optimizer = GradientAccumulator(k2.optimizers.SGD(0.02), accum_steps="auto", max_effective_batch_size=32,
+                                    lr_scaling="linear")
+    model.compile(optimizer, "mse")
+    model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    taken = optimizer.auto_accumulation.schedule
+    assert len(taken) >= 2 and max(taken.values()) * 4 <= 32, taken
+    replay = mlp()
+    replay_optimizer = GradientAccumulator(k2.optimizers.SGD(0.02), 2, schedulable=True)
+    replay.compile(replay_optimizer, "mse")
+    replay.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[
+        window_callback_classes(k2)[1](taken, by="update", lr_scaling="linear")])
+    assert int(replay_optimizer.iterations.numpy()) == int(optimizer.iterations.numpy())
+    assert max_diff(replay.get_weights(), model.get_weights()) <= 1e-6
+    assert optimizer.get_config()["accum_steps"] == "auto"
+
+
 @pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None,
                     reason="TF <= 2.15: tf.keras is Keras 2 without TF_USE_LEGACY_KERAS")
 def test_import_accumulator_under_tf_use_legacy_keras_in_a_fresh_process():
