@@ -45,13 +45,14 @@ def add_weighted(accumulator, grad, weight):
     variable = backing_variable(accumulator)
     weight = tf.cast(weight, variable.dtype)
     if isinstance(grad, tf.IndexedSlices):
-        # Dense buffer, sparse update: only the touched rows are written.
-        variable.scatter_add(
-            tf.IndexedSlices(
-                tf.cast(grad.values, variable.dtype) * weight,
-                grad.indices,
-                grad.dense_shape,
-            )
+        # Dense buffer, sparse update: only the touched rows are written. On the
+        # handle, as the dense branch: under a strategy the buffer may be a
+        # SyncOnRead variable (Keras 2 makes them so), whose wrapper refuses
+        # `scatter_add`, while its replica's handle takes it.
+        tf.raw_ops.ResourceScatterAdd(
+            resource=variable.handle,
+            indices=grad.indices,
+            updates=tf.cast(grad.values, variable.dtype) * weight,
         )
     else:
         # In place (acc -= (-weight) * grad): no gradient-sized temporary, so
