@@ -239,6 +239,10 @@ def test_refuses_what_would_not_be_exact_before_training(model, message):
     assert max_diff(inner.get_weights(), before) == 0.0
 
 
+def test_the_private_keras2_name_it_needs_exists():
+    assert [str(name) for name, _ in seam.missing_private_names() if name.keras2] == []
+
+
 def test_refuses_a_model_of_no_keras():
     with pytest.raises(TypeError, match="`model`"):
         GradientCache(object(), N)
