@@ -125,8 +125,8 @@ class GradientCache(keras2.Model):
                     f"GradientCache: layer {layer.name!r} is a {type(layer).__name__}, which draws "
                     "random numbers in training; Keras 2's random layers cannot replay a draw, so "
                     "the second forward pass of each micro-batch would draw other numbers than the "
-                    "first and its gradient would be wrong. Remove it (or set its rate to 0 by "
-                    "removing the layer), or use Keras 3, whose seed generators GradientCache rewinds.")
+                    "first and its gradient would be wrong. Remove the layer, or use Keras 3, whose "
+                    "seed generators GradientCache rewinds.")
             if getattr(layer, "activity_regularizer", None) is not None:
                 raise ValueError(
                     f"GradientCache: layer {layer.name!r} has an activity_regularizer, a loss added "
