@@ -7,7 +7,8 @@ optimizer gets `accumulator.optimizer.GradientAccumulator`, a Keras 2 one
 (`tf_keras`, or `tf.keras` on TF <= 2.15) `accumulator.keras2.GradientAccumulator`;
 both share one update rule (`accumulator.window`). For losses that couple the
 batch (in-batch negatives, contrastive), `GradientCache(model, accum_steps)`
-(Keras 3) trains each batch in micro-batches exactly (`accumulator.gradient_cache`).
+trains each batch in micro-batches exactly (`accumulator.gradient_cache`; a Keras 2
+model gets `accumulator.keras2_gradient_cache`).
 
 Importing this package imports TensorFlow and Keras only (`accumulator.tuning`,
 imported on its own, needs keras-tuner; `tf_keras` is imported where it is
@@ -37,6 +38,7 @@ else:
     from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation
     from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule, EpochWindows
     from tfx_gradient_accumulator.accumulator.keras2 import GradientAccumulator
+    from tfx_gradient_accumulator.accumulator.keras2_gradient_cache import GradientCache
 
 hooks.install_unless_opted_out()
 
@@ -55,6 +57,7 @@ __all__ = [
     "AutoAccumulation",
     "EpochWindows",
     "GradientAccumulator",
+    "GradientCache",
     "NoiseScaleEstimate",
     "check_exact",
     "noise_scale",
@@ -62,5 +65,5 @@ __all__ = [
     "validate_accum_steps",
 ]
 if seam.keras_is_3():
-    __all__ += ["AccumBatchNormalization", "GradientCache", "use_accumulated_batch_norm"]
+    __all__ += ["AccumBatchNormalization", "use_accumulated_batch_norm"]
 __version__ = "0.3.0"

@@ -21,7 +21,7 @@ helpers use it; `accumulator.hooks` holds the mechanics):
 * with a `backup` (`accumulator.backup.TrainingBackup`), every `fit` is
   backed up to its directory and resumes from its latest backup, exactly;
 * with `gradient_cache=True` (losses that couple the batch), nothing is
-  wrapped: `compile` on an `accumulator.GradientCache` model sets its
+  wrapped: `compile` on an `accumulator.GradientCache` model (of either Keras) sets its
   `accum_steps` and keeps its plain optimizer (one update per batch, the
   batch `fit` is given being the effective batch), and `compile` on any other
   model is refused. Without it, `compile` on a `GradientCache` is refused:
@@ -41,7 +41,7 @@ from tfx_gradient_accumulator.accumulator.batch_norm import configure_batch_norm
 from tfx_gradient_accumulator.accumulator.auto_batch import auto_accumulation_class
 from tfx_gradient_accumulator.accumulator.callbacks import accum_steps_at, validate_schedule, window_callback_classes
 from tfx_gradient_accumulator.accumulator.lr_scaling import validate_lr_scaling
-from tfx_gradient_accumulator.accumulator.gradient_cache import GradientCache
+from tfx_gradient_accumulator.accumulator.gradient_cache import is_gradient_cache
 from tfx_gradient_accumulator.accumulator.noise_scale import DEFAULT_SMOOTHING
 from tfx_gradient_accumulator.accumulator.optimizer import GradientAccumulator
 from tfx_gradient_accumulator.accumulator.window import AccumulationWindow, validate_accum_steps
@@ -99,7 +99,7 @@ def accumulating_compile(accum_steps, schedule=None, partial_window="apply", str
 
     def wrapping_compile(original):
         def compile(self, optimizer="rmsprop", *args, **kwargs):
-            if gradient_cache or isinstance(self, GradientCache):
+            if gradient_cache or is_gradient_cache(self):
                 _set_up_gradient_cache(self, optimizer, accum_steps, gradient_cache)
                 result = original(self, optimizer, *args, **kwargs)
                 made.append(self.optimizer)
@@ -175,7 +175,7 @@ def _set_up_gradient_cache(model, optimizer, accum_steps, gradient_cache):
     """Before `compile` under `gradient_cache`: gives a `GradientCache` model the
     `accum_steps`; refuses any other model, and a `GradientCache` compiled without
     `gradient_cache` or with an accumulating optimizer (either would accumulate twice)."""
-    if not isinstance(model, GradientCache):
+    if not is_gradient_cache(model):
         raise ValueError(
             f"With gradient_cache=True (AccumulatingTrainer's, or AccumulatingHyperModel's) the "
             "run_fn must wrap its model in accumulator.GradientCache before compiling it "

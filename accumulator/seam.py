@@ -37,8 +37,16 @@ Private names (`PRIVATE_NAMES` lists them for the test):
   functions that stop `fit` under `MultiWorkerMirroredStrategy`
   (keras-team/keras#20585); see "Run-time changes".
 
-Keras 2 (`tf_keras`, or TF 2.15's `keras`) needs no private name: its
-optimizers take a public `skip_gradients_aggregation=True` (`accumulator.keras2`).
+Keras 2 (`tf_keras`, or TF 2.15's `keras`): its optimizers take a public
+`skip_gradients_aggregation=True` (`accumulator.keras2`), so accumulation needs no
+private name there. `GradientCache` on Keras 2 needs one (`keras2=True` below):
+
+* ``tf_keras.Model()._callable_losses`` (a layer's weight-regularization losses,
+  which Keras 2 evaluates each time `losses` is read): telling them from losses
+  added while the model runs (`add_loss`, activity regularizers), which the Keras 2
+  `GradientCache` refuses (`keras2_weight_regularization_count`). Keras 2 variables
+  carry no `regularizer` attribute, unlike Keras 3's.
+
 `keras2_module()` finds it; `keras_package_of()` tells which Keras an object
 belongs to (public `__module__` and `__version__` only).
 
@@ -70,16 +78,20 @@ class PrivateName:
     needed_for: str
     since: tuple = (3, 0)      # the first Keras release that has it
     on_compiled_model: bool = False     # an attribute of a compiled model, not of a module
+    keras2: bool = False       # a name of Keras 2 (`keras2_module()`), expected where it is installed
 
     def expected(self, version=None):
         """Whether this Keras should have it."""
+        if self.keras2:
+            return keras2_module() is not None
         return version_tuple(version or keras.__version__) >= self.since
 
     def resolve(self):
         """The object, or AttributeError/ImportError naming what is missing."""
-        obj = importlib.import_module(self.module)
+        package = keras2_module() if self.keras2 else keras
+        obj = package if self.keras2 else importlib.import_module(self.module)
         if self.on_compiled_model:
-            obj = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+            obj = package.Sequential([package.Input((1,)), package.layers.Dense(1)])
             obj.compile(loss="mse")
         for part in self.path.split("."):
             obj = getattr(obj, part)
@@ -106,6 +118,9 @@ PRIVATE_NAMES = (
                 "MultiWorkerMirroredStrategy fix (keras#20585)", since=(3, 5)),
     PrivateName("keras.src.backend.tensorflow.trainer", "reduce_per_replica",
                 "MultiWorkerMirroredStrategy fix (keras#20585)"),
+    PrivateName("tf_keras", "_callable_losses",
+                "Keras 2 GradientCache: weight regularization told from losses added while running",
+                on_compiled_model=True, keras2=True),
 )
 
 
@@ -253,6 +268,13 @@ def flatten_layers(model):
 def loss_tracker(model):
     """The metric behind the `loss` that `fit` logs for a compiled `model`."""
     return model._loss_tracker
+
+
+def keras2_weight_regularization_count(model):
+    """How many weight-regularization losses a Keras 2 `model` and its layers hold:
+    the callables Keras 2 evaluates each time `losses` is read (not losses added
+    while the model runs)."""
+    return sum(len(getattr(layer, "_callable_losses", ())) for layer in [model, *model.submodules])
 
 
 def batch_norm_moments(layer, inputs, mask):

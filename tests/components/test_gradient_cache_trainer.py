@@ -152,3 +152,26 @@ def test_a_run_that_compiled_no_gradient_cache_fails_instead_of_recording_one(tm
         fixtures.run_executor(tmp_path / "run", examples, num_steps=2, gradient_cache=1, accum_steps=4,
                               module=os.path.join(fixtures.TESTDATA, "custom_loop_module.py"))
     assert not os.path.exists(tmp_path / "run" / "model_run" / "accumulation")
+
+
+KERAS2_MODULE = os.path.join(fixtures.TESTDATA, "keras2_two_tower_module.py")
+
+
+def test_a_keras_2_module_trains_like_the_stock_trainer_at_the_effective_batch(examples, tmp_path):
+    """The same two-tower written with Keras 2 (`tf_keras`, as under TF_USE_LEGACY_KERAS=1):
+    its GradientCache is the Keras 2 one; stock Trainer at batch 32 against ours in 4
+    micro-batches of 8; control: plain accumulation of the same Keras 2 model."""
+    _, _, stock_weights = fixtures.run_executor(tmp_path / "stock", examples, module=KERAS2_MODULE,
+                                                num_steps=6, stock=True, custom_config=PLAIN)
+    outputs, seen, weights = fixtures.run_executor(tmp_path / "ours", examples, module=KERAS2_MODULE,
+                                                   num_steps=6, gradient_cache=1, accum_steps=4,
+                                                   effective_batch_size=32)
+    assert (seen["model"], seen["keras2"], seen["train_batch"], seen["iterations"]) == ("GradientCache", True, 32, 6)
+    print("Keras 2 module, max |dw| against the stock Trainer:", max_abs_diff(weights, stock_weights))
+    assert max_abs_diff(weights, stock_weights) <= TOLERANCE
+    assert outputs["model"][0].get_int_custom_property("gradient_cache") == 1
+    assert os.path.exists(os.path.join(outputs["model"][0].uri, "Format-Serving", "saved_model.pb"))
+    _, seen, plain = fixtures.run_executor(tmp_path / "plain", examples, module=KERAS2_MODULE, num_steps=6,
+                                           accum_steps=4, effective_batch_size=32, custom_config=PLAIN)
+    assert seen["optimizer"] == "GradientAccumulator"
+    assert max_abs_diff(plain, stock_weights) > 100 * TOLERANCE

@@ -1,0 +1,159 @@
+"""`GradientCache` for Keras 2: `tf_keras` (TF >= 2.16) or `tf.keras` on TF <= 2.15.
+
+The same three passes as the Keras 3 class (`accumulator.cache_passes`) and the
+same guarantee: `fit(batch_size=N·b)` on `GradientCache(model, N)` trains like
+Keras 2's own `fit(batch_size=N·b)` of `model`, holding one micro-batch's
+activations at a time. This module holds only what Keras 2 does differently:
+
+* the loss is the model's `compute_loss(x, y, y_pred, sample_weight)` override,
+  or else the compiled loss with the model's regularization losses, as Keras 2's
+  own `train_step` computes it; the compiled loss logs `loss` (Keras 2 logs no
+  loss for a `compute_loss` override that does not track one, nor does this);
+* loss scaling: `compile` puts a `mixed_float16` model's optimizer in a Keras 2
+  `LossScaleOptimizer`; its public `get_scaled_loss` and `get_unscaled_gradients`
+  scale passes 2 and 3, and its `apply_gradients` skips a non-finite step;
+* sparse rows: the summed gradient holds the large batch's rows, and Keras 2's
+  optimizers merge repeated rows themselves, as for the large batch;
+* refused, before any training: `BatchNormalization` (micro-batch statistics),
+  losses added while the model runs (`add_loss`, activity regularizers: they would
+  come from one micro-batch), and random layers (`Dropout`, `GaussianNoise`, ...):
+  Keras 2's layers draw from TensorFlow's global or stateful generators, which
+  cannot be rewound, so pass 3 would draw other masks than pass 1 and the
+  gradient would belong to no forward pass (Keras 3's seed generators can be).
+
+Use it through the one public name: `accumulator.GradientCache(model, accum_steps)`
+returns this class when `model` is a Keras 2 model.
+"""
+
+import tensorflow as tf
+
+from tfx_gradient_accumulator.accumulator import cache_passes, seam
+from tfx_gradient_accumulator.accumulator.window import validate_accum_steps
+
+keras2 = seam.keras2_module()
+if keras2 is None:
+    raise ImportError(
+        "accumulator.keras2_gradient_cache needs Keras 2: `pip install tf_keras` (TensorFlow "
+        ">= 2.16) or TensorFlow <= 2.15, whose tf.keras is Keras 2."
+    )
+
+_RANDOM_LAYERS = tuple(getattr(keras2.layers, name) for name in
+                       ("Dropout", "GaussianNoise", "GaussianDropout", "AlphaDropout")
+                       if hasattr(keras2.layers, name))
+
+
+@keras2.utils.register_keras_serializable(package="accumulator")
+class GradientCache(keras2.Model):
+    """Trains a Keras 2 `model` on each batch in `accum_steps` micro-batches with the
+    whole batch's loss: exact large batches for losses that couple the batch.
+
+    ```python
+    import tf_keras as keras          # or tf.keras with TF_USE_LEGACY_KERAS=1, or TF <= 2.15
+    from tfx_gradient_accumulator.accumulator import GradientCache
+
+    model = GradientCache(two_tower, accum_steps=8)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3))
+    model.fit(dataset.batch(4096))   # in-batch negatives of 4096, activations of 512
+    ```
+
+    Args:
+        model: a Keras 2 model whose outputs (any structure of tensors whose first
+            axis is the batch) are what the loss scores. Unchanged: its
+            `compute_loss`, if it overrides one, is the loss.
+        accum_steps: micro-batches per batch (positive int), as for the Keras 3 class.
+    """
+
+    def __init__(self, model, accum_steps, **kwargs):
+        if not isinstance(model, keras2.Model):
+            raise TypeError(f"`model` must be a Keras 2 `{keras2.__name__}.Model`; received "
+                            f"{type(model).__name__}.")
+        # The model's precision policy: `compile` then wraps the optimizer of a
+        # mixed_float16 model in a LossScaleOptimizer, as for the model itself.
+        kwargs.setdefault("dtype", model.dtype_policy)
+        super().__init__(**kwargs)
+        self.accum_steps = validate_accum_steps(accum_steps)
+        self.model = model
+        # Built with the model: `fit` never calls the wrapper itself, and loading
+        # restores the optimizer's state only onto a built model's variables.
+        self.built = model.built
+
+    def build(self, input_shape=None):
+        if not self.model.built:
+            self.model.build(input_shape)
+        self.built = True
+
+    def call(self, inputs, training=None):
+        return self.model(inputs, training=training)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):
+        if type(self.model).compute_loss is not keras2.Model.compute_loss:
+            return self.model.compute_loss(x, y, y_pred, sample_weight)
+        return super().compute_loss(x, y, y_pred, sample_weight)
+
+    def train_step(self, data):
+        x, y, sample_weight = keras2.utils.unpack_x_y_sample_weight(data)
+        self._refuse_what_would_not_be_exact()
+        optimizer = self.optimizer
+        scaling = isinstance(optimizer, keras2.mixed_precision.LossScaleOptimizer)
+
+        def score(whole):
+            loss = self.compute_loss(x, y, whole, sample_weight)
+            return loss, optimizer.get_scaled_loss(loss) if scaling else loss
+
+        variables = self.trainable_variables
+        _, whole, grads = cache_passes.cached_gradients(
+            lambda part: self.model(part, training=True), x, self.accum_steps, score, variables,
+            after_pass_1=self._refuse_losses_added_while_running)
+        if scaling:
+            grads = optimizer.get_unscaled_gradients(grads)
+        with cache_passes.ready_for_update(grads):
+            optimizer.apply_gradients(zip(grads, variables))
+        return self.compute_metrics(x, y, whole, sample_weight)
+
+    def _refuse_what_would_not_be_exact(self):
+        for layer in self.model.submodules:
+            if not isinstance(layer, keras2.layers.Layer):
+                continue
+            if _is_batch_norm(layer) and layer.trainable:
+                raise ValueError(
+                    f"GradientCache: layer {layer.name!r} is a BatchNormalization, whose training "
+                    "output depends on the other samples of its batch; it would normalize with "
+                    "micro-batch statistics, not the batch's. Use LayerNormalization, or freeze "
+                    "the layer (trainable=False).")
+            if isinstance(layer, _RANDOM_LAYERS):
+                raise ValueError(
+                    f"GradientCache: layer {layer.name!r} is a {type(layer).__name__}, which draws "
+                    "random numbers in training; Keras 2's random layers cannot replay a draw, so "
+                    "the second forward pass of each micro-batch would draw other numbers than the "
+                    "first and its gradient would be wrong. Remove the layer, or use Keras 3, whose "
+                    "seed generators GradientCache rewinds.")
+            if getattr(layer, "activity_regularizer", None) is not None:
+                raise ValueError(
+                    f"GradientCache: layer {layer.name!r} has an activity_regularizer, a loss added "
+                    "while the model runs; it would come from one micro-batch, not the batch. Put it "
+                    "into `compute_loss`, on the representations.")
+
+    def _refuse_losses_added_while_running(self):
+        if len(self.model.losses) > seam.keras2_weight_regularization_count(self.model):
+            raise ValueError(
+                "GradientCache: the model adds losses while it runs (`add_loss`, an "
+                "activity_regularizer); they would come from one micro-batch, not the batch. "
+                "Put them into `compute_loss`, on the representations, or use weight "
+                "regularizers (kernel_regularizer), which GradientCache handles exactly.")
+
+    def get_config(self):
+        return {"name": self.name, "model": keras2.utils.serialize_keras_object(self.model),
+                "accum_steps": self.accum_steps}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        model = keras2.utils.deserialize_keras_object(config.pop("model"), custom_objects=custom_objects)
+        return cls(model, **config)
+
+
+def _is_batch_norm(layer):
+    """Keras 2's batch normalizations (`BatchNormalization`, `SyncBatchNormalization`,
+    the V1 layer) share a base class that Keras 2 does not export: known by name."""
+    return any(klass.__name__.startswith(("BatchNormalization", "SyncBatchNormalization"))
+               for klass in type(layer).__mro__)
