@@ -19,7 +19,8 @@ import tensorflow as tf
 from tfx_gradient_accumulator.accumulator import lookups
 
 
-def cached_gradients(forward, x, accum_steps, score, variables, after_pass_1=None, before_pass_3=None):
+def cached_gradients(forward, x, accum_steps, score, variables, after_pass_1=None, before_pass_3=None,
+                     gather=None):
     """The large batch's gradient of `score` by `variables`, in three passes.
 
     Args:
@@ -31,6 +32,11 @@ def cached_gradients(forward, x, accum_steps, score, variables, after_pass_1=Non
         variables: the trainable variables to differentiate.
         after_pass_1, before_pass_3: called (no arguments) between the passes:
             refusals that need a forward traced, state that pass 3 must replay.
+        gather: `gather(whole) -> across_replicas.GlobalBatch` whose `whole` the loss
+            scores instead of this replica's outputs (negatives across replicas):
+            the gradient of this replica's rows goes back through its micro-batches,
+            and the loss's own variables' gradients, which every replica computes
+            whole, count 1/R each, so that the strategy's sum counts them once.
 
     Returns `(loss, whole, grads)`: the loss, the whole batch's outputs, and one
     gradient per variable (None where it has none; sparse rows as the large batch has them).
@@ -43,12 +49,17 @@ def cached_gradients(forward, x, accum_steps, score, variables, after_pass_1=Non
     if after_pass_1 is not None:
         after_pass_1()
     whole = tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *representations)
+    shares = gather(whole) if gather is not None else None
+    scored = shares.whole if shares is not None else whole
     with tf.GradientTape(persistent=True) as tape:
-        tape.watch(whole)
-        loss, scaled = score(whole)
-    by_representation = tape.gradient(scaled, whole, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        tape.watch(scored)
+        loss, scaled = score(scored)
+    by_representation = tape.gradient(scaled, scored, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     grads = tape.gradient(scaled, variables)
     del tape
+    if shares is not None and shares.replicas > 1:
+        by_representation = shares.own(by_representation)
+        grads = [scaled_by(g, 1.0 / shares.replicas) for g in grads]
     if before_pass_3 is not None:
         before_pass_3()
     lookups.note_batch_size(tf.TensorShape(tf.nest.flatten(micro_batches[0])[0].shape)[0],
@@ -142,6 +153,15 @@ def add(total, grad):
         return tf.IndexedSlices(tf.concat([total.values, grad.values], 0),
                                 tf.concat([total.indices, grad.indices], 0), total.dense_shape)
     return tf.convert_to_tensor(total) + tf.convert_to_tensor(grad)
+
+
+def scaled_by(grad, factor):
+    """`grad` times `factor`, dense or sparse rows (None stays None)."""
+    if grad is None:
+        return None
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices, grad.dense_shape)
+    return grad * tf.cast(factor, grad.dtype)
 
 
 def ready_for_update(grads):

@@ -49,7 +49,7 @@ returns for a Keras 2 model.
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import cache_passes, seam
+from tfx_gradient_accumulator.accumulator import across_replicas, cache_passes, seam
 from tfx_gradient_accumulator.accumulator.window import validate_accum_steps
 
 
@@ -65,6 +65,15 @@ class GradientCache(keras.Model):
         accum_steps: micro-batches per batch (positive int). A batch of B samples is
             cut into micro-batches of ceil(B / accum_steps), in order; the last may
             be shorter, which changes nothing (the loss is always the batch's).
+        gather_across_replicas: under a `tf.distribute` strategy with R replicas,
+            `False` (the default) scores each replica's share alone, as Keras' own
+            large batch does under the strategy (each sample meets the negatives of
+            its share); `True` scores the whole global batch on every replica
+            (`accumulator.across_replicas`), so R replicas train like one device on
+            the global batch. Costs one all-reduce of the representations, inputs
+            and targets per step. Needs the model's own `compute_loss` (the loss of
+            the batch it is given, as on one device); a compiled Keras loss is
+            scaled per replica and refused here.
 
     A Keras 2 model (`tf_keras`, or `tf.keras` on TF 2.15) gets the Keras 2 class,
     `accumulator.keras2_gradient_cache.GradientCache`, with the same guarantees.
@@ -81,15 +90,32 @@ class GradientCache(keras.Model):
         if cls is GradientCache and seam.is_keras2_object(model):
             from tfx_gradient_accumulator.accumulator import keras2_gradient_cache
 
+            if kwargs.pop("gather_across_replicas", False):
+                raise ValueError(
+                    "GradientCache(gather_across_replicas=True) is available for Keras 3 models; "
+                    "this model is a Keras 2 one, whose GradientCache scores each replica's "
+                    "share alone. Pass gather_across_replicas=False (the default).")
+
             return keras2_gradient_cache.GradientCache(model, *args, **kwargs)
         return super().__new__(cls, model, *args, **kwargs)
 
-    def __init__(self, model, accum_steps, **kwargs):
+    def __init__(self, model, accum_steps, gather_across_replicas=False, **kwargs):
         super().__init__(**kwargs)
         self.accum_steps = validate_accum_steps(accum_steps)
         if not isinstance(model, keras.Model) or seam.is_keras2_object(model):
             raise TypeError(f"`model` must be a Keras 3 `keras.Model`; received {type(model).__name__}.")
+        if not isinstance(gather_across_replicas, bool):
+            raise TypeError("GradientCache: `gather_across_replicas` must be True or False; "
+                            f"received {gather_across_replicas!r}.")
+        if gather_across_replicas and type(model).compute_loss is keras.Model.compute_loss:
+            raise ValueError(
+                "GradientCache(gather_across_replicas=True) needs the model's own `compute_loss` "
+                f"(`{type(model).__name__}` has none): Keras scales a compiled loss per replica, "
+                "for the replica's share. Override compute_loss(x, y, y_pred, sample_weight) to "
+                "return the loss of the batch it is given, as on one device, or use "
+                "gather_across_replicas=False.")
         self.model = model
+        self.gather_across_replicas = gather_across_replicas
         # Built with the model: `fit` never calls the wrapper itself, and saving
         # and loading need it built (the optimizer is restored onto its variables).
         self.built = model.built
@@ -124,14 +150,30 @@ class GradientCache(keras.Model):
             for v, value in zip(state, saved):
                 v.assign(value)
 
+        gather = None
+        if self.gather_across_replicas:
+            given = {"x": x, "y": y, "sample_weight": sample_weight}
+            given = {name: value for name, value in given.items() if value is not None}
+
+            def gather(whole):   # the loss then reads the global batch's x, y, sample_weight
+                nonlocal x, y, sample_weight
+                shares = across_replicas.GlobalBatch({"whole": whole, **given})
+                x, y, sample_weight = (shares.whole.get(name) for name in ("x", "y", "sample_weight"))
+                return _Scored(shares.whole["whole"], shares)
+
+        local_x, local_y, local_sample_weight = x, y, sample_weight
         loss, whole, grads = cache_passes.cached_gradients(
             lambda part: self.model(part, training=True), x, self.accum_steps, score, variables,
-            after_pass_1=self._refuse_losses_added_while_running, before_pass_3=replay_state)
+            after_pass_1=self._refuse_losses_added_while_running, before_pass_3=replay_state,
+            gather=gather)
+        x, y, sample_weight = local_x, local_y, local_sample_weight
         with cache_passes.ready_for_update(grads):
             self.optimizer.apply_gradients(zip(grads, variables))
+        # The loss is the global batch's on every replica when gathered; else the
+        # share's, scaled by Keras for the replica.
+        replicas = 1 if self.gather_across_replicas else tf.distribute.get_strategy().num_replicas_in_sync
         seam.loss_tracker(self).update_state(
-            loss * tf.distribute.get_strategy().num_replicas_in_sync,
-            sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
+            loss * replicas, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
         return self.compute_metrics(x, y, whole, sample_weight=sample_weight)
 
     def _refuse_what_would_not_be_exact(self):
@@ -154,7 +196,7 @@ class GradientCache(keras.Model):
 
     def get_config(self):
         return {**super().get_config(), "model": keras.saving.serialize_keras_object(self.model),
-                "accum_steps": self.accum_steps}
+                "accum_steps": self.accum_steps, "gather_across_replicas": self.gather_across_replicas}
 
     @classmethod
     def from_config(cls, config):
@@ -173,6 +215,13 @@ def is_gradient_cache(model):
 
         return isinstance(model, keras2_gradient_cache.GradientCache)
     return False
+
+
+class _Scored:
+    """The gathered representations, with the way back to this replica's rows."""
+
+    def __init__(self, whole, shares):
+        self.whole, self.own, self.replicas = whole, shares.own, shares.replicas
 
 
 def _is_float(variable):
