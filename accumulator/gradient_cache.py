@@ -90,11 +90,6 @@ class GradientCache(keras.Model):
         if cls is GradientCache and seam.is_keras2_object(model):
             from tfx_gradient_accumulator.accumulator import keras2_gradient_cache
 
-            if kwargs.pop("gather_across_replicas", False):
-                raise ValueError(
-                    "GradientCache(gather_across_replicas=True) is available for Keras 3 models; "
-                    "this model is a Keras 2 one, whose GradientCache scores each replica's "
-                    "share alone. Pass gather_across_replicas=False (the default).")
 
             return keras2_gradient_cache.GradientCache(model, *args, **kwargs)
         return super().__new__(cls, model, *args, **kwargs)

@@ -63,10 +63,15 @@ class GradientCache(keras2.Model):
         accum_steps: micro-batches per batch (positive int), as for the Keras 3 class.
     """
 
-    def __init__(self, model, accum_steps, **kwargs):
+    def __init__(self, model, accum_steps, gather_across_replicas=False, **kwargs):
         if not isinstance(model, keras2.Model):
             raise TypeError(f"`model` must be a Keras 2 `{keras2.__name__}.Model`; received "
                             f"{type(model).__name__}.")
+        if gather_across_replicas is not False:
+            raise ValueError(
+                "GradientCache(gather_across_replicas=True) is available for Keras 3 models; "
+                "this model is a Keras 2 one, whose GradientCache scores each replica's "
+                "share alone. Pass gather_across_replicas=False (the default).")
         # The model's precision policy: `compile` then wraps the optimizer of a
         # mixed_float16 model in a LossScaleOptimizer, as for the model itself.
         kwargs.setdefault("dtype", model.dtype_policy)

@@ -101,6 +101,10 @@ def test_the_one_name_gives_the_keras2_class():
     assert isinstance(model, k2.Model) and model.accum_steps == N
     with pytest.raises(ValueError, match="accum_steps"):
         GradientCache(built(), 0)
+    # Negatives across replicas are for Keras 3 models; the default passes through.
+    with pytest.raises(ValueError, match="gather_across_replicas=True\\) is available for Keras 3"):
+        GradientCache(built(), N, gather_across_replicas=True)
+    assert isinstance(GradientCache(built(), N, gather_across_replicas=False), k2.Model)
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
