@@ -27,7 +27,7 @@ returns this class when `model` is a Keras 2 model.
 
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import cache_passes, seam
+from tfx_gradient_accumulator.accumulator import cache_passes, seam, task_cache
 from tfx_gradient_accumulator.accumulator.window import validate_accum_steps
 
 keras2 = seam.keras2_module()
@@ -73,9 +73,12 @@ class GradientCache(keras2.Model):
         super().__init__(**kwargs)
         self.accum_steps = validate_accum_steps(accum_steps)
         self.model = model
+        # A TensorFlow Recommenders model: its task scores the whole batch (`task_cache`).
+        self._task_attribute = task_cache.find_task(model)
         # Built with the model: `fit` never calls the wrapper itself, and loading
         # restores the optimizer's state only onto a built model's variables.
-        self.built = model.built
+        # A TFRS model has no `call` to build with: its towers build inside `compute_loss`.
+        self.built = model.built or self._task_attribute is not None
 
     def build(self, input_shape=None):
         if not self.model.built:
@@ -91,8 +94,10 @@ class GradientCache(keras2.Model):
         return super().compute_loss(x, y, y_pred, sample_weight)
 
     def train_step(self, data):
-        x, y, sample_weight = keras2.utils.unpack_x_y_sample_weight(data)
         self._refuse_what_would_not_be_exact()
+        if self._task_attribute is not None:
+            return task_cache.train_step(self, data, self._task_attribute)
+        x, y, sample_weight = keras2.utils.unpack_x_y_sample_weight(data)
         optimizer = self.optimizer
         scaling = isinstance(optimizer, keras2.mixed_precision.LossScaleOptimizer)
 
