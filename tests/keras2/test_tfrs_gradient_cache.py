@@ -63,7 +63,7 @@ def tutorial_model(options=False, regularizer=None):
                                 embeddings_initializer=k2.initializers.RandomUniform(seed=seed))])
 
     user_model, movie_model = tower(USERS, 1), tower(MOVIES, 2)
-    candidates = tf.data.Dataset.from_tensor_slices(MOVIES).batch(16).map(movie_model)
+    candidates = tf.data.Dataset.from_tensor_slices(MOVIES).batch(16).map(lambda ids: (ids, movie_model(ids)))
     task = tfrs.tasks.Retrieval(metrics=tfrs.metrics.FactorizedTopK(candidates=candidates, ks=(1, 5, 10)),
                                 remove_accidental_hits=options)
     return MovielensModel(user_model, movie_model, task, options=options)
