@@ -21,6 +21,9 @@ activations at a time. This module holds only what Keras 2 does differently:
   cannot be rewound, so pass 3 would draw other masks than pass 1 and the
   gradient would belong to no forward pass (Keras 3's seed generators can be).
 
+A TensorFlow Recommenders model (`tfrs.Model`, no `call()`, its loss a task
+call) is trained by `accumulator.task_cache`: its task scores the whole batch.
+
 Use it through the one public name: `accumulator.GradientCache(model, accum_steps)`
 returns this class when `model` is a Keras 2 model.
 """
