@@ -118,6 +118,13 @@ class GradientCache(keras2.Model):
             optimizer.apply_gradients(zip(grads, variables))
         return self.compute_metrics(x, y, whole, sample_weight)
 
+    def test_step(self, data):
+        if self._task_attribute is not None:
+            # A TFRS model has no `call`: its own evaluation (`compute_loss` with
+            # training=False, its metrics and logs), as TFRS's `evaluate` runs it.
+            return self.model.test_step(data)
+        return super().test_step(data)
+
     def _refuse_what_would_not_be_exact(self):
         for layer in self.model.submodules:
             if not isinstance(layer, keras2.layers.Layer):

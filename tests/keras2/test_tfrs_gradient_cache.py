@@ -85,7 +85,8 @@ def assert_like_tfrs_large_batch(**kwargs):
     expected = tutorial_model(**kwargs)
     expected_logs = train(expected, BATCH, k2.optimizers.Adagrad(0.1))
     inner = tutorial_model(**kwargs)
-    logs = train(GradientCache(inner, N), BATCH, k2.optimizers.Adagrad(0.1))
+    cache = GradientCache(inner, N)
+    logs = train(cache, BATCH, k2.optimizers.Adagrad(0.1))
     assert max_diff(inner.get_weights(), expected.get_weights()) <= TOLERANCE
     assert set(logs) == set(expected_logs)
     for name in ("loss", "regularization_loss", "total_loss"):
@@ -94,6 +95,13 @@ def assert_like_tfrs_large_batch(**kwargs):
     # candidates' scores, broken differently by rounding, can move one hit.
     for name in set(logs) - {"loss", "regularization_loss", "total_loss"}:
         assert abs(logs[name] - expected_logs[name]) <= 2 / len(interactions()["user_id"]), name
+    # evaluate() is TFRS's own on the trained model (a tfrs.Model has no call()).
+    data = tf.data.Dataset.from_tensor_slices(interactions()).batch(BATCH)
+    evaluated = cache.evaluate(data, return_dict=True, verbose=0)
+    expected_evaluated = expected.evaluate(data, return_dict=True, verbose=0)
+    assert set(evaluated) == set(expected_evaluated)
+    for name, value in expected_evaluated.items():
+        np.testing.assert_allclose(evaluated[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
     control = tutorial_model(**kwargs)
     train(control, BATCH // N, GradientAccumulator(k2.optimizers.Adagrad(0.1), N))
     assert max_diff(control.get_weights(), expected.get_weights()) > 1e-3
