@@ -81,12 +81,12 @@ def max_diff(a, b):
                            for p, q in zip(a, b)))
 
 
-def assert_like_tfrs_large_batch(**kwargs):
+def assert_like_tfrs_large_batch(batch=BATCH, **kwargs):
     expected = tutorial_model(**kwargs)
-    expected_logs = train(expected, BATCH, k2.optimizers.Adagrad(0.1))
+    expected_logs = train(expected, batch, k2.optimizers.Adagrad(0.1))
     inner = tutorial_model(**kwargs)
     cache = GradientCache(inner, N)
-    logs = train(cache, BATCH, k2.optimizers.Adagrad(0.1))
+    logs = train(cache, batch, k2.optimizers.Adagrad(0.1))
     assert max_diff(inner.get_weights(), expected.get_weights()) <= TOLERANCE
     assert set(logs) == set(expected_logs)
     for name in ("loss", "regularization_loss", "total_loss"):
@@ -96,14 +96,14 @@ def assert_like_tfrs_large_batch(**kwargs):
     for name in set(logs) - {"loss", "regularization_loss", "total_loss"}:
         assert abs(logs[name] - expected_logs[name]) <= 2 / len(interactions()["user_id"]), name
     # evaluate() is TFRS's own on the trained model (a tfrs.Model has no call()).
-    data = tf.data.Dataset.from_tensor_slices(interactions()).batch(BATCH)
+    data = tf.data.Dataset.from_tensor_slices(interactions()).batch(batch)
     evaluated = cache.evaluate(data, return_dict=True, verbose=0)
     expected_evaluated = expected.evaluate(data, return_dict=True, verbose=0)
     assert set(evaluated) == set(expected_evaluated)
     for name, value in expected_evaluated.items():
         np.testing.assert_allclose(evaluated[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
     control = tutorial_model(**kwargs)
-    train(control, BATCH // N, GradientAccumulator(k2.optimizers.Adagrad(0.1), N))
+    train(control, batch // N, GradientAccumulator(k2.optimizers.Adagrad(0.1), N))
     assert max_diff(control.get_weights(), expected.get_weights()) > 1e-3
     assert max_diff(expected.get_weights(), initial(**kwargs).get_weights()) > 1e-2  # it trained
 
@@ -123,6 +123,11 @@ def test_the_retrieval_task_options_are_honoured():
     """sample_weight, candidate_sampling_probability, candidate_ids with
     remove_accidental_hits: each scored on the whole batch."""
     assert_like_tfrs_large_batch(options=True)
+
+
+def test_uneven_micro_batches_and_a_short_last_batch():
+    """Batches of 30 in micro-batches of 8, 8, 8, 6; the epoch's last batch has 12."""
+    assert_like_tfrs_large_batch(batch=30)
 
 
 def test_weight_regularization_is_added_and_logged_as_tfrs_does():
