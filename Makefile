@@ -79,8 +79,10 @@ $(KERAS2_TF215)/.installed-py$(KERAS2_TF215_PY): setup.py constraints/keras2-tf2
 	$(call core_venv,$(KERAS2_TF215),constraints/keras2-tf215.txt,$(PYTHON_KERAS2_TF215),$(KERAS2_TF215_PY),PYTHON_KERAS2_TF215)
 
 # Keras 2 on the newest TensorFlow: tf_keras, with TF_USE_LEGACY_KERAS=1 for the tests.
-$(KERAS2_LATEST)/.installed-py$(KERAS2_LATEST_PY): setup.py constraints/keras2-latest.txt
+# Plus TensorFlow Recommenders for its tests (its own constraints file says why --no-deps).
+$(KERAS2_LATEST)/.installed-py$(KERAS2_LATEST_PY): setup.py constraints/keras2-latest.txt constraints/keras2-latest-tfrs.txt
 	$(call core_venv,$(KERAS2_LATEST),constraints/keras2-latest.txt,$(PYTHON_KERAS2_LATEST),$(KERAS2_LATEST_PY),PYTHON_KERAS2_LATEST)
+	$(KERAS2_LATEST)/bin/pip install -q --no-deps -r constraints/keras2-latest-tfrs.txt || { rm -f $@; exit 1; }
 
 # The main job: the digits pipeline, locally on the Beam DirectRunner. Run it
 # again and the cached components are reused.

@@ -21,13 +21,16 @@ activations at a time. This module holds only what Keras 2 does differently:
   cannot be rewound, so pass 3 would draw other masks than pass 1 and the
   gradient would belong to no forward pass (Keras 3's seed generators can be).
 
+A TensorFlow Recommenders model (`tfrs.Model`, no `call()`, its loss a task
+call) is trained by `accumulator.task_cache`: its task scores the whole batch.
+
 Use it through the one public name: `accumulator.GradientCache(model, accum_steps)`
 returns this class when `model` is a Keras 2 model.
 """
 
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import cache_passes, seam
+from tfx_gradient_accumulator.accumulator import cache_passes, seam, task_cache
 from tfx_gradient_accumulator.accumulator.window import validate_accum_steps
 
 keras2 = seam.keras2_module()
@@ -78,9 +81,12 @@ class GradientCache(keras2.Model):
         super().__init__(**kwargs)
         self.accum_steps = validate_accum_steps(accum_steps)
         self.model = model
+        # A TensorFlow Recommenders model: its task scores the whole batch (`task_cache`).
+        self._task_attribute = task_cache.find_task(model)
         # Built with the model: `fit` never calls the wrapper itself, and loading
         # restores the optimizer's state only onto a built model's variables.
-        self.built = model.built
+        # A TFRS model has no `call` to build with: its towers build inside `compute_loss`.
+        self.built = model.built or self._task_attribute is not None
 
     def build(self, input_shape=None):
         if not self.model.built:
@@ -96,8 +102,10 @@ class GradientCache(keras2.Model):
         return super().compute_loss(x, y, y_pred, sample_weight)
 
     def train_step(self, data):
-        x, y, sample_weight = keras2.utils.unpack_x_y_sample_weight(data)
         self._refuse_what_would_not_be_exact()
+        if self._task_attribute is not None:
+            return task_cache.train_step(self, data, self._task_attribute)
+        x, y, sample_weight = keras2.utils.unpack_x_y_sample_weight(data)
         optimizer = self.optimizer
         scaling = isinstance(optimizer, keras2.mixed_precision.LossScaleOptimizer)
 
@@ -114,6 +122,13 @@ class GradientCache(keras2.Model):
         with cache_passes.ready_for_update(grads):
             optimizer.apply_gradients(zip(grads, variables))
         return self.compute_metrics(x, y, whole, sample_weight)
+
+    def test_step(self, data):
+        if self._task_attribute is not None:
+            # A TFRS model has no `call`: its own evaluation (`compute_loss` with
+            # training=False, its metrics and logs), as TFRS's `evaluate` runs it.
+            return self.model.test_step(data)
+        return super().test_step(data)
 
     def _refuse_what_would_not_be_exact(self):
         for layer in self.model.submodules:

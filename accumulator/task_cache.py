@@ -1,0 +1,146 @@
+"""`GradientCache` on a TensorFlow Recommenders model: the task scores the whole batch.
+
+A `tfrs.Model` has no `call()`: its `compute_loss(inputs, training)` runs the
+towers and ends in `self.task(query_embeddings, candidate_embeddings, ...)`, so
+its representations exist only as the arguments of that call. The three passes
+of `accumulator.cache_passes` still apply, with the task as the loss:
+
+* passes 1 and 3 run the model's own `compute_loss` on a micro-batch with its
+  task swapped, for that call only, for a recorder that keeps the task's
+  arguments and returns a stand-in: the embeddings are the representations, the
+  other arguments (`sample_weight`, `candidate_sampling_probability`,
+  `candidate_ids`, ...) go with them;
+* pass 2 calls the real task once, on the whole batch's concatenated arguments:
+  its loss, its reduction and its metrics (`FactorizedTopK`, batch metrics) see
+  the batch that TFRS's own `fit` would give it; then, as `tfrs.Model.train_step`
+  does, the model's regularization losses are added, and the logs are TFRS's
+  (`loss`, `regularization_loss`, `total_loss` of the last batch, and the
+  model's metrics).
+
+The library never imports `tensorflow_recommenders`: a model is recognised as a
+TFRS model only when that package is already loaded. Refused, with a message:
+several tasks, a task other than `Retrieval`, a `compute_loss` that does not
+return the task's loss as it is, a `score_mask`, candidates that are not one per
+query (extra negatives).
+"""
+
+import inspect
+import sys
+
+import tensorflow as tf
+
+from tfx_gradient_accumulator.accumulator import cache_passes, seam
+
+_UNSUPPORTED_ARGUMENTS = ("score_mask",)
+
+
+def find_task(model):
+    """The name of the attribute of `model` that holds its TFRS task, or None when
+    `model` is not a `tfrs.Model` (or TensorFlow Recommenders is not loaded).
+
+    Raises ValueError for what the task mode cannot make exact."""
+    tfrs = sys.modules.get("tensorflow_recommenders")
+    if tfrs is None or not isinstance(model, tfrs.models.Model):
+        return None
+    tasks = sorted(name for name, value in vars(model).items() if isinstance(value, tfrs.tasks.Task))
+    if len(tasks) != 1:
+        raise ValueError(
+            f"GradientCache: a TensorFlow Recommenders model must hold exactly one task "
+            f"attribute; {type(model).__name__} holds {len(tasks)} ({', '.join(tasks) or 'none'}). "
+            "Several tasks (multitask models) are not supported.")
+    task = getattr(model, tasks[0])
+    if not isinstance(task, tfrs.tasks.Retrieval):
+        raise ValueError(
+            f"GradientCache: the task {tasks[0]!r} is a {type(task).__name__}; only "
+            "tfrs.tasks.Retrieval is supported (its loss couples the batch).")
+    return tasks[0]
+
+
+class _Recorder:
+    """Stands in for the task during one `compute_loss`: keeps the arguments of
+    the call, returns a stand-in loss."""
+
+    def __init__(self, task):
+        self.signature = inspect.signature(task.call)
+        self.calls = []
+        self.stand_in = None
+
+    def __call__(self, *args, **kwargs):
+        bound = self.signature.bind(*args, **kwargs)
+        for name in _UNSUPPORTED_ARGUMENTS:
+            if bound.arguments.get(name) is not None:
+                raise ValueError(f"GradientCache: the task's `{name}` is not supported (it "
+                                 "masks the scores of one batch, not of the whole batch).")
+        self.calls.append(dict(bound.arguments))
+        self.stand_in = tf.zeros([], tf.float32)
+        return self.stand_in
+
+
+def _record(model, attribute, part):
+    """The task's arguments when `model.compute_loss(part, training=True)` runs."""
+    task = getattr(model, attribute)
+    recorder = _Recorder(task)
+    # Set past Keras' attribute tracking, and put back: the model is unchanged.
+    object.__setattr__(model, attribute, recorder)
+    try:
+        loss = model.compute_loss(part, training=True)
+    finally:
+        object.__setattr__(model, attribute, task)
+    if len(recorder.calls) != 1:
+        raise ValueError(f"GradientCache: `compute_loss` must call the task once; it called it "
+                         f"{len(recorder.calls)} times.")
+    if loss is not recorder.stand_in:
+        raise ValueError("GradientCache: `compute_loss` must return the task's loss as it is "
+                         "(`return self.task(...)`); scaling it or adding to it is not supported.")
+    arguments = recorder.calls[0]
+    query, candidate = arguments["query_embeddings"], arguments["candidate_embeddings"]
+    if not query.shape[:1].is_compatible_with(candidate.shape[:1]):
+        raise ValueError("GradientCache: the task's candidate embeddings must be one per query "
+                         f"(in-batch negatives); got {candidate.shape[0]} for {query.shape[0]}.")
+    return arguments
+
+
+def _split(arguments):
+    """The tensors that follow the samples (float ones are differentiated, as the
+    large batch does), the other tensors, and the Python options."""
+    floats, others, options = {}, {}, {}
+    for name, value in arguments.items():
+        if isinstance(value, (tf.Tensor, tf.Variable)):
+            (floats if value.dtype.is_floating else others)[name] = value
+        elif value is not None:
+            options[name] = value
+    return floats, others, options
+
+
+def train_step(cache, data, attribute):
+    """One step of `cache` (a Keras 2 `GradientCache`) on a TFRS model: logs as
+    `tfrs.Model.train_step` returns them."""
+    model, optimizer = cache.model, cache.optimizer
+    scaling = isinstance(optimizer, seam.keras2_module().mixed_precision.LossScaleOptimizer)
+    first_pass = []
+
+    def forward(part):
+        floats, others, options = _split(_record(model, attribute, part))
+        if len(first_pass) < cache.accum_steps:
+            first_pass.append((others, options))
+        return floats
+
+    def score(whole):
+        others = {name: tf.concat([o[name] for o, _ in first_pass], 0) for name in first_pass[0][0]}
+        loss = getattr(model, attribute)(**whole, **others, **first_pass[0][1])
+        regularization = tf.reduce_sum([tf.reduce_sum(term) for term in model.losses])
+        total = loss + regularization
+        logs.update(loss=loss, regularization_loss=regularization, total_loss=total)
+        return total, optimizer.get_scaled_loss(total) if scaling else total
+
+    logs = {}
+    variables = []  # filled after pass 1: a TFRS tower may build its weights only then
+    _, _, grads = cache_passes.cached_gradients(
+        forward, data, cache.accum_steps, score, variables,
+        after_pass_1=lambda: (cache._refuse_losses_added_while_running(),
+                              variables.extend(model.trainable_variables)))
+    if scaling:
+        grads = optimizer.get_unscaled_gradients(grads)
+    with cache_passes.ready_for_update(grads):
+        optimizer.apply_gradients(zip(grads, variables))
+    return {**{metric.name: metric.result() for metric in model.metrics}, **logs}

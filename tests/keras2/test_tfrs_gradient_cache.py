@@ -1,0 +1,168 @@
+"""GradientCache on a TensorFlow Recommenders model, unchanged: like TFRS's own large batch.
+
+The model is TFRS's retrieval tutorial's (StringLookup + Embedding towers, a
+`tfrs.tasks.Retrieval` with `FactorizedTopK` over the candidates), on synthetic
+interactions. Reference: the same model trained by TFRS's own `fit` at the large
+batch; control: plain accumulation of micro-batches (each with its own
+negatives), which lands elsewhere, so the comparison can fail.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, GradientCache, seam
+from tests import deltas
+
+tfrs = pytest.importorskip("tensorflow_recommenders", reason="TensorFlow Recommenders is installed "
+                           "in the Keras 2 on TensorFlow 2.21 environment only")
+k2 = seam.keras2_module()
+pytestmark = pytest.mark.skipif(k2 is None or not issubclass(tfrs.models.Model, k2.Model),
+                                reason="TFRS needs tf.keras to be Keras 2 (TF_USE_LEGACY_KERAS=1)")
+
+BATCH, N = 32, 4
+TOLERANCE = 1e-5
+USERS = [f"user{i}" for i in range(30)]
+MOVIES = [f"movie{i}" for i in range(40)]
+
+
+def interactions(samples=192, seed=0):
+    rng = np.random.RandomState(seed)
+    user = rng.randint(0, len(USERS), samples)
+    movie = (user * 3 + rng.randint(0, 4, samples)) % len(MOVIES)
+    return {"user_id": np.array(USERS)[user], "movie_title": np.array(MOVIES)[movie],
+            "weight": rng.uniform(0.5, 1.5, samples).astype("float32"),
+            "probability": rng.uniform(0.01, 0.1, samples).astype("float32")}
+
+
+class MovielensModel(tfrs.Model if tfrs else object):
+    """The tutorial's model; `options` adds the Retrieval task's keyword arguments."""
+
+    def __init__(self, user_model, movie_model, task, options=False):
+        super().__init__()
+        self.movie_model = movie_model
+        self.user_model = user_model
+        self.task = task
+        self.options = options
+
+    def compute_loss(self, features, training=False):
+        user_embeddings = self.user_model(features["user_id"])
+        movie_embeddings = self.movie_model(features["movie_title"])
+        if not self.options:
+            return self.task(user_embeddings, movie_embeddings)
+        return self.task(user_embeddings, movie_embeddings, sample_weight=features["weight"],
+                         candidate_sampling_probability=features["probability"],
+                         candidate_ids=features["movie_title"])
+
+
+def tutorial_model(options=False, regularizer=None):
+    def tower(vocabulary, seed):
+        return k2.Sequential([
+            k2.layers.StringLookup(vocabulary=vocabulary, mask_token=None),
+            k2.layers.Embedding(len(vocabulary) + 1, 8, embeddings_regularizer=regularizer,
+                                embeddings_initializer=k2.initializers.RandomUniform(seed=seed))])
+
+    user_model, movie_model = tower(USERS, 1), tower(MOVIES, 2)
+    candidates = tf.data.Dataset.from_tensor_slices(MOVIES).batch(16).map(lambda ids: (ids, movie_model(ids)))
+    task = tfrs.tasks.Retrieval(metrics=tfrs.metrics.FactorizedTopK(candidates=candidates, ks=(1, 5, 10)),
+                                remove_accidental_hits=options)
+    return MovielensModel(user_model, movie_model, task, options=options)
+
+
+def train(model, batch, optimizer, epochs=2):
+    model.compile(optimizer=optimizer)
+    data = tf.data.Dataset.from_tensor_slices(interactions()).batch(batch)
+    history = model.fit(data, epochs=epochs, verbose=0)
+    return {name: values[-1] for name, values in history.history.items()}
+
+
+def max_diff(a, b):
+    return deltas.note(max(float(np.max(np.abs(np.asarray(p, "float64") - np.asarray(q, "float64"))))
+                           for p, q in zip(a, b)))
+
+
+def assert_like_tfrs_large_batch(batch=BATCH, **kwargs):
+    expected = tutorial_model(**kwargs)
+    expected_logs = train(expected, batch, k2.optimizers.Adagrad(0.1))
+    inner = tutorial_model(**kwargs)
+    cache = GradientCache(inner, N)
+    logs = train(cache, batch, k2.optimizers.Adagrad(0.1))
+    assert max_diff(inner.get_weights(), expected.get_weights()) <= TOLERANCE
+    assert set(logs) == set(expected_logs)
+    for name in ("loss", "regularization_loss", "total_loss"):
+        np.testing.assert_allclose(logs[name], expected_logs[name], rtol=1e-5, atol=1e-6)
+    # Top-k accuracies count hits among the k best scores: a tie between two
+    # candidates' scores, broken differently by rounding, can move one hit.
+    for name in set(logs) - {"loss", "regularization_loss", "total_loss"}:
+        assert abs(logs[name] - expected_logs[name]) <= 2 / len(interactions()["user_id"]), name
+    # evaluate() is TFRS's own on the trained model (a tfrs.Model has no call()).
+    data = tf.data.Dataset.from_tensor_slices(interactions()).batch(batch)
+    evaluated = cache.evaluate(data, return_dict=True, verbose=0)
+    expected_evaluated = expected.evaluate(data, return_dict=True, verbose=0)
+    assert set(evaluated) == set(expected_evaluated)
+    for name, value in expected_evaluated.items():
+        np.testing.assert_allclose(evaluated[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    control = tutorial_model(**kwargs)
+    train(control, batch // N, GradientAccumulator(k2.optimizers.Adagrad(0.1), N))
+    assert max_diff(control.get_weights(), expected.get_weights()) > 1e-3
+    assert max_diff(expected.get_weights(), initial(**kwargs).get_weights()) > 1e-2  # it trained
+
+
+def initial(**kwargs):
+    """The model as training starts: its towers built, its weights as initialized."""
+    model = tutorial_model(**kwargs)
+    model.compute_loss(interactions(samples=2))
+    return model
+
+
+def test_the_tutorial_model_trains_like_tfrs_large_batch():
+    assert_like_tfrs_large_batch()
+
+
+def test_the_retrieval_task_options_are_honoured():
+    """sample_weight, candidate_sampling_probability, candidate_ids with
+    remove_accidental_hits: each scored on the whole batch."""
+    assert_like_tfrs_large_batch(options=True)
+
+
+def test_uneven_micro_batches_and_a_short_last_batch():
+    """Batches of 30 in micro-batches of 8, 8, 8, 6; the epoch's last batch has 12."""
+    assert_like_tfrs_large_batch(batch=30)
+
+
+def test_weight_regularization_is_added_and_logged_as_tfrs_does():
+    assert_like_tfrs_large_batch(regularizer=k2.regularizers.l2(1e-3))
+
+
+class TwoTasks(tfrs.Model if tfrs else object):
+    def __init__(self):
+        super().__init__()
+        self.first = tfrs.tasks.Retrieval()
+        self.second = tfrs.tasks.Retrieval()
+
+
+class RankingModel(tfrs.Model if tfrs else object):
+    def __init__(self):
+        super().__init__()
+        self.task = tfrs.tasks.Ranking()
+
+
+@pytest.mark.parametrize("make, message", [(TwoTasks, "exactly one task"),
+                                           (RankingModel, "only tfrs.tasks.Retrieval")])
+def test_refuses_what_it_does_not_support(make, message):
+    with pytest.raises(ValueError, match=message):
+        GradientCache(make(), N)
+
+
+class ScaledLoss(MovielensModel):
+    def compute_loss(self, features, training=False):
+        return 2.0 * super().compute_loss(features, training)
+
+
+def test_refuses_a_compute_loss_that_changes_the_task_loss():
+    model = tutorial_model()
+    model = ScaledLoss(model.user_model, model.movie_model, model.task)
+    cache = GradientCache(model, N)
+    cache.compile(optimizer=k2.optimizers.Adagrad(0.1))
+    with pytest.raises(ValueError, match="the task's loss as it is"):
+        cache.fit(tf.data.Dataset.from_tensor_slices(interactions()).batch(BATCH), verbose=0)
