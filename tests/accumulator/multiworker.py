@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 WORKERS = 2
 
 
-def start_cluster(out, *args):
+def start_cluster(out, *args, module="tests.accumulator.multiworker_worker"):
     ports = [portpicker.pick_unused_port() for _ in range(WORKERS)]
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     procs = []
@@ -23,15 +23,16 @@ def start_cluster(out, *args):
             TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
         )
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tests.accumulator.multiworker_worker", "--out", str(out), *map(str, args)],
+            [sys.executable, "-m", module, "--out", str(out), *map(str, args)],
             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         ))
     return procs
 
 
-def run_cluster(out, *args, timeout=300):
-    """Returns (exit codes, combined output, chief's weights or None)."""
-    procs = start_cluster(out, *args)
+def run_cluster(out, *args, timeout=300, module="tests.accumulator.multiworker_worker"):
+    """Returns (exit codes, combined output, chief's weights or None); `module` is the
+    worker's program (it writes `load_result`'s file)."""
+    procs = start_cluster(out, *args, module=module)
     outputs = []
     for proc in procs:
         try:
