@@ -181,7 +181,10 @@ def test_mixed_float16_scales_the_loss_as_keras2_does():
 
 
 def test_two_mirrored_replicas_train_like_keras2_large_batch_under_the_same_strategy():
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    # Reduced on one device: collective ops of several strategies in one process (the
+    # whole suite's) can collide on their instance keys.
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
+                                              cross_device_ops=tf.distribute.ReductionToOneDevice())
     data = interactions()
 
     def under_strategy(run):
