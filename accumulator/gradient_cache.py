@@ -137,8 +137,12 @@ class GradientCache(keras.Model):
         state = [v for v in self.model.variables if not v.trainable and not _is_float(v)]
         saved = [tf.identity(v.value) for v in state]
 
+        # What the loss reads beside the representations: this replica's, or when
+        # gathering the global batch's (`gather` replaces them).
+        scored = {"x": x, "y": y, "sample_weight": sample_weight}
+
         def score(whole):
-            loss = self.compute_loss(x=x, y=y, y_pred=whole, sample_weight=sample_weight, training=True)
+            loss = self.compute_loss(y_pred=whole, training=True, **scored)
             return loss, self.optimizer.scale_loss(loss)
 
         def replay_state():
@@ -147,21 +151,16 @@ class GradientCache(keras.Model):
 
         gather = None
         if self.gather_across_replicas:
-            given = {"x": x, "y": y, "sample_weight": sample_weight}
-            given = {name: value for name, value in given.items() if value is not None}
-
-            def gather(whole):   # the loss then reads the global batch's x, y, sample_weight
-                nonlocal x, y, sample_weight
+            def gather(whole):
+                given = {name: value for name, value in scored.items() if value is not None}
                 shares = across_replicas.GlobalBatch({"whole": whole, **given})
-                x, y, sample_weight = (shares.whole.get(name) for name in ("x", "y", "sample_weight"))
+                scored.update((name, shares.whole[name]) for name in given)
                 return _Scored(shares.whole["whole"], shares)
 
-        local_x, local_y, local_sample_weight = x, y, sample_weight
         loss, whole, grads = cache_passes.cached_gradients(
             lambda part: self.model(part, training=True), x, self.accum_steps, score, variables,
             after_pass_1=self._refuse_losses_added_while_running, before_pass_3=replay_state,
             gather=gather)
-        x, y, sample_weight = local_x, local_y, local_sample_weight
         with cache_passes.ready_for_update(grads):
             self.optimizer.apply_gradients(zip(grads, variables))
         # The loss is the global batch's on every replica when gathered; else the
