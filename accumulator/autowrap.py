@@ -41,7 +41,7 @@ from tfx_gradient_accumulator.accumulator.batch_norm import configure_batch_norm
 from tfx_gradient_accumulator.accumulator.auto_batch import auto_accumulation_class
 from tfx_gradient_accumulator.accumulator.callbacks import accum_steps_at, validate_schedule, window_callback_classes
 from tfx_gradient_accumulator.accumulator.lr_scaling import validate_lr_scaling
-from tfx_gradient_accumulator.accumulator.gradient_cache import is_gradient_cache
+from tfx_gradient_accumulator.accumulator.gradient_cache import is_gradient_cache, validate_gather_across_replicas
 from tfx_gradient_accumulator.accumulator.noise_scale import DEFAULT_SMOOTHING
 from tfx_gradient_accumulator.accumulator.optimizer import GradientAccumulator
 from tfx_gradient_accumulator.accumulator.window import AccumulationWindow, validate_accum_steps
@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 def accumulating_compile(accum_steps, schedule=None, partial_window="apply", strategy=None,
                          measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING,
                          merge_duplicate_rows=False, gradient_cache=False, backup=None,
-                         schedule_by="epoch", lr_scaling="none", auto=None):
+                         schedule_by="epoch", lr_scaling="none", auto=None, gather_across_replicas=False):
     """Wraps the optimizers `keras.Model.compile` is given; yields the wrappers made
     (with `gradient_cache`: the optimizers of the `GradientCache` models compiled).
 
@@ -72,8 +72,15 @@ def accumulating_compile(accum_steps, schedule=None, partial_window="apply", str
     micro-batch, "max_effective_batch_size": ...} (and optionally `growth`,
     `margin`, `patience`): `accum_steps` is the starting window (>= 2, so the
     noise scale is measured) and every `fit` grows it (`AutoAccumulation`, read
-    back as `wrapper.auto_accumulation`).
+    back as `wrapper.auto_accumulation`). `gather_across_replicas` (with
+    `gradient_cache` only): every compiled `GradientCache` scores the global batch
+    on every replica (see `GradientCache`), or (False) each replica's share.
     """
+    if not isinstance(gather_across_replicas, bool):
+        raise ValueError(f"`gather_across_replicas` must be True or False; received {gather_across_replicas!r}.")
+    if gather_across_replicas and not gradient_cache:
+        raise ValueError("accumulating_compile(gather_across_replicas=True) needs gradient_cache=True: "
+                         "only GradientCache scores a loss over the whole batch.")
     if gradient_cache:
         _refuse_window_options(schedule, partial_window, measure_noise_scale, merge_duplicate_rows)
         if auto is not None:
@@ -100,7 +107,7 @@ def accumulating_compile(accum_steps, schedule=None, partial_window="apply", str
     def wrapping_compile(original):
         def compile(self, optimizer="rmsprop", *args, **kwargs):
             if gradient_cache or is_gradient_cache(self):
-                _set_up_gradient_cache(self, optimizer, accum_steps, gradient_cache)
+                _set_up_gradient_cache(self, optimizer, accum_steps, gradient_cache, gather_across_replicas)
                 result = original(self, optimizer, *args, **kwargs)
                 made.append(self.optimizer)
                 return result
@@ -171,10 +178,11 @@ def _fit_callback(package, accum_steps, schedule, schedule_by, lr_scaling, auto)
     return lambda: schedule_class(schedule, by=schedule_by, lr_scaling=lr_scaling)
 
 
-def _set_up_gradient_cache(model, optimizer, accum_steps, gradient_cache):
+def _set_up_gradient_cache(model, optimizer, accum_steps, gradient_cache, gather_across_replicas=False):
     """Before `compile` under `gradient_cache`: gives a `GradientCache` model the
-    `accum_steps`; refuses any other model, and a `GradientCache` compiled without
-    `gradient_cache` or with an accumulating optimizer (either would accumulate twice)."""
+    `accum_steps` and `gather_across_replicas`; refuses any other model, and a
+    `GradientCache` compiled without `gradient_cache` or with an accumulating
+    optimizer (either would accumulate twice)."""
     if not is_gradient_cache(model):
         raise ValueError(
             f"With gradient_cache=True (AccumulatingTrainer's, or AccumulatingHyperModel's) the "
@@ -199,6 +207,25 @@ def _set_up_gradient_cache(model, optimizer, accum_steps, gradient_cache):
         logger.warning("GradientCache(accum_steps=%d) is given accum_steps=%d by accumulating_compile "
                        "(the component's or the tuner's value).", model.accum_steps, accum_steps)
     model.accum_steps = accum_steps
+    _set_gathering(model, gather_across_replicas)
+
+
+def _set_gathering(model, gather_across_replicas):
+    """The component's (or tuner's) `gather_across_replicas` replaces the model's own,
+    checked as `GradientCache` checks it; a change is said, as for accum_steps."""
+    if gather_across_replicas and seam.is_keras2_object(model):
+        raise ValueError(
+            "gather_across_replicas=True is available for Keras 3 models; the run_fn's GradientCache "
+            "wraps a Keras 2 (tf_keras) model, whose replicas score their own share alone. Leave "
+            "gather_across_replicas off, or write the model with Keras 3.")
+    if seam.is_keras2_object(model):
+        return
+    validate_gather_across_replicas(model.model, gather_across_replicas)
+    if model.gather_across_replicas != gather_across_replicas:
+        logger.warning("GradientCache(gather_across_replicas=%s) is given gather_across_replicas=%s by "
+                       "accumulating_compile (the component's value).", model.gather_across_replicas,
+                       gather_across_replicas)
+    model.gather_across_replicas = gather_across_replicas
 
 
 def _refuse_window_options(schedule, partial_window, measure_noise_scale, merge_duplicate_rows):

@@ -11,6 +11,8 @@ import os
 
 import tensorflow as tf
 
+from tfx_gradient_accumulator.accumulator import seam
+
 KINDS = ("multi_worker", "mirrored", "one_device", "default")
 _WORKER_TYPES = ("chief", "worker")
 
@@ -95,7 +97,7 @@ def strategy_from_environment(kind="auto"):
     if kind == "multi_worker":
         return tf.distribute.MultiWorkerMirroredStrategy()
     if kind == "mirrored":
-        return tf.distribute.MirroredStrategy()
+        return seam.mirrored_strategy()     # its own collective keys: not the last run's
     if kind == "one_device":
         return tf.distribute.OneDeviceStrategy("/gpu:0" if gpus else "/cpu:0")
     return tf.distribute.get_strategy()

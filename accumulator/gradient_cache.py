@@ -53,6 +53,22 @@ from tfx_gradient_accumulator.accumulator import across_replicas, cache_passes, 
 from tfx_gradient_accumulator.accumulator.window import validate_accum_steps
 
 
+def validate_gather_across_replicas(model, gather_across_replicas):
+    """Returns `gather_across_replicas` if the Keras 3 `model` can be scored over the
+    global batch, or raises: gathering needs the model's own `compute_loss`."""
+    if not isinstance(gather_across_replicas, bool):
+        raise TypeError("GradientCache: `gather_across_replicas` must be True or False; "
+                        f"received {gather_across_replicas!r}.")
+    if gather_across_replicas and type(model).compute_loss is keras.Model.compute_loss:
+        raise ValueError(
+            "GradientCache(gather_across_replicas=True) needs the model's own `compute_loss` "
+            f"(`{type(model).__name__}` has none): Keras scales a compiled loss per replica, "
+            "for the replica's share. Override compute_loss(x, y, y_pred, sample_weight) to "
+            "return the loss of the batch it is given, as on one device, or use "
+            "gather_across_replicas=False.")
+    return gather_across_replicas
+
+
 @keras.saving.register_keras_serializable(package="accumulator")
 class GradientCache(keras.Model):
     """Trains `model` on each batch in `accum_steps` micro-batches with the whole
@@ -99,18 +115,8 @@ class GradientCache(keras.Model):
         self.accum_steps = validate_accum_steps(accum_steps)
         if not isinstance(model, keras.Model) or seam.is_keras2_object(model):
             raise TypeError(f"`model` must be a Keras 3 `keras.Model`; received {type(model).__name__}.")
-        if not isinstance(gather_across_replicas, bool):
-            raise TypeError("GradientCache: `gather_across_replicas` must be True or False; "
-                            f"received {gather_across_replicas!r}.")
-        if gather_across_replicas and type(model).compute_loss is keras.Model.compute_loss:
-            raise ValueError(
-                "GradientCache(gather_across_replicas=True) needs the model's own `compute_loss` "
-                f"(`{type(model).__name__}` has none): Keras scales a compiled loss per replica, "
-                "for the replica's share. Override compute_loss(x, y, y_pred, sample_weight) to "
-                "return the loss of the batch it is given, as on one device, or use "
-                "gather_across_replicas=False.")
         self.model = model
-        self.gather_across_replicas = gather_across_replicas
+        self.gather_across_replicas = validate_gather_across_replicas(model, gather_across_replicas)
         # Built with the model: `fit` never calls the wrapper itself, and saving
         # and loading need it built (the optimizer is restored onto its variables).
         self.built = model.built

@@ -37,6 +37,16 @@ Private names (`PRIVATE_NAMES` lists them for the test):
   functions that stop `fit` under `MultiWorkerMirroredStrategy`
   (keras-team/keras#20585); see "Run-time changes".
 
+TensorFlow's `tf.distribute` (`mirrored_strategy()`):
+
+* ``tf.distribute.MirroredStrategy._collective_key_base`` (TF sets it in its own
+  tests only): every `MirroredStrategy` numbers its collective groups from it, so
+  two made in one process on the same devices share collective keys, and the
+  second's first all-reduce of another shape fails ("Shape mismatch in the
+  collective instance 100"): a second Trainer run in one process (the local
+  runner), or one after any other strategy. `mirrored_strategy()` gives each of
+  the library's its own keys.
+
 Keras 2 (`tf_keras`, or TF 2.15's `keras`): its optimizers take a public
 `skip_gradients_aggregation=True` (`accumulator.keras2`), so accumulation needs no
 private name there. `GradientCache` on Keras 2 needs one (`keras2=True` below):
@@ -63,6 +73,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
+import itertools
 import sys
 
 import keras
@@ -118,6 +129,8 @@ PRIVATE_NAMES = (
                 "MultiWorkerMirroredStrategy fix (keras#20585)", since=(3, 5)),
     PrivateName("keras.src.backend.tensorflow.trainer", "reduce_per_replica",
                 "MultiWorkerMirroredStrategy fix (keras#20585)"),
+    PrivateName("tensorflow", "distribute.MirroredStrategy._collective_key_base",
+                "AccumulatingTrainer: each MirroredStrategy of a process its own collective keys"),
     PrivateName("tf_keras", "_callable_losses",
                 "Keras 2 GradientCache: weight regularization told from losses added while running",
                 on_compiled_model=True, keras2=True),
@@ -260,6 +273,22 @@ def variables_created_as(synchronization=None, aggregation=None, shape=None):
 
 
 # ---------------------------------------------------------------------- layers
+_COLLECTIVE_KEY_BASES = itertools.count(1)
+COLLECTIVE_KEYS_PER_STRATEGY = 10_000     # group keys a strategy may use before the next one's
+
+
+def mirrored_strategy(**kwargs):
+    """`tf.distribute.MirroredStrategy(**kwargs)` whose collective group keys no other
+    strategy made here shares (see the module docstring)."""
+    cls = tf.distribute.MirroredStrategy
+    saved = cls._collective_key_base
+    cls._collective_key_base = next(_COLLECTIVE_KEY_BASES) * COLLECTIVE_KEYS_PER_STRATEGY
+    try:
+        return cls(**kwargs)
+    finally:
+        cls._collective_key_base = saved
+
+
 def flatten_layers(model):
     """Every layer nested in `model` (not `model` itself)."""
     return list(model._flatten_layers(include_self=False))

@@ -4,8 +4,8 @@ Same inputs, same outputs (`model`, `model_run`), same run_fn contract as the
 stock Trainer, plus the accumulation's parameters (`accum_steps`, `effective_batch_size`,
 `strategy`, `accum_schedule`, `accum_schedule_by`, `lr_scaling`, `max_effective_batch_size`,
 `partial_window`, `measure_noise_scale`, `merge_duplicate_rows`, `gradient_cache`,
-`backup_dir`, `backup_every`). On a cluster the chief alone
-exports and records (components.cluster).
+`gather_across_replicas`, `backup_dir`, `backup_every`). On a cluster the chief
+alone exports and records (components.cluster).
 Change the class name in a pipeline and it trains with
 accumulation; feed `hyperparameters=tuner.outputs["best_hyperparameters"]` and
 the tuned values win over the parameters.
@@ -47,6 +47,7 @@ class AccumulatingTrainerSpec(standard_component_specs.TrainerSpec):
         executor.NOISE_SCALE_SMOOTHING_KEY: ExecutionParameter(type=float, optional=True),
         executor.MERGE_DUPLICATE_ROWS_KEY: ExecutionParameter(type=int, optional=True),
         executor.GRADIENT_CACHE_KEY: ExecutionParameter(type=int, optional=True),
+        executor.GATHER_ACROSS_REPLICAS_KEY: ExecutionParameter(type=int, optional=True),
         executor.ACCUM_STEPS_AUTO_KEY: ExecutionParameter(type=int, optional=True),
         executor.MAX_EFFECTIVE_BATCH_SIZE_KEY: ExecutionParameter(type=int, optional=True),
         executor.ACCUM_SCHEDULE_BY_KEY: ExecutionParameter(type=str, optional=True),
@@ -124,6 +125,17 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             would accumulate twice), and `measure_noise_scale`,
             `accum_schedule`, `partial_window` other than "apply" and
             `merge_duplicate_rows` with it. Default False.
+        gather_across_replicas: with `gradient_cache`, under a strategy of R
+            replicas: False (the default) scores each replica's share of the
+            batch alone, as Keras' own large batch does under the strategy (each
+            sample meets the negatives of its share: 1/R of the batch); True
+            scores the whole global batch on every replica
+            (`GradientCache(..., gather_across_replicas=True)`), so the run trains
+            like one device on the effective batch, at the cost of one
+            all-reduce of the representations, inputs and targets per step. Needs
+            a Keras 3 model with its own `compute_loss` (refused otherwise, before
+            training). Recorded as `gather_across_replicas` (0/1). Refused without
+            `gradient_cache`.
         backup_dir: back training up under this folder (local, or a bucket
             every worker reads) and resume from it when the executor is
             restarted: a preempted worker, a retried component. The run's
@@ -176,6 +188,7 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
         noise_scale_smoothing: Optional[Union[float, data_types.RuntimeParameter]] = None,
         merge_duplicate_rows: bool = False,
         gradient_cache: bool = False,
+        gather_across_replicas: bool = False,
         backup_dir: Optional[Union[str, data_types.RuntimeParameter]] = None,
         backup_every: Optional[Union[int, data_types.RuntimeParameter]] = None,
         verify_exactness: Union[bool, str] = False,
@@ -207,7 +220,8 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
                              measure_noise_scale=measure, noise_scale_smoothing=static(noise_scale_smoothing),
                              merge_duplicate_rows=merge_duplicate_rows, gradient_cache=gradient_cache,
                              schedule_by=accum_schedule_by, lr_scaling=lr_scaling,
-                             max_effective_batch_size=max_effective_batch_size)
+                             max_effective_batch_size=max_effective_batch_size,
+                             gather_across_replicas=gather_across_replicas)
         if auto:
             accum_steps = None
         if accum_schedule is not None:
@@ -244,6 +258,7 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             noise_scale_smoothing=noise_scale_smoothing,
             merge_duplicate_rows=int(merge_duplicate_rows),
             gradient_cache=int(gradient_cache),
+            gather_across_replicas=int(gather_across_replicas),
             accum_steps_auto=int(auto),
             max_effective_batch_size=max_effective_batch_size,
             accum_schedule_by=accum_schedule_by,

@@ -4,7 +4,8 @@ It resolves the accumulation settings (hyperparameters, then component
 parameters, then defaults) and the distribution strategy before anything
 trains, runs the user's unchanged run_fn with every compiled optimizer wrapped
 in `GradientAccumulator` (with `gradient_cache`: every compiled
-`GradientCache` given the `accum_steps`, its optimizer left plain), backed up
+`GradientCache` given the `accum_steps` and `gather_across_replicas`, its
+optimizer left plain), backed up
 when `backup_dir` is set (`components.preemption`), and records what happened
 on the output artifacts (ML Metadata) and in the run's TensorBoard logs.
 
@@ -41,6 +42,7 @@ MEASURE_NOISE_SCALE_KEY = "measure_noise_scale"
 NOISE_SCALE_SMOOTHING_KEY = "noise_scale_smoothing"
 MERGE_DUPLICATE_ROWS_KEY = "merge_duplicate_rows"
 GRADIENT_CACHE_KEY = "gradient_cache"
+GATHER_ACROSS_REPLICAS_KEY = "gather_across_replicas"
 ACCUM_STEPS_AUTO_KEY = "accum_steps_auto"
 MAX_EFFECTIVE_BATCH_SIZE_KEY = "max_effective_batch_size"
 ACCUM_SCHEDULE_BY_KEY = "accum_schedule_by"
@@ -122,6 +124,7 @@ def _resolve_settings(hyperparameters, exec_properties, replicas):
         exec_properties.get(ACCUM_SCHEDULE_BY_KEY),
         exec_properties.get(LR_SCALING_KEY),
         exec_properties.get(MAX_EFFECTIVE_BATCH_SIZE_KEY),
+        exec_properties.get(GATHER_ACROSS_REPLICAS_KEY),
     )
 
 
@@ -129,7 +132,9 @@ def _describe(settings, strategy, train_steps, role):
     micro_batch = settings.micro_batch or "the run_fn's"
     if settings.gradient_cache:
         micro_steps = (f"{train_steps} optimizer updates = {train_steps} steps of GradientCache, "
-                       f"each over the effective batch in {settings.accum_steps} micro-batches")
+                       f"each over the effective batch in {settings.accum_steps} micro-batches, "
+                       + ("the loss scoring the whole global batch on every replica"
+                          if settings.gather_across_replicas else "the loss scoring each replica's share"))
     else:
         micro_steps = (f"{train_steps} optimizer updates = {train_steps and train_steps * settings.accum_steps} "
                        f"micro-steps; partial windows: {settings.partial_window}")

@@ -13,7 +13,10 @@ the run_fn sees with each:
 * `GradientCache` (`gradient_cache=True`, for losses that couple the batch:
   in-batch negatives, contrastive): training datasets come at the effective
   batch, one `fit` step is one update, and the model cuts each batch into
-  `accum_steps` micro-batches itself.
+  `accum_steps` micro-batches itself. Under a strategy with R replicas it
+  scores each replica's share alone (as Keras' large batch does under the
+  strategy), or with `gather_across_replicas=True` the whole global batch on
+  every replica (as one device would).
 """
 
 import dataclasses
@@ -32,6 +35,7 @@ EFFECTIVE_BATCH_SIZE = "effective_batch_size"
 MEASURE_NOISE_SCALE = "measure_noise_scale"
 NOISE_SCALE_SMOOTHING = "noise_scale_smoothing"
 GRADIENT_CACHE = "gradient_cache"
+GATHER_ACROSS_REPLICAS = "gather_across_replicas"
 MAX_EFFECTIVE_BATCH_SIZE = "max_effective_batch_size"
 AUTO = "auto"
 AUTO_START_ACCUM_STEPS = 2     # the smallest window that measures the noise scale
@@ -54,6 +58,7 @@ class AccumulationSettings:
     schedule_by: str = "epoch"
     lr_scaling: str = "none"
     max_effective_batch_size: Optional[int] = None      # set: accum_steps="auto"
+    gather_across_replicas: bool = False                 # only with gradient_cache
 
     @property
     def auto(self) -> bool:
@@ -93,6 +98,7 @@ class AccumulationSettings:
             "noise_scale_smoothing": self.noise_scale_smoothing,
             "merge_duplicate_rows": self.merge_duplicate_rows,
             "gradient_cache": self.gradient_cache,
+            "gather_across_replicas": self.gather_across_replicas,
             "schedule_by": self.schedule_by,
             "lr_scaling": self.lr_scaling,
             "auto": ({"micro_batch_size": self.micro_batch,
@@ -111,6 +117,7 @@ class AccumulationSettings:
             "gradient_cache": int(self.gradient_cache),
             "accum_steps_auto": int(self.auto),
             "max_effective_batch_size": self.max_effective_batch_size or 0,
+            "gather_across_replicas": int(self.gather_across_replicas),
         }
 
 
@@ -137,6 +144,7 @@ def resolve(
     schedule_by: Optional[str] = None,
     lr_scaling: Optional[str] = None,
     max_effective_batch_size: Optional[int] = None,
+    gather_across_replicas: Optional[bool] = None,
 ) -> AccumulationSettings:
     """Resolves and validates the settings of one run.
 
@@ -147,9 +155,11 @@ def resolve(
     `measure_noise_scale` (default False) and `noise_scale_smoothing` (default
     0.99) follow the same precedence as `accum_steps`; measuring needs windows
     of two or more micro-batches: `accum_steps >= 2`, or a schedule that
-    reaches 2. `merge_duplicate_rows` and `gradient_cache` (default False) are
-    the component's alone; `gradient_cache` refuses what would mean nothing or
-    train wrong with `GradientCache` (`refuse_with_gradient_cache`).
+    reaches 2. `merge_duplicate_rows`, `gradient_cache` and
+    `gather_across_replicas` (default False) are the component's alone;
+    `gradient_cache` refuses what would mean nothing or train wrong with
+    `GradientCache` (`refuse_with_gradient_cache`), and `gather_across_replicas`
+    needs it.
     `schedule_by` ("epoch" or "update") says what the schedule's keys count;
     `lr_scaling` ("none", "linear", "sqrt") is the learning-rate rule of every
     change of the effective batch. `accum_steps="auto"` grows the window with
@@ -160,6 +170,7 @@ def resolve(
     """
     partial_window = validate_partial_window(partial_window or "apply")
     cache = boolean_parameter(gradient_cache, GRADIENT_CACHE)
+    gather = gather_setting(gather_across_replicas, cache)
     schedule_by = schedule_by or "epoch"
     if schedule_by not in ("epoch", "update"):
         raise ValueError(f"`accum_schedule_by` must be 'epoch' or 'update'; received {schedule_by!r}.")
@@ -229,18 +240,39 @@ def resolve(
     merge = boolean_parameter(merge_duplicate_rows, "merge_duplicate_rows")
     if cache:
         refuse_with_gradient_cache(schedule, partial_window, measure, merge, sources.get(MEASURE_NOISE_SCALE))
-    if measure and max(schedule.values() if schedule else [accum]) < 2:
-        where = ("`accum_schedule` never goes above 1" if schedule else
-                 f"`{ACCUM_STEPS}` is 1 (from {sources[ACCUM_STEPS]})")
-        raise ValueError(
-            f"`{MEASURE_NOISE_SCALE}=True` (from {sources[MEASURE_NOISE_SCALE]}) needs windows of "
-            f"two or more micro-batches, but {where}: the noise scale compares each "
-            f"micro-batch's gradient with its window's. Set `{ACCUM_STEPS}` >= 2 (or a schedule "
-            f"that reaches it), or leave `{MEASURE_NOISE_SCALE}` off."
-        )
+    if measure:
+        refuse_measuring_without_windows(schedule, accum, sources)
     return AccumulationSettings(accum, effective, replicas, schedule, partial_window, sources,
                                 measure, smoothing, merge, cache, schedule_by, lr_scaling,
-                                max_effective_batch_size)
+                                max_effective_batch_size, gather)
+
+
+def refuse_measuring_without_windows(schedule, accum_steps, sources):
+    """Raises unless some window holds two or more micro-batches: the noise scale
+    compares each micro-batch's gradient with its window's."""
+    if max(schedule.values() if schedule else [accum_steps]) >= 2:
+        return
+    where = ("`accum_schedule` never goes above 1" if schedule else
+             f"`{ACCUM_STEPS}` is 1 (from {sources[ACCUM_STEPS]})")
+    raise ValueError(
+        f"`{MEASURE_NOISE_SCALE}=True` (from {sources[MEASURE_NOISE_SCALE]}) needs windows of "
+        f"two or more micro-batches, but {where}: the noise scale compares each "
+        f"micro-batch's gradient with its window's. Set `{ACCUM_STEPS}` >= 2 (or a schedule "
+        f"that reaches it), or leave `{MEASURE_NOISE_SCALE}` off."
+    )
+
+
+def gather_setting(gather_across_replicas, gradient_cache):
+    """`gather_across_replicas` (unset: False), which only `GradientCache` has: its
+    loss scores the whole global batch on every replica instead of each share."""
+    gather = boolean_parameter(gather_across_replicas, GATHER_ACROSS_REPLICAS)
+    if gather and not gradient_cache:
+        raise ValueError(
+            f"`{GATHER_ACROSS_REPLICAS}=True` needs `{GRADIENT_CACHE}=True`: it is how GradientCache "
+            "scores a loss that couples the batch (in-batch negatives) under a strategy, over the "
+            "global batch instead of each replica's share. GradientAccumulator's losses are per "
+            "sample and need no gathering. Set both, or leave it off.")
+    return gather
 
 
 def boolean_parameter(value, name):

@@ -1,6 +1,9 @@
 """Choosing the strategy from TF_CONFIG and the local GPUs; clear errors for bad TF_CONFIG."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import tensorflow as tf
@@ -61,3 +64,39 @@ def test_invalid_tf_config_in_environment_fails_before_any_strategy(monkeypatch)
 def test_unknown_kind():
     with pytest.raises(ValueError, match="kind"):
         distribute.strategy_from_environment("tpu")
+
+
+_TWO_STRATEGIES = """
+import sys
+import tensorflow as tf
+from tfx_gradient_accumulator.accumulator import distribute
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+def all_reduce(strategy, size):
+    step = tf.function(lambda: strategy.run(
+        lambda: tf.distribute.get_replica_context().all_reduce("sum", tf.ones([size]))))
+    return strategy.experimental_local_results(step())[0].shape[0]
+
+make = {"ours": lambda: distribute.strategy_from_environment("mirrored"), "plain": tf.distribute.MirroredStrategy}
+try:
+    print("sizes", all_reduce(make[sys.argv[1]](), 3), all_reduce(make[sys.argv[1]](), 5))
+except tf.errors.OpError as err:
+    print("failed", err.message.splitlines()[0])
+"""
+
+
+@pytest.mark.parametrize("made_by, printed", [
+    ("ours", "sizes 3 5"),
+    ("plain", "failed"),   # the control
+])
+def test_two_mirrored_strategies_of_one_process_do_not_share_collective_keys(made_by, printed):
+    """A second `MirroredStrategy` on the same devices (a second Trainer run in one process)
+    reuses the first's collective keys in TF, and its first all-reduce of another shape
+    fails; the library's strategies have keys of their own. In a fresh process: the
+    control's failure would poison this one's collectives."""
+    run = subprocess.run([sys.executable, "-c", _TWO_STRATEGIES, made_by], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    lines = [line for line in run.stdout.splitlines() if line.startswith(("sizes", "failed"))]
+    assert lines and lines[-1].startswith(printed), run.stdout + run.stderr
+    assert made_by == "ours" or "Shape mismatch in the collective instance" in lines[-1]

@@ -127,6 +127,25 @@ def test_bad_settings_are_refused_before_training():
         GradientCache(plain, N, gather_across_replicas=True)
 
 
+def test_accumulating_compile_sets_the_components_value_on_the_gradient_cache(caplog):
+    """What AccumulatingTrainer(gather_across_replicas=...) does to the run_fn's model:
+    its value replaces the model's own (said in the log), checked as GradientCache checks it."""
+    from tfx_gradient_accumulator.accumulator.autowrap import accumulating_compile
+
+    for component, own in [(True, False), (False, True)]:
+        model = GradientCache(cm.built("two_tower"), 1, gather_across_replicas=own)
+        with accumulating_compile(N, gradient_cache=True, gather_across_replicas=component):
+            model.compile(optimizer=keras.optimizers.SGD(0.1))
+        assert (model.gather_across_replicas, model.accum_steps) == (component, N)
+    assert "given gather_across_replicas=False" in caplog.text
+    with pytest.raises(ValueError, match="needs gradient_cache=True"):
+        with accumulating_compile(N, gather_across_replicas=True):
+            pass
+    with pytest.raises(ValueError, match="`gather_across_replicas` must be True or False; received 1"):
+        with accumulating_compile(N, gradient_cache=True, gather_across_replicas=1):
+            pass
+
+
 def test_strings_and_sparse_tensors_are_refused_when_gathered():
     """(Keras' own fit under a strategy fails earlier on strings; a custom loop reaches us.)"""
     strategy = mirrored()

@@ -61,6 +61,9 @@ def test_hyperparameters_channel_is_accepted():
         ({"gradient_cache": True, "partial_window": "drop"}, ValueError, "`partial_window='drop'` is not supported"),
         ({"gradient_cache": True, "merge_duplicate_rows": True}, ValueError, "`merge_duplicate_rows=True` is not"),
         ({"gradient_cache": True, "accum_steps": 3, "effective_batch_size": 64}, ValueError, "divide evenly"),
+        ({"gather_across_replicas": True}, ValueError, "`gather_across_replicas=True` needs `gradient_cache=True`"),
+        ({"gather_across_replicas": "yes", "gradient_cache": True}, ValueError,
+         "`gather_across_replicas` must be True or False"),
         ({"backup_dir": ""}, ValueError, "`backup_dir` must be a non-empty path"),
         ({"backup_dir": 3}, ValueError, "`backup_dir` must be a non-empty path"),
         ({"backup_dir": "/b", "backup_every": 0}, ValueError, "`backup_every` must be a positive integer"),
@@ -106,3 +109,10 @@ def test_gradient_cache_is_stored_as_an_int_and_unset_means_false():
     trainer = AccumulatingTrainer(**_kwargs(gradient_cache=True, accum_steps=4, effective_batch_size=64))
     assert trainer.exec_properties["gradient_cache"] == 1
     assert AccumulatingTrainer(**_kwargs()).exec_properties["gradient_cache"] == 0
+
+
+def test_gather_across_replicas_is_stored_as_an_int_and_unset_means_false():
+    trainer = AccumulatingTrainer(**_kwargs(gradient_cache=True, gather_across_replicas=True, accum_steps=4,
+                                            effective_batch_size=64))
+    assert trainer.exec_properties["gather_across_replicas"] == 1
+    assert AccumulatingTrainer(**_kwargs(gradient_cache=True)).exec_properties["gather_across_replicas"] == 0

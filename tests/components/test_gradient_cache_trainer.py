@@ -50,7 +50,7 @@ def test_gradient_cache_trains_like_the_stock_trainer_at_the_effective_batch(exa
         "optimizer": "Adam", "iterations": 6,
         "accumulation": {"accum_steps": 4, "micro_batch_size": 8, "replicas": 1, "effective_batch_size": 32,
                          "measure_noise_scale": 0, "merge_duplicate_rows": 0, "gradient_cache": 1,
-                         "accum_steps_auto": 0, "max_effective_batch_size": 0,
+                         "accum_steps_auto": 0, "max_effective_batch_size": 0, "gather_across_replicas": 0,
                          "optimizer_updates": 6},
     }
     print("max |dw| against the stock Trainer:", max_abs_diff(weights, stock_weights),
@@ -122,6 +122,8 @@ def test_compile_is_restored_after_a_gradient_cache_run(examples, tmp_path):
         ({"gradient_cache": 1, "accum_schedule": '{"0": 2, "3": 4}'}, None, "`accum_schedule` is not supported"),
         ({"gradient_cache": 1, "partial_window": "carry"}, None, "`partial_window='carry'` is not supported"),
         ({"gradient_cache": 1, "merge_duplicate_rows": 1}, None, "`merge_duplicate_rows=True` is not supported"),
+        ({"gather_across_replicas": 1, "accum_steps": 4}, None,
+         "`gather_across_replicas=True` needs `gradient_cache=True`"),
     ],
 )
 def test_refusals_come_before_training(examples, tmp_path, properties, custom_config, message):
@@ -175,3 +177,37 @@ def test_a_keras_2_module_trains_like_the_stock_trainer_at_the_effective_batch(e
                                            accum_steps=4, effective_batch_size=32, custom_config=PLAIN)
     assert seen["optimizer"] == "GradientAccumulator"
     assert max_abs_diff(plain, stock_weights) > 100 * TOLERANCE
+
+
+def test_gathered_across_two_replicas_it_trains_like_the_stock_trainer_on_one_device(examples, tmp_path):
+    """`gather_across_replicas=1` under MirroredStrategy on 2 replicas (logical CPUs):
+    every replica scores the whole batch of 32, so the run lands on the stock Trainer's
+    one-device batch of 32. Control: the same run without gathering (each replica's
+    16 samples their own negatives, as Keras' large batch under the strategy)."""
+    _, _, stock_weights = _run(tmp_path / "stock", examples, num_steps=6, stock=True, custom_config=PLAIN)
+    runs = {}
+    for gather in (1, 0):
+        outputs, seen, weights = _run(tmp_path / f"gather{gather}", examples, num_steps=6, gradient_cache=1,
+                                      accum_steps=4, effective_batch_size=32, strategy="mirrored",
+                                      gather_across_replicas=gather)
+        runs[gather] = max_abs_diff(weights, stock_weights)
+        assert (seen["train_batch"], seen["iterations"]) == (32, 6)
+        assert seen["accumulation"]["gather_across_replicas"] == gather
+        for artifact in outputs["model"] + outputs["model_run"]:
+            recorded = {name: artifact.get_int_custom_property(name)
+                        for name in ("gather_across_replicas", "replicas", "gradient_cache", "accum_steps")}
+            assert recorded == {"gather_across_replicas": gather, "replicas": 2, "gradient_cache": 1,
+                                "accum_steps": 4}
+            assert artifact.get_string_custom_property("distribution_strategy") == "MirroredStrategy"
+        assert _tensorboard_scalar(outputs["model_run"][0].uri, "accumulation/gather_across_replicas") == gather
+    print("2 replicas, max |dw| against the stock Trainer on one device: gathered", runs[1],
+          "each share alone", runs[0])
+    assert runs[1] <= TOLERANCE
+    assert runs[0] > 100 * TOLERANCE
+
+
+def test_gathering_a_keras_2_module_is_refused_before_training(examples, tmp_path):
+    with pytest.raises(ValueError, match=r"gather_across_replicas=True is available for Keras 3 models.*Keras 2"):
+        fixtures.run_executor(tmp_path, examples, module=KERAS2_MODULE, num_steps=1, gradient_cache=1,
+                              accum_steps=4, gather_across_replicas=1)
+    assert not os.path.exists(tmp_path / "model_run" / "seen.json")

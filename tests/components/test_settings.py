@@ -21,7 +21,8 @@ def test_precedence():
                          "measure_noise_scale": "default", "noise_scale_smoothing": "default"}
     assert s.as_properties() == {"accum_steps": 8, "micro_batch_size": 8, "replicas": 2, "effective_batch_size": 64,
                                  "measure_noise_scale": 0, "merge_duplicate_rows": 0, "gradient_cache": 0,
-                                 "accum_steps_auto": 0, "max_effective_batch_size": 0}
+                                 "accum_steps_auto": 0, "max_effective_batch_size": 0,
+                                 "gather_across_replicas": 0}
 
 
 @pytest.mark.parametrize(
@@ -114,6 +115,32 @@ def test_gradient_cache_batches_at_the_effective_batch_and_counts_one_step_per_u
 def test_gradient_cache_refuses_what_it_cannot_honour(kwargs, message):
     with pytest.raises(ValueError, match=message):
         resolve(None, 4, 64, replicas=1, **kwargs)
+
+
+def test_gather_across_replicas_comes_with_gradient_cache_and_is_recorded():
+    gathered = resolve(None, 4, 64, replicas=2, gradient_cache=1, gather_across_replicas=1)   # the stored ints
+    assert gathered.gather_across_replicas is True
+    assert gathered.as_properties()["gather_across_replicas"] == 1
+    assert gathered.compile_arguments()["gather_across_replicas"] is True
+    assert gathered.train_batch == 64          # still the effective batch: each replica reads its share
+    for unset in (None, 0, False):
+        assert resolve(None, 4, 64, replicas=2, gradient_cache=True,
+                       gather_across_replicas=unset).compile_arguments()["gather_across_replicas"] is False
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(gather_across_replicas=True), "`gather_across_replicas=True` needs `gradient_cache=True`"),
+        (dict(gather_across_replicas=1, gradient_cache=0), "`gather_across_replicas=True` needs `gradient_cache"),
+        (dict(gather_across_replicas="yes", gradient_cache=True),
+         "`gather_across_replicas` must be True or False; received 'yes'"),
+        (dict(gather_across_replicas=2, gradient_cache=True), "`gather_across_replicas` must be True or False"),
+    ],
+)
+def test_bad_gather_across_replicas_is_refused_naming_it(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        resolve(None, 4, 64, replicas=2, **kwargs)
 
 
 def test_a_tuned_measure_noise_scale_is_refused_with_gradient_cache_naming_its_source():
