@@ -21,7 +21,7 @@ Recommenders (a `tfrs.Model` on Keras 2) instead of Keras 3, without the Tuner:
 TFRS needs `tf.keras` to be Keras 2, and TFX's own imports resolve `tf.keras`
 (TensorFlow Model Analysis does, before TensorFlow Transform sets
 `TF_USE_LEGACY_KERAS=1`): so with `tfrs` this process sets `TF_USE_LEGACY_KERAS=1`
-before it imports TensorFlow, and refuses to run if `tf.keras` was already Keras 3.
+before it imports TFX, and refuses to run if `tf.keras` was already Keras 3.
 
 Both run their Beam components (CsvExampleGen, StatisticsGen; digits' Evaluator)
 on Beam's direct runner in memory, one worker, unless told otherwise:
@@ -248,7 +248,7 @@ def run_retrieval(root):
                              "with gradient_cache=True, which gives the noise scale no honest estimate.")
     max_trials = _retrieval_max_trials()
     if RETRIEVAL_MODEL.value == "tfrs":
-        use_keras_2_for_tfrs()     # before TensorFlow is imported below
+        use_keras_2_for_tfrs()     # before TFX's imports below resolve tf.keras
 
     from tfx.orchestration.beam.beam_dag_runner import BeamDagRunner
 

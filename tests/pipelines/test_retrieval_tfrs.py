@@ -111,7 +111,8 @@ def test_the_tfrs_model_reaches_the_keras_3_models_recall(tmp_path, command_line
 
 
 @pytest.mark.parametrize("arguments, message", [
-    (("--pipeline=retrieval", "--retrieval_model=tfrs", "--max_trials=2"), "--max_trials=2 with --retrieval_model=tfrs"),
+    (("--pipeline=retrieval", "--retrieval_model=tfrs", "--max_trials=2"),
+     "--max_trials=2 with --retrieval_model=tfrs"),
     (("--pipeline=digits", "--retrieval_model=tfrs"), "--retrieval_model is the retrieval pipeline's"),
     # This process's tf.keras is Keras 3 (TFX's imports resolved it), which TFRS cannot use.
     (("--pipeline=retrieval", "--retrieval_model=tfrs"), "already resolved tf.keras to Keras 3"),
