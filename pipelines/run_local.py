@@ -13,6 +13,15 @@ trains a two-tower model with in-batch negatives under
 `AccumulatingTrainer(gradient_cache=True)`, and prints the chosen
 hyperparameters, the Trainer's record and the held-out recall@10 of the
 exported model, beside what the generating distribution and chance reach.
+`--retrieval_model=tfrs` trains the same model written with TensorFlow
+Recommenders (a `tfrs.Model` on Keras 2) instead of Keras 3, without the Tuner:
+
+    python -m tfx_gradient_accumulator.pipelines.run_local --pipeline=retrieval --retrieval_model=tfrs
+
+TFRS needs `tf.keras` to be Keras 2, and TFX's own imports resolve `tf.keras`
+(TensorFlow Model Analysis does, before TensorFlow Transform sets
+`TF_USE_LEGACY_KERAS=1`): so with `tfrs` this process sets `TF_USE_LEGACY_KERAS=1`
+before it imports TFX, and refuses to run if `tf.keras` was already Keras 3.
 
 Both run their Beam components (CsvExampleGen, StatisticsGen; digits' Evaluator)
 on Beam's direct runner in memory, one worker, unless told otherwise:
@@ -26,6 +35,7 @@ them; the outputs are the same records and statistics
 
 import json
 import os
+import sys
 
 from absl import app, flags, logging
 
@@ -34,6 +44,12 @@ PIPELINE = flags.DEFINE_enum("pipeline", "digits", ["digits", "retrieval"],
                              "two-tower model with in-batch negatives (GradientCache).")
 OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where data, artifacts, metadata and the pushed model go "
                                  "(default work/<pipeline>).")
+RETRIEVAL_MODELS = ("keras", "tfrs")
+RETRIEVAL_MODEL = flags.DEFINE_enum(
+    "retrieval_model", "keras", RETRIEVAL_MODELS,
+    "retrieval: the module file's framework: keras (Keras 3, pipelines/retrieval/model.py, tuned by the "
+    "Tuner) or tfrs (TensorFlow Recommenders on Keras 2, pipelines/retrieval/tfrs_model.py: no Tuner, "
+    "so --max_trials must be 0, its default there; sets TF_USE_LEGACY_KERAS=1 for this process).")
 # Each pipeline's defaults when a flag is not given: {pipeline: (train, tuner updates, trials)}.
 DEFAULTS = {"digits": (400, 60, 4), "retrieval": (300, 30, 2)}
 TRAIN_UPDATES = flags.DEFINE_integer("train_updates", None, "Optimizer updates of the Trainer (TrainArgs.num_steps); "
@@ -41,7 +57,7 @@ TRAIN_UPDATES = flags.DEFINE_integer("train_updates", None, "Optimizer updates o
 TUNER_UPDATES = flags.DEFINE_integer("tuner_updates", None, "Optimizer updates of each tuning trial; "
                                      "default: digits 60, retrieval 30.")
 MAX_TRIALS = flags.DEFINE_integer("max_trials", None, "Tuning trials; default: digits 4, retrieval 2 "
-                                  "(retrieval: 0 leaves the Tuner out).")
+                                  "(retrieval: 0 leaves the Tuner out; --retrieval_model=tfrs: 0 only).")
 THRESHOLD = flags.DEFINE_float("accuracy_threshold", 0.8, "digits: Evaluator's accuracy lower bound for blessing.")
 BEAM_RUNNING_MODES = ("in_memory", "multi_threading", "multi_processing")
 BEAM_RUNNING_MODE = flags.DEFINE_enum(
@@ -154,6 +170,22 @@ def _option(flag, index):
     return flag.value if flag.value is not None else DEFAULTS[PIPELINE.value][index]
 
 
+def use_keras_2_for_tfrs():
+    """Makes `tf.keras` Keras 2 in this process, as TensorFlow Recommenders needs:
+    sets TF_USE_LEGACY_KERAS=1, which TensorFlow reads when it first resolves
+    `tf.keras`. Raises app.UsageError where TensorFlow already resolved it to Keras 3."""
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"
+    if "tensorflow" not in sys.modules:
+        return                # not imported yet: tf.keras will be Keras 2
+    import tensorflow as tf
+    version = tf.keras.version() if hasattr(tf.keras, "version") else "2"   # Keras 2 may have none
+    if version.startswith("3"):
+        raise app.UsageError(
+            f"--retrieval_model=tfrs needs tf.keras to be Keras 2 (TensorFlow Recommenders "
+            f"is built on it), but this process had already resolved tf.keras to Keras {version}: "
+            "run it in a fresh process, or start the process with TF_USE_LEGACY_KERAS=1.")
+
+
 def run_digits(root):
     from tfx.orchestration.beam.beam_dag_runner import BeamDagRunner
 
@@ -198,15 +230,31 @@ def recall_line(recall):
             f"chance: {recall['chance_recall_at_k']:.3f})")
 
 
+def _retrieval_max_trials():
+    """--max_trials for the chosen model: the Tuner tunes Keras 3 models only."""
+    if RETRIEVAL_MODEL.value == "keras":
+        return _option(MAX_TRIALS, 2)
+    if MAX_TRIALS.value:
+        raise app.UsageError(
+            f"--max_trials={MAX_TRIALS.value} with --retrieval_model={RETRIEVAL_MODEL.value}: that model "
+            "trains without the Tuner (KerasTuner builds Keras 3 models only, keras-team/keras-tuner#1039); "
+            "leave --max_trials out or pass --max_trials=0, or use --retrieval_model=keras.")
+    return 0
+
+
 def run_retrieval(root):
+    if MEASURE.present:
+        raise app.UsageError("--measure_noise_scale is the digits pipeline's: the retrieval pipeline trains "
+                             "with gradient_cache=True, which gives the noise scale no honest estimate.")
+    max_trials = _retrieval_max_trials()
+    if RETRIEVAL_MODEL.value == "tfrs":
+        use_keras_2_for_tfrs()     # before TFX's imports below resolve tf.keras
+
     from tfx.orchestration.beam.beam_dag_runner import BeamDagRunner
 
     from tfx_gradient_accumulator.pipelines.retrieval.data import write_interactions_csv
     from tfx_gradient_accumulator.pipelines.retrieval.pipeline import create_pipeline
 
-    if MEASURE.present:
-        raise app.UsageError("--measure_noise_scale is the digits pipeline's: the retrieval pipeline trains "
-                             "with gradient_cache=True, which gives the noise scale no honest estimate.")
     data_root = os.path.join(root, "data")
     write_interactions_csv(data_root)
     metadata_path = os.path.join(root, "metadata.sqlite")
@@ -218,11 +266,12 @@ def run_retrieval(root):
         metadata_path=metadata_path,
         train_updates=_option(TRAIN_UPDATES, 0),
         tuner_updates=_option(TUNER_UPDATES, 1),
-        max_trials=_option(MAX_TRIALS, 2),
+        max_trials=max_trials,
         beam_pipeline_args=_beam_args(),
+        model=RETRIEVAL_MODEL.value,
     ))
     summary = summarize(metadata_path, name)
-    print("\n=== retrieval pipeline ===")
+    print(f"\n=== retrieval pipeline ({RETRIEVAL_MODEL.value}) ===")
     print("best hyperparameters:", json.dumps(summary.get("best_hyperparameters"), sort_keys=True))
     print("trainer:", json.dumps(summary.get("trainer"), sort_keys=True))
     print(recall_line(retrieval_recall(metadata_path)))
@@ -231,6 +280,9 @@ def run_retrieval(root):
 def main(argv):
     del argv
     logging.set_verbosity(logging.INFO)
+    if RETRIEVAL_MODEL.present and PIPELINE.value != "retrieval":
+        raise app.UsageError(f"--retrieval_model is the retrieval pipeline's; --pipeline={PIPELINE.value} "
+                             "has one model (pass --pipeline=retrieval).")
     root = os.path.abspath(OUTPUT_DIR.value or os.path.join("work", PIPELINE.value))
     (run_retrieval if PIPELINE.value == "retrieval" else run_digits)(root)
 

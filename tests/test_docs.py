@@ -14,7 +14,10 @@ Conventions for README.md and docs/**/*.md (DEVELOPERS.md, "Docs"):
 - A block is self-contained, or its page declares a shared setup that the reader
   sees: a python block directly preceded by the line `<!-- docs-test: setup -->`
   (blank lines between are fine) is prepended to every later python block of the
-  same page (and runs on its own only when no python block follows it).
+  same page (and runs on its own only when no python block follows it). A python block
+  directly preceded by `<!-- docs-test: standalone -->` runs without the page's setup:
+  a program that must start its own process its own way (a Keras 2 one sets
+  `TF_USE_LEGACY_KERAS` before importing TensorFlow, which a Keras 3 setup has imported).
 - Where a block claims something (the same weights as the large batch, a refusal),
   it asserts it: `np.testing.assert_allclose(..., atol=1e-5)`, so the docs prove
   their own claims. Keep blocks small: tiny synthetic data, a few steps, seconds.
@@ -38,6 +41,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SETUP_MARK = "<!-- docs-test: setup -->"
+STANDALONE_MARK = "<!-- docs-test: standalone -->"
 SNIPPET_TIMEOUT = 240
 MIN_BLOCKS = 20            # the docs hold more; fewer means the collector lost some
 # Pages whose claims are shown by running examples: each must keep at least one.
@@ -58,7 +62,8 @@ def markdown_files(root=ROOT):
 
 
 def fenced_blocks(text):
-    """[(line, language, code, is_setup)] of every fenced block, lines counted from 1."""
+    """[(line, language, code, mark)] of every fenced block, lines counted from 1; `mark`
+    is the docs-test mark on the line before it (blank lines between are fine), or None."""
     blocks, lines, i = [], text.splitlines(), 0
     while i < len(lines):
         opening = _FENCE.match(lines[i])
@@ -73,14 +78,15 @@ def fenced_blocks(text):
             body.append(lines[j][len(indent):] if lines[j].startswith(indent) else lines[j])
             j += 1
         before = [line.strip() for line in lines[:i] if line.strip()]
-        is_setup = bool(before) and before[-1] == SETUP_MARK
-        blocks.append((i + 1, language, textwrap.dedent("\n".join(body)) + "\n", is_setup))
+        mark = before[-1] if before and before[-1] in (SETUP_MARK, STANDALONE_MARK) else None
+        blocks.append((i + 1, language, textwrap.dedent("\n".join(body)) + "\n", mark))
         i = j + 1
     return blocks
 
 
 def python_snippets(files=None, root=ROOT):
-    """[(id, code)]: each python block with its page's earlier setup blocks before it.
+    """[(id, code)]: each python block with its page's earlier setup blocks before it
+    (a standalone block alone).
 
     A setup block is a case of its own only when no python block follows it (the
     blocks after it run it anyway).
@@ -88,10 +94,12 @@ def python_snippets(files=None, root=ROOT):
     snippets = []
     for path in files or markdown_files(root):
         setup, page = [], []
-        for line, language, code, is_setup in fenced_blocks(path.read_text(encoding="utf-8")):
+        for line, language, code, mark in fenced_blocks(path.read_text(encoding="utf-8")):
             if language != "python":
                 continue
-            page.append((f"{path.relative_to(root).as_posix()}:{line}", "".join(setup) + code, is_setup))
+            is_setup = mark == SETUP_MARK
+            prefix = "" if mark == STANDALONE_MARK else "".join(setup)
+            page.append((f"{path.relative_to(root).as_posix()}:{line}", prefix + code, is_setup))
             if is_setup:
                 setup.append(code)
         snippets += [(name, code) for i, (name, code, is_setup) in enumerate(page)
@@ -193,10 +201,15 @@ def test_setup_blocks_are_prepended(tmp_path):
           ```python
           print(a + b)
           ```
+
+        <!-- docs-test: standalone -->
+        ```python
+        c = 3
+        ```
         """))
     snippets = python_snippets([page], root=tmp_path)
-    assert [name for name, _ in snippets] == ["docs/page.md:3", "docs/page.md:19"]
-    assert [code for _, code in snippets] == ["a = 1\n", "b = 2\nprint(a + b)\n"]
+    assert [name for name, _ in snippets] == ["docs/page.md:3", "docs/page.md:19", "docs/page.md:24"]
+    assert [code for _, code in snippets] == ["a = 1\n", "b = 2\nprint(a + b)\n", "c = 3\n"]
 
 
 def test_docs_build_strict(tmp_path):

@@ -9,6 +9,13 @@ negatives), one micro-batch's activations at a time. No Evaluator: TFMA has no
 metric for ranking against every item, so `pipelines/retrieval/evaluate.py`
 measures held-out recall@k from the exported model after the run
 (`pipelines/run_local.py --pipeline=retrieval` prints it).
+
+Two module files train the same two-tower model: `model.py` with Keras 3
+(`model="keras"`, the default) and `tfrs_model.py` with TensorFlow Recommenders
+on Keras 2 (`model="tfrs"`). The TFRS one has no Tuner (KerasTuner builds only
+Keras 3 models: keras-team/keras-tuner#1039), so `max_trials` must be 0 with it;
+and the process running the pipeline needs `TF_USE_LEGACY_KERAS=1` from its start
+(`tfrs_model.py` says why).
 """
 
 import os
@@ -18,7 +25,10 @@ from tfx import v1 as tfx
 
 from tfx_gradient_accumulator.components import AccumulatingTrainer
 
-MODULE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# The module file of each flavour of the model: {model: path}.
+MODULE_FILES = {"keras": os.path.join(_HERE, "model.py"), "tfrs": os.path.join(_HERE, "tfrs_model.py")}
+MODELS_WITH_TUNER = ("keras",)   # KerasTuner builds Keras 3 models only
 
 
 def create_pipeline(
@@ -34,11 +44,20 @@ def create_pipeline(
     effective_batch_size: int = 128,
     strategy: str = "auto",
     beam_pipeline_args=None,
-    module_file: str = MODULE_FILE,
+    model: str = "keras",
+    module_file: Optional[str] = None,
 ) -> tfx.dsl.Pipeline:
     """Builds the pipeline. `accum_steps`/`effective_batch_size` are the Trainer's
     defaults; the Tuner's best values replace them. `max_trials=0` leaves the
-    Tuner out (the Trainer then trains with the defaults)."""
+    Tuner out (the Trainer then trains with the defaults). `model` picks the
+    module file: "keras" (Keras 3, tunable) or "tfrs" (TensorFlow Recommenders,
+    `max_trials=0` only); `module_file` replaces it."""
+    if model not in MODULE_FILES:
+        raise ValueError(f"model={model!r}: one of {', '.join(map(repr, MODULE_FILES))}")
+    if max_trials and model not in MODELS_WITH_TUNER:
+        raise ValueError(f"max_trials={max_trials} with model={model!r}: the {model} module trains "
+                         "without the Tuner (KerasTuner builds Keras 3 models only); pass max_trials=0")
+    module_file = module_file or MODULE_FILES[model]
     example_gen = tfx.components.CsvExampleGen(input_base=data_root)
     statistics_gen = tfx.components.StatisticsGen(examples=example_gen.outputs["examples"])
     schema_gen = tfx.components.SchemaGen(
