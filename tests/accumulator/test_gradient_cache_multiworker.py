@@ -3,13 +3,11 @@ on 127.0.0.1): the global batch's negatives on every worker, as one device on th
 """
 
 import keras
-import pytest
 
 from tests.accumulator import contrastive_models as cm
 from tests.accumulator import reference as ref
 from tests.accumulator.multiworker import load_result, run_cluster
 
-pytestmark = pytest.mark.core_envs
 WORKER = "tests.accumulator.gradient_cache_worker"
 
 

@@ -10,9 +10,6 @@ from tfx_gradient_accumulator.accumulator import hooks
 from tests.accumulator import reference as ref
 from tests.accumulator.multiworker import load_result, run_cluster, start_cluster
 
-# Worker processes of the library alone: the oldest (TF 2.16) and the newest Keras cover
-# them; in the TFX environment the component's cluster tests run 2 processes instead.
-pytestmark = pytest.mark.core_envs
 
 MICRO = 16     # global micro-batch: 8 per worker
 ACCUM = 4
