@@ -176,6 +176,21 @@ class GradientCache(keras.Model):
             loss * replicas, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
         return self.compute_metrics(x, y, whole, sample_weight=sample_weight)
 
+    def test_step(self, data):
+        """Keras' own, or when gathering the loss of the global batch (as one device
+        scores it), so that `evaluate` and `fit`'s validation loss are one device's too."""
+        if not self.gather_across_replicas:
+            return super().test_step(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = self(x, training=False)
+        given = {name: value for name, value in {"x": x, "y": y, "sample_weight": sample_weight}.items()
+                 if value is not None}
+        shares = across_replicas.GlobalBatch({"whole": y_pred, **given})
+        loss = self.compute_loss(y_pred=shares.whole["whole"], training=False,
+                                 **{name: shares.whole[name] for name in given})
+        seam.loss_tracker(self).update_state(loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
     def _refuse_what_would_not_be_exact(self):
         for layer in seam.flatten_layers(self.model):
             if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
