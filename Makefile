@@ -130,10 +130,12 @@ TFX_TESTS := tests/components tests/pipelines tests/test_*.py tests/accumulator/
 test-tfx: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest $(TFX_TESTS) -m "not apart and not sweep" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
 
-# What make test leaves out (`@pytest.mark.apart`: slow multi-process runs whose
-# behaviour a test in make test covers too): about 15 minutes on 2 cores.
-test-apart: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest tests -m apart $(PYTEST_ARGS)
+# What make test leaves out (`@pytest.mark.apart`: slow runs whose behaviour a test in
+# make test covers too): multi-process runs in the TFX environment (about 15 minutes on
+# 2 cores), KerasHub's SGD conformance cases in the newest (about 4 minutes).
+test-apart: $(VENV)/.installed $(LATEST)/.installed-py$(LATEST_PY)
+	$(VENV)/bin/python -m pytest $(TFX_TESTS) -m apart $(PYTEST_ARGS)
+	$(LATEST)/bin/python -m pytest tests/accumulator -m apart $(PYTEST_ARGS)
 
 test-latest: $(LATEST)/.installed-py$(LATEST_PY)
 	$(LATEST)/bin/python -m pytest tests/accumulator $(PYTEST_ARGS) 2>&1 | $(PREFIX)
