@@ -88,6 +88,22 @@ class GradientCache(keras2.Model):
         # A TFRS model has no `call` to build with: its towers build inside `compute_loss`.
         self.built = model.built or self._task_attribute is not None
 
+    def _validate_compile(self, optimizer, metrics, **kwargs):
+        """Keras 2's own check at `compile`. Under a distribution strategy it checks
+        that a built model's variables were created in the strategy's scope, reading
+        `variables`, which raises for a TFRS tower not built yet (TFRS towers build
+        inside `compute_loss`, at the first step). TFRS's own model, not built, skips
+        that check: so does this wrapper of a TFRS model, which the check sees built
+        or not as the TFRS model is. (This hook, not `compile`, is overridden: Keras 2
+        does not compile a loaded model whose class overrides `compile`.)"""
+        if self._task_attribute is None:
+            return super()._validate_compile(optimizer, metrics, **kwargs)
+        built, self.built = self.built, self.model.built
+        try:
+            return super()._validate_compile(optimizer, metrics, **kwargs)
+        finally:
+            self.built = built
+
     def build(self, input_shape=None):
         if not self.model.built:
             self.model.build(input_shape)

@@ -166,3 +166,91 @@ def test_refuses_a_compute_loss_that_changes_the_task_loss():
     cache.compile(optimizer=k2.optimizers.Adagrad(0.1))
     with pytest.raises(ValueError, match="the task's loss as it is"):
         cache.fit(tf.data.Dataset.from_tensor_slices(interactions()).batch(BATCH), verbose=0)
+
+
+def two_replicas():
+    """Two replicas in this process (tests/conftest.py makes 2 logical CPUs);
+    ReductionToOneDevice, as two collective-ops strategies in one process collide."""
+    return tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"],
+                                          cross_device_ops=tf.distribute.ReductionToOneDevice())
+
+
+def test_under_mirrored_strategy_like_tfrs_under_the_same_strategy():
+    """Two replicas, batches of 32: TFRS's own `fit` gives each replica 16 samples,
+    scored alone (their own in-batch negatives, the Retrieval loss a SUM over them),
+    and tf_keras' optimizer sums the replicas' gradients (the regularization loss,
+    added on each replica, counts twice). GradientCache(model, 4) built and compiled
+    under the strategy does the same with each replica's 16 in micro-batches of 4:
+    the reference is TFRS's own `fit` under the strategy, with the task's options
+    and a weight regularizer. Control: GradientCache on one device at the same
+    batch, which scores the 32 samples together, lands elsewhere."""
+    kwargs = dict(options=True, regularizer=k2.regularizers.l2(1e-3))
+    with two_replicas().scope():
+        expected = tutorial_model(**kwargs)
+        expected_logs = train(expected, BATCH, k2.optimizers.Adagrad(0.1))
+    with two_replicas().scope():
+        inner = tutorial_model(**kwargs)
+        cache = GradientCache(inner, N)
+        logs = train(cache, BATCH, k2.optimizers.Adagrad(0.1))
+    assert max_diff(inner.get_weights(), expected.get_weights()) <= TOLERANCE
+    assert set(logs) == set(expected_logs)
+    for name in ("loss", "regularization_loss", "total_loss"):
+        np.testing.assert_allclose(logs[name], expected_logs[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    one_device = tutorial_model(**kwargs)
+    train(GradientCache(one_device, N), BATCH, k2.optimizers.Adagrad(0.1))
+    assert max_diff(one_device.get_weights(), expected.get_weights()) > 1e-3
+
+
+def cache_compiled():
+    cache = GradientCache(tutorial_model(), N)
+    cache.compile(optimizer=k2.optimizers.Adagrad(0.1))
+    return cache
+
+
+def one_epoch(model):
+    model.fit(tf.data.Dataset.from_tensor_slices(interactions()).batch(BATCH), epochs=1, verbose=0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def two_epochs():
+    """Two epochs uninterrupted; one epoch (saved by the tests); and the control:
+    that epoch's weights, one more epoch with a fresh optimizer."""
+    uninterrupted = one_epoch(one_epoch(cache_compiled()))
+    first = one_epoch(cache_compiled())
+    fresh = cache_compiled()
+    fresh.model.compute_loss(interactions(samples=2))  # builds the towers
+    fresh.model.set_weights(first.model.get_weights())
+    return uninterrupted, first, one_epoch(fresh)
+
+
+@pytest.mark.parametrize("how", ["save_weights", "checkpoint", "tfrs_checkpoint"])
+def test_saving_and_resuming_continues_like_uninterrupted_training(how, two_epochs, tmp_path):
+    """One epoch, saved, restored into a new GradientCache, one more epoch: like two
+    epochs uninterrupted (Adagrad's accumulators and iteration count are restored
+    with the weights). What TFRS users save (a tfrs.Model has no get_config):
+    `save_weights`/`load_weights` in the TF checkpoint format, a
+    `tf.train.Checkpoint(model=..., optimizer=...)` of the GradientCache, and one of
+    the TFRS model trained by TFRS's own `fit`, resumed under GradientCache. The
+    towers and the optimizer's slots are created at the first step, which restores
+    them then (deferred restoration). Control: the saved weights with a fresh
+    optimizer land elsewhere."""
+    uninterrupted, first, fresh = two_epochs
+    resumed = cache_compiled()
+    path = str(tmp_path / "ckpt")
+    if how == "save_weights":
+        first.save_weights(path)
+        status = resumed.load_weights(path)
+    elif how == "checkpoint":
+        path = tf.train.Checkpoint(model=first, optimizer=first.optimizer).save(path)
+        status = tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(path)
+    else:
+        tfrs_model = tutorial_model()
+        train(tfrs_model, BATCH, k2.optimizers.Adagrad(0.1), epochs=1)
+        path = tf.train.Checkpoint(model=tfrs_model, optimizer=tfrs_model.optimizer).save(path)
+        status = tf.train.Checkpoint(model=resumed.model, optimizer=resumed.optimizer).restore(path)
+    one_epoch(resumed)
+    status.assert_consumed()
+    assert int(resumed.optimizer.iterations) == int(uninterrupted.optimizer.iterations) == 12
+    assert max_diff(resumed.model.get_weights(), uninterrupted.model.get_weights()) <= TOLERANCE
+    assert max_diff(fresh.model.get_weights(), uninterrupted.model.get_weights()) > 1e-3
