@@ -49,13 +49,18 @@ TensorFlow's `tf.distribute` (`mirrored_strategy()`):
 
 Keras 2 (`tf_keras`, or TF 2.15's `keras`): its optimizers take a public
 `skip_gradients_aggregation=True` (`accumulator.keras2`), so accumulation needs no
-private name there. `GradientCache` on Keras 2 needs one (`keras2=True` below):
+private name there. `GradientCache` on Keras 2 needs two (`keras2=True` below):
 
 * ``tf_keras.Model()._callable_losses`` (a layer's weight-regularization losses,
   which Keras 2 evaluates each time `losses` is read): telling them from losses
   added while the model runs (`add_loss`, activity regularizers), which the Keras 2
   `GradientCache` refuses (`keras2_weight_regularization_count`). Keras 2 variables
   carry no `regularizer` attribute, unlike Keras 3's.
+* ``tf_keras.Model._validate_compile`` (Keras 2's check at `compile`): the Keras 2
+  `GradientCache` of a TensorFlow Recommenders model overrides it so the check sees the
+  TFRS model's own built state (under a strategy it reads the variables of a model
+  marked built, and a TFRS tower builds only at the first step); Keras 2 does not
+  compile a loaded model whose class overrides `compile` itself.
 
 `keras2_module()` finds it; `keras_package_of()` tells which Keras an object
 belongs to (public `__module__` and `__version__` only).
@@ -134,6 +139,9 @@ PRIVATE_NAMES = (
     PrivateName("tf_keras", "_callable_losses",
                 "Keras 2 GradientCache: weight regularization told from losses added while running",
                 on_compiled_model=True, keras2=True),
+    PrivateName("tf_keras", "Model._validate_compile",
+                "Keras 2 GradientCache of a TFRS model: compile under a strategy before its towers build",
+                keras2=True),
 )
 
 
