@@ -131,23 +131,23 @@ test-tfx: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest $(TFX_TESTS) -m "not apart and not sweep" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
 
 # What make test leaves out (`@pytest.mark.apart`: slow runs whose behaviour a test in
-# make test covers too): multi-process runs in the TFX environment (about 15 minutes on
-# 2 cores), KerasHub's SGD conformance cases in the newest (about 4 minutes).
+# make test covers too): multi-process runs in the TFX environment (about 18 minutes on
+# 2 cores), KerasHub's SGD conformance cases and a worker-kill case in the newest (about 4).
 test-apart: $(VENV)/.installed $(LATEST)/.installed-py$(LATEST_PY)
 	$(VENV)/bin/python -m pytest $(TFX_TESTS) -m apart $(PYTEST_ARGS)
 	$(LATEST)/bin/python -m pytest tests/accumulator -m apart $(PYTEST_ARGS)
 
 test-latest: $(LATEST)/.installed-py$(LATEST_PY)
-	$(LATEST)/bin/python -m pytest tests/accumulator $(PYTEST_ARGS) 2>&1 | $(PREFIX)
+	$(LATEST)/bin/python -m pytest tests/accumulator -m "not apart" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
 
 test-oldest: $(OLDEST)/.installed-py$(OLDEST_PY)
-	$(OLDEST)/bin/python -m pytest tests/accumulator -m "not sweep" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
+	$(OLDEST)/bin/python -m pytest tests/accumulator -m "not sweep and not apart" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
 
 test-keras2-tf215: $(KERAS2_TF215)/.installed-py$(KERAS2_TF215_PY)
-	$(KERAS2_TF215)/bin/python -m pytest tests/keras2 $(PYTEST_ARGS) 2>&1 | $(PREFIX)
+	$(KERAS2_TF215)/bin/python -m pytest tests/keras2 -m "not apart" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
 
 test-keras2-latest: $(KERAS2_LATEST)/.installed-py$(KERAS2_LATEST_PY)
-	TF_USE_LEGACY_KERAS=1 $(KERAS2_LATEST)/bin/python -m pytest tests/keras2 $(PYTEST_ARGS) 2>&1 | $(PREFIX)
+	TF_USE_LEGACY_KERAS=1 $(KERAS2_LATEST)/bin/python -m pytest tests/keras2 -m "not apart" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
 
 clean:
 	rm -rf $(VENV) $(LATEST) $(OLDEST) $(KERAS2_TF215) $(KERAS2_LATEST) *.egg-info site

@@ -91,8 +91,8 @@ def test_two_worker_position_lookup_matches_keras_large_batch_on_two_replicas(tm
     assert ref.max_abs_diff(weights, model.get_weights()) <= 1e-5
 
 
-@pytest.mark.parametrize("partial_window, updates, model", [
-    ("carry", 7, "mlp"), ("apply", 9, "mlp"), ("carry", 7, "embedding")])
+@pytest.mark.parametrize("partial_window, updates, model", [   # carry's MLP apart: its embedding case carries too
+    pytest.param("carry", 7, "mlp", marks=pytest.mark.apart), ("apply", 9, "mlp"), ("carry", 7, "embedding")])
 def test_killed_worker_resumes_from_backup_without_losing_or_repeating_micro_batches(
         partial_window, updates, model, tmp_path):
     # 9 micro-batches an epoch, windows of 4. "carry": the backup at the end of

@@ -182,7 +182,7 @@ def test_a_killed_run_resumes_from_its_backup_with_the_weights_of_an_uninterrupt
     assert _model_dir_entries(outputs) == ["Format-Serving"]
 
 
-@pytest.mark.apart      # the penguin module's killed worker resumes under Keras 2 in make test
+@pytest.mark.apart      # make test: the Keras 2 backup in the library (tests/keras2), the Keras 3 Trainer killed here
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_killed_keras_2_run_resumes_from_its_backup_exactly(workers, examples, tmp_path):
     """The tf_keras module (what a TFX module gets under TF_USE_LEGACY_KERAS=1), killed after

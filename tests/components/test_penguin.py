@@ -99,7 +99,11 @@ def test_tfx_penguin_module_trains_on_two_processes_like_the_stock_trainer(trans
     assert len(glob.glob(os.path.join(outputs["model_run"][0].uri, "accumulation", "events.out.tfevents.*"))) == 1
 
 
-@pytest.mark.parametrize("killed", ["worker", pytest.param("chief", marks=pytest.mark.apart)])
+# Apart (make test-apart, about 2.5 minutes each): make test kills and resumes the Keras 3
+# Trainer on 1 and 2 processes (test_cluster.py) and the Keras 2 backup in the library
+# (tests/keras2); this module's two-process training runs there too (above).
+@pytest.mark.apart
+@pytest.mark.parametrize("killed", ["worker", "chief"])
 def test_tfx_penguin_module_killed_mid_window_resumes_exactly(killed, transformed, legacy, stock, tmp_path):
     """With backup_dir (a backup every update, 2 micro-steps), one replica is SIGKILLed after
     micro-step 5, mid-window; its peer fails; both are restarted, as Vertex restarts a job."""
