@@ -44,7 +44,8 @@ from tfx_gradient_accumulator.accumulator.lr_scaling import validate_lr_scaling
 from tfx_gradient_accumulator.accumulator.gradient_cache import is_gradient_cache, validate_gather_across_replicas
 from tfx_gradient_accumulator.accumulator.noise_scale import DEFAULT_SMOOTHING
 from tfx_gradient_accumulator.accumulator.optimizer import GradientAccumulator
-from tfx_gradient_accumulator.accumulator.window import AccumulationWindow, validate_accum_steps
+from tfx_gradient_accumulator.accumulator.window import (AccumulationWindow, validate_accum_steps,
+                                                         validate_merge_duplicate_rows)
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +77,7 @@ def accumulating_compile(accum_steps, schedule=None, partial_window="apply", str
     `gradient_cache` only): every compiled `GradientCache` scores the global batch
     on every replica (see `GradientCache`), or (False) each replica's share.
     """
-    if not isinstance(gather_across_replicas, bool):
-        raise ValueError(f"`gather_across_replicas` must be True or False; received {gather_across_replicas!r}.")
+    validate_merge_duplicate_rows(gather_across_replicas, name="gather_across_replicas")   # a bool
     if gather_across_replicas and not gradient_cache:
         raise ValueError("accumulating_compile(gather_across_replicas=True) needs gradient_cache=True: "
                          "only GradientCache scores a loss over the whole batch.")
@@ -213,12 +213,12 @@ def _set_up_gradient_cache(model, optimizer, accum_steps, gradient_cache, gather
 def _set_gathering(model, gather_across_replicas):
     """The component's (or tuner's) `gather_across_replicas` replaces the model's own,
     checked as `GradientCache` checks it; a change is said, as for accum_steps."""
-    if gather_across_replicas and seam.is_keras2_object(model):
-        raise ValueError(
-            "gather_across_replicas=True is available for Keras 3 models; the run_fn's GradientCache "
-            "wraps a Keras 2 (tf_keras) model, whose replicas score their own share alone. Leave "
-            "gather_across_replicas off, or write the model with Keras 3.")
     if seam.is_keras2_object(model):
+        if gather_across_replicas:
+            raise ValueError(
+                "gather_across_replicas=True is available for Keras 3 models; the run_fn's GradientCache "
+                "wraps a Keras 2 (tf_keras) model, whose replicas score their own share alone. Leave "
+                "gather_across_replicas off, or write the model with Keras 3.")
         return
     validate_gather_across_replicas(model.model, gather_across_replicas)
     if model.gather_across_replicas != gather_across_replicas:

@@ -158,9 +158,8 @@ class GradientCache(keras.Model):
         gather = None
         if self.gather_across_replicas:
             def gather(whole):
-                given = {name: value for name, value in scored.items() if value is not None}
-                shares = across_replicas.GlobalBatch({"whole": whole, **given})
-                scored.update((name, shares.whole[name]) for name in given)
+                shares, gathered = _global_batch(whole, scored)
+                scored.update(gathered)
                 return _Scored(shares.whole["whole"], shares)
 
         loss, whole, grads = cache_passes.cached_gradients(
@@ -183,11 +182,8 @@ class GradientCache(keras.Model):
             return super().test_step(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y_pred = self(x, training=False)
-        given = {name: value for name, value in {"x": x, "y": y, "sample_weight": sample_weight}.items()
-                 if value is not None}
-        shares = across_replicas.GlobalBatch({"whole": y_pred, **given})
-        loss = self.compute_loss(y_pred=shares.whole["whole"], training=False,
-                                 **{name: shares.whole[name] for name in given})
+        shares, gathered = _global_batch(y_pred, {"x": x, "y": y, "sample_weight": sample_weight})
+        loss = self.compute_loss(y_pred=shares.whole["whole"], training=False, **gathered)
         seam.loss_tracker(self).update_state(loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
@@ -230,6 +226,16 @@ def is_gradient_cache(model):
 
         return isinstance(model, keras2_gradient_cache.GradientCache)
     return False
+
+
+def _global_batch(representations, scored):
+    """The global batch of this replica's representations and of what the loss reads
+    beside them ({"x", "y", "sample_weight"}, None where not given): the
+    `across_replicas.GlobalBatch` (`whole["whole"]`: the representations), and
+    `scored` with the given ones replaced by the global batch's."""
+    given = {name: value for name, value in scored.items() if value is not None}
+    shares = across_replicas.GlobalBatch({"whole": representations, **given})
+    return shares, {**scored, **{name: shares.whole[name] for name in given}}
 
 
 class _Scored:
