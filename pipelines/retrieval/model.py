@@ -15,17 +15,15 @@ The export has two signatures, `query` (user ids -> query embeddings) and
 candidate against a query by dot product (`pipelines/retrieval/evaluate.py`).
 """
 
-from typing import List
-
 import keras
 import keras_tuner
 import tensorflow as tf
 from tfx import v1 as tfx
-from tfx_bsl.public import tfxio
 
 from tfx_gradient_accumulator.accumulator import GradientCache, contrastive
 from tfx_gradient_accumulator.accumulator.tuning import AccumulatingHyperModel
 from tfx_gradient_accumulator.pipelines.retrieval.data import ITEM_KEY, ITEMS, USER_KEY, USERS
+from tfx_gradient_accumulator.pipelines.retrieval.inputs import input_fn
 
 BATCH_SIZE = 128         # the run_fn's own batch: replaced by the effective batch when set
 EVAL_BATCH_SIZE = 256    # fixed, so validation losses (in-batch negatives) compare across trials
@@ -55,25 +53,6 @@ class TwoTower(keras.Model):
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         return contrastive.in_batch_softmax(y_pred["query"], y_pred["candidate"])
-
-
-def _feature_spec():
-    return {key: tf.io.FixedLenFeature([1], tf.int64) for key in (USER_KEY, ITEM_KEY)}
-
-
-def _schema():
-    from tensorflow_transform.tf_metadata import schema_utils
-    return schema_utils.schema_from_feature_spec(_feature_spec())
-
-
-def _input_fn(file_pattern: List[str], data_accessor: tfx.components.DataAccessor,
-              batch_size: int, shuffle: bool = True) -> tf.data.Dataset:
-    # No label: the other rows of the batch are the labels' negatives.
-    return data_accessor.tf_dataset_factory(
-        file_pattern,
-        tfxio.TensorFlowDatasetOptions(batch_size=batch_size, shuffle=shuffle, shuffle_seed=1),
-        schema=_schema(),
-    ).repeat()
 
 
 def build_model(hp: keras_tuner.HyperParameters) -> keras.Model:
@@ -106,8 +85,8 @@ def _export(two_tower: TwoTower, directory: str) -> None:
 
 def run_fn(fn_args: tfx.components.FnArgs) -> None:
     """Trains the model; the Trainer decides the steps, the batch and the accum_steps."""
-    train = _input_fn(fn_args.train_files, fn_args.data_accessor, BATCH_SIZE)
-    evaluation = _input_fn(fn_args.eval_files, fn_args.data_accessor, EVAL_BATCH_SIZE, shuffle=False)
+    train = input_fn(fn_args.train_files, fn_args.data_accessor, BATCH_SIZE)
+    evaluation = input_fn(fn_args.eval_files, fn_args.data_accessor, EVAL_BATCH_SIZE, shuffle=False)
     model = build_model(_hyperparameters(fn_args))
     model.fit(
         train,
@@ -139,8 +118,8 @@ def tuner_fn(fn_args: tfx.components.FnArgs) -> tfx.components.TunerFnResult:
     return tfx.components.TunerFnResult(
         tuner=tuner,
         fit_kwargs={
-            "x": _input_fn(fn_args.train_files, fn_args.data_accessor, BATCH_SIZE),
-            "validation_data": _input_fn(fn_args.eval_files, fn_args.data_accessor, EVAL_BATCH_SIZE, shuffle=False),
+            "x": input_fn(fn_args.train_files, fn_args.data_accessor, BATCH_SIZE),
+            "validation_data": input_fn(fn_args.eval_files, fn_args.data_accessor, EVAL_BATCH_SIZE, shuffle=False),
             "steps_per_epoch": fn_args.train_steps,   # optimizer updates per trial
             "validation_steps": fn_args.eval_steps,
             "verbose": 2,

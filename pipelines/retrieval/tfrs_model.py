@@ -27,17 +27,16 @@ Keras, and the settings that must match the Keras 3 module's.
 
 import json
 import os
-from typing import List
 
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 import tf_keras
 from absl import logging
 from tfx import v1 as tfx
-from tfx_bsl.public import tfxio
 
 from tfx_gradient_accumulator.accumulator import GradientCache
 from tfx_gradient_accumulator.pipelines.retrieval.data import ITEM_KEY, ITEMS, USER_KEY, USERS
+from tfx_gradient_accumulator.pipelines.retrieval.inputs import input_fn
 
 # The Keras 3 module's settings (`model.py`): the two flavours train the same model.
 BATCH_SIZE = 128         # the run_fn's own batch: replaced by the effective batch when set
@@ -101,25 +100,6 @@ class _Embeddings(tf.Module):
         return self.candidate_model(item_ids)
 
 
-def _feature_spec():
-    return {key: tf.io.FixedLenFeature([1], tf.int64) for key in (USER_KEY, ITEM_KEY)}
-
-
-def _schema():
-    from tensorflow_transform.tf_metadata import schema_utils
-    return schema_utils.schema_from_feature_spec(_feature_spec())
-
-
-def _input_fn(file_pattern: List[str], data_accessor: tfx.components.DataAccessor,
-              batch_size: int, shuffle: bool = True) -> tf.data.Dataset:
-    # No label: the other rows of the batch are the negatives.
-    return data_accessor.tf_dataset_factory(
-        file_pattern,
-        tfxio.TensorFlowDatasetOptions(batch_size=batch_size, shuffle=shuffle, shuffle_seed=1),
-        schema=_schema(),
-    ).repeat()
-
-
 def build_model() -> GradientCache:
     """The TFRS model wrapped in `GradientCache` (accum_steps set by the Trainer),
     compiled with a plain Keras 2 optimizer."""
@@ -158,8 +138,8 @@ def _write_trained(model: GradientCache, directory: str) -> None:
 
 def run_fn(fn_args: tfx.components.FnArgs) -> None:
     """Trains the model; the Trainer decides the steps, the batch and the accum_steps."""
-    train = _input_fn(fn_args.train_files, fn_args.data_accessor, BATCH_SIZE)
-    evaluation = _input_fn(fn_args.eval_files, fn_args.data_accessor, EVAL_BATCH_SIZE, shuffle=False)
+    train = input_fn(fn_args.train_files, fn_args.data_accessor, BATCH_SIZE)
+    evaluation = input_fn(fn_args.eval_files, fn_args.data_accessor, EVAL_BATCH_SIZE, shuffle=False)
     model = build_model()
     model.fit(
         train,
