@@ -63,22 +63,32 @@ def kind_of_rows(indices):
 
     `indices` is a sparse gradient's `IndexedSlices.indices` inside a traced
     function; the walk follows the backward pass's reshapes to the forward
-    lookup's ids, and from there to what they are computed from.
+    lookups' ids, and from there to what they are computed from. A table looked
+    up more than once in the step (an encoder called on anchors, then on
+    positives) gets one gradient whose indices concatenate every lookup's: each
+    lookup is judged on its own, and the rows are once per batch only when every
+    lookup is. BERT's token-type ids (zeros shaped like the batch) stay per
+    sample however often the encoder runs; a position table looked up by both
+    calls stays once per batch.
     """
     if not _is_symbolic(indices):
         return None
-    ids = _forward_ids(indices)
     batch_size = _noted.batch_size if _noted.graph is indices.graph else None
-    once = _shaped_once_per_batch(ids, batch_size) and _from_constants_and_shapes(indices)
+    once = all(_shaped_once_per_batch(ids, batch_size) and _from_constants_and_shapes(ids)
+               for ids in _forward_ids(indices))
     return ONCE_PER_BATCH if once else PER_SAMPLE
 
 
 def _forward_ids(indices):
-    """The ids the forward lookup used: a gather's gradient flattens them (`Reshape`)."""
+    """The ids of each forward lookup (a list): a gather's gradient flattens them
+    (`Reshape`); where TensorFlow adds up the gradients of several lookups of one
+    table it casts their indices to one integer type and concatenates them on axis 0."""
     op = indices.op
-    while op.type in ("Reshape", "Identity") and op.inputs[0].dtype.is_integer:
+    while op.type in ("Reshape", "Identity", "Cast") and op.inputs[0].dtype.is_integer:
         indices, op = op.inputs[0], op.inputs[0].op
-    return indices
+    if op.type == "ConcatV2" and tf.get_static_value(op.inputs[-1]) == 0:
+        return [ids for part in op.inputs[:-1] for ids in _forward_ids(part)]
+    return [indices]
 
 
 def _shaped_once_per_batch(ids, batch_size=None):

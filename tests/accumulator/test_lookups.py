@@ -285,3 +285,116 @@ def test_gradient_cache_sums_once_per_batch_rows():
 def test_gradient_cache_control_rows_kept_apart(rows_kept_apart):
     expected = _clip_fit(cache=False)
     assert ref.max_abs_diff(_clip_fit(cache=True).get_weights(), expected.get_weights()) > 1e-3
+
+
+# ------------------------------------------------- one encoder called twice (a sentence pair)
+# A sentence-embedding model encodes the anchor and the positive with one encoder; its
+# token-type table is looked up with ids of zeros shaped like the batch (BERT's
+# `segment_ids = ops.zeros_like(token_ids)`: a constant in the program when the batch's
+# shape is static). TensorFlow concatenates the two lookups' sparse gradients into one;
+# each lookup is per sample, so the large batch keeps every row apart, while the position
+# table, looked up by both calls with `arange`, stays one row per position per call.
+
+class PairEncoder(layers.Layer):
+    """Token, token-type (zeros like the ids) and position embeddings, mean-pooled."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = TokenAndPositionEmbedding(MAXLEN, VOCAB, WIDTH)
+        self.types = layers.Embedding(2, WIDTH)
+        self.dense = layers.Dense(WIDTH, activation="tanh")
+
+    def call(self, ids):
+        hidden = self.tokens(ids) + self.types(ops.zeros_like(ids))
+        return ops.mean(self.dense(hidden), axis=1)
+
+
+def _pair_data(samples=128, seed=0):
+    rng = np.random.RandomState(seed)
+    anchor = rng.randint(0, VOCAB, size=(samples, MAXLEN)).astype("int32")
+    positive = np.where(rng.rand(samples, MAXLEN) < 0.7, anchor, rng.randint(0, VOCAB, (samples, MAXLEN)))
+    return {"anchor": anchor, "positive": positive.astype("int32")}, rng.rand(samples, 1).astype("float32")
+
+
+def pair_model(seed=0):
+    """Siamese regression (sentence-transformers' CosineSimilarityLoss): a per-sample loss."""
+    keras.utils.set_random_seed(seed)
+    inputs = {name: keras.Input((MAXLEN,), dtype="int32", name=name) for name in ("anchor", "positive")}
+    encoder = PairEncoder()
+    similarity = layers.Dot(axes=1, normalize=True)([encoder(inputs["anchor"]), encoder(inputs["positive"])])
+    return keras.Model(inputs, similarity)
+
+
+class PairRanking(keras.Model):
+    """In-batch negatives over the same encoder (sentence-transformers' MultipleNegativesRankingLoss)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.encoder = PairEncoder()
+
+    def call(self, inputs):
+        return {"anchor": self.encoder(inputs["anchor"]), "positive": self.encoder(inputs["positive"])}
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return contrastive.symmetric_info_nce(y_pred["anchor"], y_pred["positive"], 3.0)
+
+
+PAIR_OPTIMIZERS = {"adam": lambda: keras.optimizers.Adam(1e-2),
+                   "sgd-global_clipnorm": lambda: keras.optimizers.SGD(0.5, global_clipnorm=0.05)}
+
+
+def _types_table(model):
+    return next(v for v in model.trainable_variables if v.shape[0] == 2)
+
+
+@pytest.mark.parametrize("optimizer", sorted(PAIR_OPTIMIZERS))
+def test_one_encoder_called_twice_keeps_its_token_type_rows_apart(optimizer):
+    x, y = _pair_data()
+    expected = _fit(pair_model(), PAIR_OPTIMIZERS[optimizer](), x, y, MICRO * ACCUM)
+    accumulator = GradientAccumulator(PAIR_OPTIMIZERS[optimizer](), ACCUM)
+    trained = _fit(pair_model(), accumulator, x, y, MICRO)
+    assert ref.max_abs_diff(expected.get_weights(), pair_model().get_weights()) > 1e-3
+    assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) <= 1e-5
+    assert accumulator.gradient_kinds[_types_table(trained).path] == lookups.PER_SAMPLE
+    assert accumulator.gradient_kinds[_positions(trained).path] == lookups.ONCE_PER_BATCH
+
+
+def _pair_ranking_fit(optimizer, cache):
+    x, _ = _pair_data(64)
+    keras.utils.set_random_seed(1)
+    model = PairRanking()
+    model({k: v[:2] for k, v in x.items()})
+    trained = GradientCache(model, ACCUM) if cache else model
+    trained.compile(optimizer=PAIR_OPTIMIZERS[optimizer](), jit_compile=False)
+    trained.fit(x, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    return model
+
+
+@pytest.mark.parametrize("optimizer", sorted(PAIR_OPTIMIZERS))
+def test_gradient_cache_one_encoder_called_twice_keeps_its_token_type_rows_apart(optimizer):
+    expected = _pair_ranking_fit(optimizer, cache=False)
+    assert ref.max_abs_diff(_pair_ranking_fit(optimizer, cache=True).get_weights(), expected.get_weights()) <= 1e-5
+
+
+@pytest.fixture
+def concatenated_lookups_judged_whole(monkeypatch):
+    """The control: a merged gradient's ids judged as one vector (the rule before each
+    lookup was judged on its own)."""
+    def whole(indices):
+        op = indices.op
+        while op.type in ("Reshape", "Identity", "Cast") and op.inputs[0].dtype.is_integer:
+            indices, op = op.inputs[0], op.inputs[0].op
+        return [indices]
+    monkeypatch.setattr(lookups, "_forward_ids", whole)
+
+
+@pytest.mark.parametrize("optimizer", sorted(PAIR_OPTIMIZERS))
+def test_control_concatenated_lookups_judged_whole_land_elsewhere(optimizer, concatenated_lookups_judged_whole):
+    x, y = _pair_data()
+    expected = _fit(pair_model(), PAIR_OPTIMIZERS[optimizer](), x, y, MICRO * ACCUM)
+    accumulator = GradientAccumulator(PAIR_OPTIMIZERS[optimizer](), ACCUM)
+    trained = _fit(pair_model(), accumulator, x, y, MICRO)
+    assert accumulator.gradient_kinds[_types_table(trained).path] == lookups.ONCE_PER_BATCH
+    assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) > 1e-4
+    cached = _pair_ranking_fit(optimizer, cache=True)
+    assert ref.max_abs_diff(cached.get_weights(), _pair_ranking_fit(optimizer, cache=False).get_weights()) > 1e-4
