@@ -215,3 +215,113 @@ def hub_clip(seed=1):
     model = HubClip()
     model({k: v[:2] for k, v in clip_pairs(2).items()})
     return model
+
+
+# ------------------------------------------------------------------ sentence pairs
+# What users fine-tune on pairs of sentences: KerasHub's BERT classifier fed by its own
+# preprocessor (token-type ids 0 then 1: data), and a sentence-embedding model in
+# sentence-transformers' style, one BERT encoder called on anchors then positives, whose
+# token-type ids are zeros shaped like the batch (a constant of the program).
+
+PAIR_WORDS = 60
+PAIR_VOCABULARY = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(PAIR_WORDS)]
+PAIR_LENGTH = 12
+
+
+def _sentence(rng):
+    return " ".join(f"w{i}" for i in rng.randint(0, PAIR_WORDS, rng.randint(2, 6)))
+
+
+def sentence_pairs(samples, seed=0):
+    """(first sentences, second sentences, labels 0/1), strings of 2 to 5 words."""
+    rng = np.random.RandomState(seed)
+    first = [_sentence(rng) for _ in range(samples)]
+    second = [_sentence(rng) for _ in range(samples)]
+    return np.array(first), np.array(second), rng.randint(0, 2, samples).astype("int32")
+
+
+def bert_pair_features(samples, seed=0):
+    """The pairs as KerasHub's BertTextClassifierPreprocessor packs them ([CLS] a [SEP] b [SEP],
+    segment ids 0 then 1), computed once: arrays for `fit`."""
+    first, second, labels = sentence_pairs(samples, seed)
+    tokenizer = keras_hub.models.BertTokenizer(vocabulary=PAIR_VOCABULARY)
+    preprocessor = keras_hub.models.BertTextClassifierPreprocessor(tokenizer, sequence_length=PAIR_LENGTH)
+    features = preprocessor(x=(first, second))
+    return {k: np.asarray(v) for k, v in features.items()}, labels
+
+
+def _pair_backbone():
+    return keras_hub.models.BertBackbone(vocabulary_size=len(PAIR_VOCABULARY), num_layers=1, num_heads=2,
+                                         hidden_dim=HIDDEN, intermediate_dim=INTERMEDIATE,
+                                         max_sequence_length=PAIR_LENGTH, dropout=0.0)
+
+
+def bert_pair_classifier(seed=1):
+    """KerasHub's BertTextClassifier (random init), preprocessing done by `bert_pair_features`."""
+    keras.utils.set_random_seed(seed)
+    return keras_hub.models.BertTextClassifier(_pair_backbone(), num_classes=2, preprocessor=None, dropout=0.0)
+
+
+def sentence_ids(samples, seed=0):
+    """{"anchor", "positive"}: [CLS] words [SEP] ids, the positive sharing most of its anchor's words."""
+    rng = np.random.RandomState(seed)
+    words = rng.randint(5, len(PAIR_VOCABULARY), (samples, PAIR_LENGTH - 2))
+    lengths = rng.randint(3, PAIR_LENGTH - 1, (samples, 1))
+    positive_words = np.where(rng.rand(*words.shape) < 0.7, words, rng.randint(5, len(PAIR_VOCABULARY), words.shape))
+
+    def packed(w):
+        ids = np.concatenate([np.full((samples, 1), 2), w, np.zeros((samples, 1))], axis=1)
+        ids[np.arange(samples), lengths[:, 0] + 1] = 3
+        return (ids * (np.arange(PAIR_LENGTH)[None, :] <= lengths + 1)).astype("int32")
+    return {"anchor": packed(words), "positive": packed(positive_words)}
+
+
+class SentenceEncoder(layers.Layer):
+    """sentence-transformers' recipe on KerasHub's BERT: ids in, the mean of the unmasked
+    token vectors out; token-type ids of zeros, padding mask from the ids."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.backbone = _pair_backbone()
+
+    def call(self, token_ids):
+        mask = ops.not_equal(token_ids, 0)
+        sequence = self.backbone({"token_ids": token_ids, "segment_ids": ops.zeros_like(token_ids),
+                                  "padding_mask": mask})["sequence_output"]
+        weights = ops.expand_dims(ops.cast(mask, sequence.dtype), -1)
+        return ops.sum(sequence * weights, axis=1) / ops.sum(weights, axis=1)
+
+
+class SentenceEmbedder(keras.Model):
+    """One encoder for anchors and positives, in-batch negatives: sentence-transformers'
+    MultipleNegativesRankingLoss (cosine similarities scaled by 20, cross-entropy on the diagonal)."""
+
+    def __init__(self, scale=20.0, **kwargs):
+        super().__init__(**kwargs)
+        self.encoder = SentenceEncoder()
+        self.scale = scale
+
+    def call(self, inputs):
+        return {"anchor": self.encoder(inputs["anchor"]), "positive": self.encoder(inputs["positive"])}
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        anchor = ops.normalize(y_pred["anchor"], axis=1)
+        positive = ops.normalize(y_pred["positive"], axis=1)
+        return contrastive.in_batch_softmax(anchor, positive, temperature=1 / self.scale)
+
+
+def sentence_embedder(seed=1):
+    keras.utils.set_random_seed(seed)
+    model = SentenceEmbedder()
+    model({k: v[:2] for k, v in sentence_ids(2).items()})
+    return model
+
+
+def sentence_similarity(seed=1):
+    """The same encoder trained on a per-sample loss (sentence-transformers' CosineSimilarityLoss):
+    the cosine of the two embeddings, regressed on a score."""
+    keras.utils.set_random_seed(seed)
+    inputs = {name: keras.Input((PAIR_LENGTH,), dtype="int32", name=name) for name in ("anchor", "positive")}
+    encoder = SentenceEncoder()
+    cosine = layers.Dot(axes=1, normalize=True)([encoder(inputs["anchor"]), encoder(inputs["positive"])])
+    return keras.Model(inputs, cosine)
