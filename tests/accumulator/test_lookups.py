@@ -398,3 +398,80 @@ def test_control_concatenated_lookups_judged_whole_land_elsewhere(optimizer, con
     assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) > 1e-4
     cached = _pair_ranking_fit(optimizer, cache=True)
     assert ref.max_abs_diff(cached.get_weights(), _pair_ranking_fit(optimizer, cache=False).get_weights()) > 1e-4
+
+
+# ------------------------------------------------- the rule's other shapes of ids
+# Ids a user may build, each judged as Keras' large batch has its rows: from constants
+# and shaped like one lookup for the batch -> once per batch; shaped like the batch, or
+# reaching the data -> per sample. Each case with a batch of unknown size (`fit` on
+# arrays) and of static size (a dataset with `drop_remainder`, as a TPU/XLA input
+# pipeline has it, where `zeros_like` of the ids is a constant of the program).
+
+def _extra_ids(how, x):
+    batch = ops.shape(x)[0]
+    return {
+        "tiled to the batch": lambda: ops.tile(ops.arange(MAXLEN)[None], [batch, 1]),
+        "broadcast to the batch": lambda: ops.broadcast_to(ops.arange(MAXLEN), ops.shape(x)),
+        "gathered from a constant": lambda: ops.take(ops.convert_to_tensor(np.arange(VOCAB)[::-1].copy()),
+                                                     ops.arange(MAXLEN)),
+        "zeros of the ids' shape": lambda: ops.zeros(ops.shape(x), "int32"),
+        "ones of (1, L)": lambda: ops.ones((1, MAXLEN), "int32"),
+        "a constant concatenated to data": lambda: ops.concatenate([ops.zeros((batch, 1), "int32"), x[:, 1:]], 1),
+    }[how]()
+
+
+ID_CASES = {"tiled to the batch": lookups.PER_SAMPLE, "broadcast to the batch": lookups.PER_SAMPLE,
+            "gathered from a constant": lookups.ONCE_PER_BATCH, "zeros of the ids' shape": lookups.PER_SAMPLE,
+            "ones of (1, L)": lookups.ONCE_PER_BATCH, "a constant concatenated to data": lookups.PER_SAMPLE,
+            "looked up three times in a Python loop": lookups.ONCE_PER_BATCH,
+            "zeros like the ids inside TimeDistributed": lookups.PER_SAMPLE}
+
+
+class BuiltIds(layers.Layer):
+    """A token table beside a second table looked up with ids built one way (`how`)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.tokens = layers.Embedding(VOCAB, WIDTH)
+        self.extra = layers.Embedding(VOCAB, WIDTH)
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape) + (WIDTH,)
+
+    def call(self, x):
+        if self.how == "looked up three times in a Python loop":
+            extra = sum(self.extra(ops.arange(MAXLEN) + k) for k in range(3))
+        elif self.how == "zeros like the ids inside TimeDistributed":
+            extra = self.extra(ops.zeros_like(x))
+        else:
+            extra = self.extra(_extra_ids(self.how, x))
+        return self.tokens(x) + extra
+
+
+def _built_ids_fit(how, optimizer, batch, static):
+    rng = np.random.RandomState(0)
+    nested = how.endswith("TimeDistributed")
+    x = rng.randint(0, VOCAB, (64, 2, MAXLEN) if nested else (64, MAXLEN)).astype("int32")
+    y = rng.randn(64, 1).astype("float32")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input(x.shape[1:], dtype="int32")
+    hidden = (layers.TimeDistributed(BuiltIds(how)) if nested else BuiltIds(how))(inputs)
+    model = keras.Model(inputs, layers.Dense(1)(ops.mean(hidden, axis=(1, 2) if nested else 1)))
+    model.compile(optimizer=optimizer, loss="mse")
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True) if static else None
+    model.fit(data if static else x, None if static else y, batch_size=None if static else batch,
+              shuffle=False, verbose=0)
+    return model
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["batch of unknown size", "batch of static size"])
+@pytest.mark.parametrize("how", sorted(ID_CASES))
+def test_ids_built_any_way_are_judged_as_keras_large_batch_has_them(how, static):
+    expected = _built_ids_fit(how, keras.optimizers.Adam(1e-2), MICRO * ACCUM, static)
+    accumulator = GradientAccumulator(keras.optimizers.Adam(1e-2), ACCUM)
+    trained = _built_ids_fit(how, accumulator, MICRO, static)
+    assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) <= 1e-5
+    built = trained.layers[1]
+    extra = getattr(built, "layer", built).extra.embeddings      # inside TimeDistributed, or not
+    assert accumulator.gradient_kinds[extra.path] == ID_CASES[how]
