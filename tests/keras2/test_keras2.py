@@ -565,3 +565,42 @@ def test_training_backup_resumes_a_keras_2_fit_mid_window_exactly(tmp_path):
     assert int(resumed.optimizer.iterations.numpy()) == int(uninterrupted.optimizer.iterations.numpy()) == 4
     assert max_diff(resumed.get_weights(), uninterrupted.get_weights()) == 0.0
     assert max_diff(resumed.optimizer.get_weights(), uninterrupted.optimizer.get_weights()) == 0.0
+
+
+# ------------------------------------------------- one encoder called twice (a sentence pair)
+def _pair_model(seed=0):
+    """One encoder for both sentences: token and position tables, and a token-type table
+    looked up with zeros like the ids (BERT's segment ids), called twice."""
+    k2.utils.set_random_seed(seed)
+    tokens, types = k2.layers.Embedding(30, 8), k2.layers.Embedding(2, 8)
+    positions, dense = k2.layers.Embedding(6, 8), k2.layers.Dense(8, activation="tanh")
+
+    def encode(ids):
+        hidden = tokens(ids) + types(tf.zeros_like(ids)) + positions(tf.range(6))
+        return tf.reduce_mean(dense(hidden), axis=1)
+
+    anchor, positive = k2.Input((6,), dtype="int32"), k2.Input((6,), dtype="int32")
+    similarity = k2.layers.Dot(axes=1, normalize=True)([encode(anchor), encode(positive)])
+    return k2.Model([anchor, positive], similarity)
+
+
+@pytest.mark.parametrize("make_inner", [lambda: k2.optimizers.Adam(1e-2),
+                                        lambda: k2.optimizers.SGD(0.5, global_clipnorm=0.05)],
+                         ids=["adam", "sgd-global_clipnorm"])
+def test_one_encoder_called_twice_keeps_its_token_type_rows_apart(make_inner):
+    # Keras 2 merges repeated rows before Adam, so only clipping (which reads the rows as
+    # they stand) told the token-type table's rows summed across the window from apart.
+    rng = np.random.default_rng(0)
+    anchor = rng.integers(0, 30, (128, 6)).astype("int32")
+    x = [anchor, np.where(rng.random((128, 6)) < 0.7, anchor, rng.integers(0, 30, (128, 6))).astype("int32")]
+    y = rng.random((128, 1)).astype("float32")
+    runs = []
+    for optimizer, batch in ((GradientAccumulator(make_inner(), accum_steps=4), 8), (make_inner(), 32)):
+        model = _pair_model()
+        model.compile(optimizer=optimizer, loss="mse")
+        model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+        runs.append(model)
+    assert max_diff(runs[1].get_weights(), _pair_model().get_weights()) > 1e-3
+    assert max_diff(runs[0].get_weights(), runs[1].get_weights()) < 1e-5
+    kinds = runs[0].optimizer.gradient_kinds
+    assert sorted(kinds[table] for table in kinds if "rows" in kinds[table]) == ["rows", "rows"], kinds
