@@ -23,9 +23,12 @@ keeps the rows apart: the safe answer. Eagerly there is no program to read, and 
 answer is unknown (`None`).
 """
 
+import logging
 import threading
 
 import tensorflow as tf
+
+logger = logging.getLogger(__name__)
 
 ONCE_PER_BATCH = "once-per-batch rows"
 PER_SAMPLE = "rows"
@@ -74,9 +77,16 @@ def kind_of_rows(indices):
     if not _is_symbolic(indices):
         return None
     batch_size = _noted.batch_size if _noted.graph is indices.graph else None
-    once = all(_shaped_once_per_batch(ids, batch_size) and _from_constants_and_shapes(ids)
-               for ids in _forward_ids(indices))
-    return ONCE_PER_BATCH if once else PER_SAMPLE
+    lookups = [_shaped_once_per_batch(ids, batch_size) and _from_constants_and_shapes(ids)
+               for ids in _forward_ids(indices)]
+    if any(lookups) and not all(lookups):
+        logger.warning(
+            "A table is looked up both once per batch and per sample in one step (%s): all its rows are "
+            "kept apart, so its once-per-batch rows reach the optimizer once per micro-batch, where Keras' "
+            "large batch has them once. Optimizers that read rows one by one (Adam, RMSprop, clipping) then "
+            "differ from the large batch; use separate tables, or check_exact to see by how much.",
+            indices.op.name)
+    return ONCE_PER_BATCH if all(lookups) else PER_SAMPLE
 
 
 def _forward_ids(indices):
