@@ -95,6 +95,15 @@ def test_the_wheels_files_are_the_checkouts_files(wheel):
         assert archive.read(name) == source.read_bytes(), name
 
 
+def test_the_staged_copy_for_the_gpu_machine_is_the_wheels_package(wheel, tmp_path):
+    """`tools/stage_package.py` (a Python that cannot install the checkout) copies what the wheel holds."""
+    from tools import stage_package
+    staged = stage_package.stage(tmp_path)
+    archive = zipfile.ZipFile(wheel)
+    assert staged == sorted(n for n in archive.namelist() if n.startswith("tfx_gradient_accumulator/"))
+    assert all((tmp_path / name).read_bytes() == archive.read(name) for name in staged)
+
+
 def test_the_sdist_has_no_link_no_tests_and_builds_the_same_wheel(sdist, wheel, tmp_path):
     with tarfile.open(sdist) as archive:
         members = archive.getmembers()
