@@ -1,9 +1,25 @@
 """Installs one package, `tfx_gradient_accumulator`: the library (`.accumulator`), the TFX
-Trainer (`.components`) and the demo pipelines (`.pipelines`). In the repository they are
-the top-level folders `accumulator/`, `components/`, `pipelines/`; the package's folder
-links to them, so the wheel holds them inside it and nothing else at the top level."""
+Trainer (`.components`) and the demo pipelines (`.pipelines`).
+
+Layout (no symbolic links): `package_dir` maps the package to `src/tfx_gradient_accumulator/`
+(its `__init__.py` alone) and each sub-package to its top-level folder (`accumulator/`, ...).
+Why: one import path per file in editable and wheel installs (setuptools' editable finder
+maps each name to its folder; no folder at the root is named `tfx_gradient_accumulator`), so
+tracebacks, coverage and editors show the file you edit, and nothing loads twice.
+
+The wheel holds `tfx_gradient_accumulator/{__init__.py,accumulator,components,pipelines}`
+and nothing else. The sdist holds what builds that wheel (setup.py, pyproject.toml,
+README.md, src/, the three folders) and leaves `tests/` out on purpose (MANIFEST.in): the
+tests need the checkout (docs/, benchmarks/, constraints/, the Makefile), so they run from
+a clone, not from the sdist."""
 
 from setuptools import find_packages, setup
+
+PACKAGE = "tfx_gradient_accumulator"
+INSTALLED = ("accumulator", "components", "pipelines")   # top-level folders, as PACKAGE.<folder>
+PACKAGE_DIR = {PACKAGE: f"src/{PACKAGE}", **{f"{PACKAGE}.{folder}": folder for folder in INSTALLED}}
+PACKAGES = [PACKAGE] + [f"{PACKAGE}.{folder}" + (f".{sub}" if sub else "")
+                        for folder in INSTALLED for sub in ["", *find_packages(folder)]]
 
 # Supported = tested by `make test`. Keras 3: the oldest pair (constraints/oldest.txt,
 # TF 2.16 + Keras 3.8), the TFX 1.16 stack and the newest pair (constraints/tf-latest.txt).
@@ -22,7 +38,8 @@ setup(
     ),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["tfx_gradient_accumulator", "tfx_gradient_accumulator.*"]),
+    package_dir=PACKAGE_DIR,
+    packages=PACKAGES,
     python_requires=">=3.9,<3.14",
     install_requires=["tensorflow>=2.15,<2.22", KERAS],
     extras_require={

@@ -287,15 +287,8 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
 
     @property
     def iterations(self):
-        # The update-making optimizer's count (a LossScaleOptimizer's own
-        # counter is not it before Keras 3.4).
+        # The update-making optimizer's count.
         return self.inner_optimizer.iterations
-
-    @iterations.setter
-    def iterations(self, value):
-        # Keras < 3.4 sets the base class's own counter as `self.iterations`;
-        # the wrapper counts nothing itself, so it is kept aside, unused.
-        object.__setattr__(self, "_own_iterations", value)
 
     @property
     def learning_rate(self):

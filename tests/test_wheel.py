@@ -5,27 +5,47 @@ its own, and used from a project folder outside the repository that has its own
 `components/` and `pipelines/` packages and its own `accumulator.py`: the project's
 names and ours both import, and the retrieval demo pipeline runs from the wheel alone
 (its TFX components, our Trainer, the module file it ships) on the Beam DirectRunner.
+
+The sources hold no symbolic link (setup.py's `package_dir` maps the top-level folders
+into the package): the wheel's files are this checkout's files, byte for byte; the sdist
+holds no link and no tests (on purpose, setup.py says why), and builds the same wheel.
 """
 
 import os
 import pathlib
 import subprocess
 import sys
+import tarfile
 import zipfile
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 INSTALLED = ("accumulator", "components", "pipelines")
+PACKAGE_INIT = ROOT / "src" / "tfx_gradient_accumulator" / "__init__.py"
+
+
+def _wheel_of(source, folder):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(folder), str(source)],
+                   check=True, capture_output=True, timeout=300)
+    [built] = folder.glob("tfx_gradient_accumulator-*.whl")
+    return built
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(folder), str(ROOT)],
-                   check=True, capture_output=True, timeout=300)
-    [built] = folder.glob("tfx_gradient_accumulator-*.whl")
-    return built
+    return _wheel_of(ROOT, tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="module")
+def sdist(tmp_path_factory):
+    """The sdist, by setuptools' PEP 517 hook (what `python -m build --sdist` calls)."""
+    folder = tmp_path_factory.mktemp("sdist")
+    code = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
+    out = subprocess.run([sys.executable, "-c", code, str(folder)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return folder / out.stdout.strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +84,42 @@ def test_the_wheel_holds_one_package_with_every_module(wheel):
     assert "tfx_gradient_accumulator/__init__.py" in names
 
 
+def test_the_wheels_files_are_the_checkouts_files(wheel):
+    """setup.py's package_dir, not links: each file of the package is one file here."""
+    archive = zipfile.ZipFile(wheel)
+    files = [n for n in archive.namelist() if n.startswith("tfx_gradient_accumulator/")]
+    for name in files:
+        inside = pathlib.PurePosixPath(name).relative_to("tfx_gradient_accumulator")
+        source = PACKAGE_INIT if str(inside) == "__init__.py" else ROOT / inside
+        assert not any(p.is_symlink() for p in [source, *source.parents]), source
+        assert archive.read(name) == source.read_bytes(), name
+
+
+def test_the_staged_copy_for_the_gpu_machine_is_the_wheels_package(wheel, tmp_path):
+    """`tools/stage_package.py` (a Python that cannot install the checkout) copies what the wheel holds."""
+    from tools import stage_package
+    staged = stage_package.stage(tmp_path)
+    archive = zipfile.ZipFile(wheel)
+    assert staged == sorted(n for n in archive.namelist() if n.startswith("tfx_gradient_accumulator/"))
+    assert all((tmp_path / name).read_bytes() == archive.read(name) for name in staged)
+
+
+def test_the_sdist_has_no_link_no_tests_and_builds_the_same_wheel(sdist, wheel, tmp_path):
+    with tarfile.open(sdist) as archive:
+        members = archive.getmembers()
+        assert not [m.name for m in members if m.issym() or m.islnk()]
+        top = members[0].name.split("/")[0]
+        names = {m.name[len(top) + 1:] for m in members if m.isfile()}
+        archive.extractall(tmp_path, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    assert not [n for n in names if n.startswith("tests/")]          # MANIFEST.in: prune tests
+    assert {"setup.py", "pyproject.toml", "README.md", "MANIFEST.in",
+            "src/tfx_gradient_accumulator/__init__.py"} <= names
+    again = _wheel_of(tmp_path / top, tmp_path / "wheel")
+    ours, theirs = zipfile.ZipFile(wheel), zipfile.ZipFile(again)
+    assert sorted(ours.namelist()) == sorted(theirs.namelist())
+    assert all(ours.read(n) == theirs.read(n) for n in ours.namelist() if not n.endswith("RECORD"))
+
+
 def test_a_project_with_its_own_components_and_pipelines_imports_ours_and_its_own(site, tmp_path):
     code = ("import components, pipelines, accumulator\n"
             "import tfx_gradient_accumulator as ours\n"
@@ -72,14 +128,25 @@ def test_a_project_with_its_own_components_and_pipelines_imports_ours_and_its_ow
             "import tfx_gradient_accumulator.pipelines.digits.pipeline\n"
             "print(components.MINE, pipelines.MINE, accumulator.MINE)\n"
             "print(ours.__file__)\n"
-            "print(GradientAccumulator.__module__, AccumulatingTrainer.__module__)\n")
+            "print(GradientAccumulator.__module__, AccumulatingTrainer.__module__)\n"
+            # One module object per file of the package, all under its name.
+            "import collections, os, sys\n"
+            "files = collections.defaultdict(list)\n"
+            "for name, module in list(sys.modules.items()):\n"
+            "    where = getattr(module, '__file__', None) or ''\n"
+            "    if where.startswith(os.path.dirname(ours.__file__)):\n"
+            "        files[os.path.realpath(where)].append(name)\n"
+            "print(all(len(n) == 1 and n[0].startswith('tfx_gradient_accumulator') for n in files.values()),"
+            " len(files))\n")
     out = _python(site, _project(tmp_path), "-c", code)
     assert out.returncode == 0, out.stderr[-3000:]
-    mine, where, modules = out.stdout.strip().splitlines()[-3:]
+    mine, where, modules, one_each = out.stdout.strip().splitlines()[-4:]
     assert mine == "components pipelines accumulator"
     assert where.startswith(str(site))
     assert modules == ("tfx_gradient_accumulator.accumulator.optimizer "
                        "tfx_gradient_accumulator.components.component")
+    single, count = one_each.split()
+    assert single == "True" and int(count) > 20, one_each
 
 
 @pytest.mark.timeout(900)

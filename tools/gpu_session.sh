@@ -26,6 +26,10 @@ mode=${1:-}; shift || true
 export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296} CUDA_CACHE_PATH=${CUDA_CACHE_PATH:-/tmp/cuda-cache}
 export KERAS_BACKEND=tensorflow PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2}
 python=${PYTHON:-python3}
+# The package as the wheel holds it (the checkout's root has no tfx_gradient_accumulator/
+# folder: setup.py maps it), copied outside the tree: this machine cannot pip install it.
+"$python" -m tools.stage_package /tmp/tfx-package || exit 1
+export PYTHONPATH=/tmp/tfx-package${PYTHONPATH:+:$PYTHONPATH}
 
 case "$mode" in
   check)

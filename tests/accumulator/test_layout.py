@@ -1,12 +1,18 @@
-"""The house rules, checked on the source: imports run one way, functions stay short.
+"""The house rules, checked on the source: imports run one way, functions stay short;
+and the package's layout: no symbolic link, one module object per library file.
 
 Imports inside functions count: a lazy import that closes a cycle is still a
-cycle, only one that fails later. Parsed with `ast`, nothing is imported.
+cycle, only one that fails later. Parsed with `ast`, nothing is imported (but by the
+layout's tests at the end).
 """
 
 import ast
+import json
+import os
 import re
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -108,7 +114,7 @@ def test_no_function_is_longer_than_the_limit(packages):
 
 
 def _old_top_level_imports(text):
-    return re.findall(r"(?m)^\s*(?:>>> )?(?:from (?:accumulator|components|pipelines)[.\s]|import (?:accumulator|components|pipelines)\b).*",
+    return re.findall(r"(?m)^\s*(?:>>> )?(?:from (?:accumulator|components|pipelines|src)[.\s]|import (?:accumulator|components|pipelines|src)\b).*",
                       text)
 
 
@@ -127,3 +133,102 @@ def test_everything_imports_the_package_by_its_installed_name():
             found[str(path.relative_to(ROOT))] = hits
     assert not found, found
     assert _old_top_level_imports("x = 1\nfrom components import AccumulatingTrainer\n")   # the check can fail
+
+
+# ------------------------------------------------------------------- the package's layout
+# setup.py's `package_dir`: `tfx_gradient_accumulator` is src/tfx_gradient_accumulator/ (its
+# `__init__.py` alone), `tfx_gradient_accumulator.<folder>` the top-level folder. No folder at
+# the root is named `tfx_gradient_accumulator`, so from a checkout's root (the current
+# directory first on sys.path) the installed package's finder, not the directory, finds it.
+PACKAGE_INIT = ROOT / "src" / "tfx_gradient_accumulator" / "__init__.py"
+SKIPPED = {".git", "site", "work", "build", "dist", "__pycache__"}
+
+
+def _assigned(path, name):
+    """The literal a module's top level assigns to `name` (read with `ast`)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{path} assigns no {name}")
+
+
+def test_the_repository_holds_no_symbolic_link():
+    links = []
+    for folder, subfolders, files in os.walk(ROOT):
+        subfolders[:] = [d for d in subfolders if d not in SKIPPED and not d.startswith(".")]
+        links += [os.path.join(folder, f) for f in subfolders + files if os.path.islink(os.path.join(folder, f))]
+    assert not links, links
+
+
+def test_the_package_is_its_init_file_and_the_top_level_folders():
+    assert sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "src").rglob("*.py")) == [
+        "src/tfx_gradient_accumulator/__init__.py"]
+    assert not (ROOT / "tfx_gradient_accumulator").exists()    # it would shadow the installed package
+    assert _assigned(ROOT / "setup.py", "INSTALLED") == INSTALLED
+    assert _assigned(ROOT / "tools" / "griffe_package_dir.py", "INSTALLED") == INSTALLED   # the API reference
+
+
+def _library_files(files, folders):
+    """{library source file: [names of the modules loaded from it]}, of {module name: file}
+    for the files under `folders` (this checkout's, and where the package is installed)."""
+    found = {}
+    for name, where in files.items():
+        if where and any(pathlib.Path(where).resolve().is_relative_to(f.resolve()) for f in folders):
+            found.setdefault(str(pathlib.Path(where).resolve()), []).append(name)
+    return found
+
+
+def _check_one_module_per_file(files, folders=()):
+    folders = [ROOT / folder for folder in INSTALLED] + [PACKAGE_INIT.parent, *folders]
+    library = _library_files(files, folders)
+    twice = {f: names for f, names in library.items() if len(names) > 1}
+    assert not twice, f"library files loaded as several modules: {twice}"
+    foreign = {f: names for f, names in library.items() if names[0].split(".")[0] != "tfx_gradient_accumulator"}
+    assert not foreign, f"library files imported by a folder's name (a second copy): {foreign}"
+
+
+def test_this_session_loads_each_library_file_once_under_the_package_name():
+    """`import accumulator` from a checkout's root would load accumulator/ a second time
+    (other classes, hooks installed twice): nothing the tests ran so far did."""
+    _check_one_module_per_file({n: getattr(m, "__file__", None) for n, m in list(sys.modules.items())})
+
+
+_IMPORT_EVERYTHING = """
+import importlib, json, pkgutil, sys
+import tfx_gradient_accumulator as package
+skipped = []
+for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+    try:
+        importlib.import_module(info.name)
+    except ImportError as error:   # an extra's package (tfx, tf_keras, keras_tuner) is not installed
+        if (error.name or "").startswith("tfx_gradient_accumulator"):
+            raise
+        skipped.append(info.name)
+print(json.dumps({"files": {n: getattr(m, "__file__", None) for n, m in list(sys.modules.items())},
+                  "skipped": skipped}))
+"""
+
+
+def test_the_library_imported_from_the_checkout_root_is_one_copy():
+    """A fresh process in the repository's root (the current directory first on sys.path,
+    as `python -m pytest`) imports every module of the package: each file is one module,
+    under the package's name, and the package's files all come from one install: this
+    checkout's folders as setup.py maps them (an editable install) or one installed folder."""
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
+    out = subprocess.run([sys.executable, "-c", _IMPORT_EVERYTHING], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    ours = {n: pathlib.Path(f).resolve() for n, f in report["files"].items()
+            if n.split(".")[0] == "tfx_gradient_accumulator" and f}
+    assert "tfx_gradient_accumulator.accumulator.window" in ours
+    package = ours["tfx_gradient_accumulator"]
+    _check_one_module_per_file(report["files"], [package.parent])
+    if package == PACKAGE_INIT.resolve():      # this checkout, installed editable
+        expected = {f"tfx_gradient_accumulator.{folder}": ROOT / folder for folder in INSTALLED}
+    else:                                      # a wheel's folder
+        expected = {f"tfx_gradient_accumulator.{folder}": (package.parent / folder).resolve() for folder in INSTALLED}
+    for name, where in ours.items():
+        top = ".".join(name.split(".")[:2])
+        if top in expected:
+            assert where.is_relative_to(expected[top]), (name, where, expected[top])
