@@ -210,8 +210,10 @@ def _the_chiefs(verdict, strategy, chief):
     code, delta = strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(share), axis=None).numpy()
     if chief:
         return verdict
-    return Verdict(VERDICTS[int(round(code))], None if delta < 0 else float(delta),
-                   "the chief's verdict (the chief checks; this process records nothing)")
+    verdict = Verdict(VERDICTS[int(round(code))], None if delta < 0 else float(delta),
+                      "the chief's verdict (the chief checks; this process records nothing)")
+    logging.info("verify_exactness: the chief's verdict: %s (max |dw| %s).", verdict.exactness, verdict.max_delta)
+    return verdict
 
 
 def _decide(verdict, mode):
