@@ -32,18 +32,19 @@ def _batch_norm_module(tmp_path):
     return str(path)
 
 
-def seeded_at_import_module(tmp_path):
-    """The regression module seeded once, when it is imported, not in its run_fn, and in
-    float64 (a global dtype policy, also set at import): the model's initial weights come
-    from the random state and the policy the run finds, which the check must leave as they were."""
+def seeded_at_import_module(tmp_path, dtype_policy=None):
+    """The regression module seeded once, when it is imported, not in its run_fn (and given
+    `dtype_policy` there): the model's initial weights come from the random state (and the
+    policy) the run finds, which the check must leave as they were."""
     with open(fixtures.MODULE) as f:
         source = f.read()
     seeded = 'def _make_keras_model():\n    keras.utils.set_random_seed(0)\n'
     assert seeded in source
-    path = tmp_path / "seeded_at_import_module.py"
+    at_import = "keras.utils.set_random_seed(0)\n" + (
+        f"keras.config.set_dtype_policy({dtype_policy!r})\n" if dtype_policy else "")
+    path = tmp_path / f"seeded_at_import_{dtype_policy}_module.py"
     path.write_text(source.replace(seeded, 'def _make_keras_model():\n').replace(
-        'BATCH_SIZE = 32\n', 'BATCH_SIZE = 32\nkeras.utils.set_random_seed(0)\n'
-                              'keras.config.set_dtype_policy("float64")\n'))
+        'BATCH_SIZE = 32\n', 'BATCH_SIZE = 32\n' + at_import))
     return str(path)
 
 
@@ -54,7 +55,7 @@ def _properties(artifact):
 
 
 def test_an_exact_run_fn_is_recorded_exact_and_trains_as_without_the_check(examples, tmp_path):
-    module = seeded_at_import_module(tmp_path)
+    module = seeded_at_import_module(tmp_path, "float64")
     keras.backend.clear_session()       # each run starts from fresh Keras names
     outputs, seen, weights = fixtures.run_executor(tmp_path / "checked", examples, num_steps=3, accum_steps=4,
                                                    effective_batch_size=32, verify_exactness="record", module=module)
