@@ -14,6 +14,14 @@ trains as without the check. The verdict is recorded on the `model` and
 * `exactness_detail`: the variables that differ with their kinds, or why nothing
   was checked.
 
+The training after the check is the one without it: the random state (seeds and
+generators of Python, NumPy, TensorFlow and Keras) and Keras' global dtype policy
+are put back as they were before the probe. The probe runs the run_fn under the
+executor's strategy, as training will (a strategy the run_fn makes stands in for
+it). On a cluster every process probes (building the model runs collectives), the
+chief alone checks, and every process takes the chief's verdict through one
+all-reduce: all train, or all refuse; only the chief records.
+
 `verify_exactness="refuse"` stops before training when the verdict is not
 "exact" (a model that differs, or one the check cannot run on), with the report
 in the message. Not checked: `gradient_cache=True` (no window to compare) and
