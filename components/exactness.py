@@ -218,8 +218,10 @@ def _the_chiefs(verdict, strategy, chief):
     code, delta = strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(share), axis=None).numpy()
     if chief:
         return verdict
-    verdict = Verdict(VERDICTS[int(round(code))], None if delta < 0 else float(delta),
-                      "the chief's verdict (the chief checks; this process records nothing)")
+    exactness = VERDICTS[int(round(code))]
+    verdict = Verdict(exactness, None if delta < 0 else float(delta),
+                      "the chief could not check it; its log says why" if exactness == NOT_CHECKED
+                      else "as the chief's check found; its log has the report")
     logging.info("verify_exactness: the chief's verdict: %s (max |dw| %s).", verdict.exactness, verdict.max_delta)
     return verdict
 

@@ -278,3 +278,21 @@ def test_verify_exactness_on_two_processes_gives_the_one_process_verdict_once_an
     assert checked[0]["own_strategy"] == "CollectiveAllReduceStrategy" and checked[0]["iterations"] == STEPS
     print(f"[measured] 2 processes with the check vs without: max |dw| = {max_abs_diff(checked[1], plain[1]):.1e}")
     assert max_abs_diff(checked[1], plain[1]) == 0.0
+
+
+@pytest.mark.apart      # make test: the worker takes the chief's verdict (above, 2 processes), "refuse" (test_exactness)
+def test_verify_exactness_refuse_stops_every_process_of_the_cluster(examples, tmp_path):
+    """The batch-normalization module differs: the chief checks, the worker takes its verdict,
+    and both stop before training (none waits for the other in a collective); no model."""
+    from tests.components.test_exactness import _batch_norm_module
+
+    inputs, outputs, properties = fixtures.executor_arguments(
+        tmp_path / "run", examples, num_steps=STEPS, accum_steps=ACCUM, effective_batch_size=EFFECTIVE,
+        module=_batch_norm_module(tmp_path), verify_exactness="refuse")
+    (chief_code, _, chief_log), (worker_code, _, worker_log) = replicas.run(
+        replicas.container_command(inputs, outputs, properties), 2, tmp_path / "tmp", timeout=300)
+    assert chief_code != 0 and worker_code != 0
+    assert "nothing was trained" in chief_log and "batch-norm statistics" in chief_log
+    assert "nothing was trained" in worker_log and "as the chief's check found" in worker_log
+    assert not os.path.exists(outputs["model"][0].uri) or _model_dir_entries(outputs) == []
+    assert not os.path.exists(os.path.join(outputs["model_run"][0].uri, "seen.json"))
