@@ -7,8 +7,9 @@ installs (`accumulator.hooks`) calls `before_fit`, which
 
 * refuses, before any training, the set-ups that would train wrong: a
   `LossScaleOptimizer` that Keras put *around* the accumulator (a
-  `mixed_float16` model compiled without `auto_scale_loss=False`), and
-  `jit_compile=True` under a multi-replica strategy;
+  `mixed_float16` model compiled without `auto_scale_loss=False`),
+  `jit_compile=True` under a multi-replica strategy, and a loss that sums over
+  its samples when the noise scale is measured (its micro-batches carry no size);
 * ties the model's `AccumBatchNormalization` layers to the optimizer's windows;
 * puts an `accumulator.callbacks.EpochWindows` callback first in the list (or
   the `AccumulationSchedule` or `AutoAccumulation` that `accumulating_compile`
@@ -26,11 +27,11 @@ callback classes.
 
 import keras
 
-from tfx_gradient_accumulator.accumulator import seam
+from tfx_gradient_accumulator.accumulator import seam, weighting
 from tfx_gradient_accumulator.accumulator._tf import NO_MERGE_CALL_MESSAGE
 from tfx_gradient_accumulator.accumulator.auto_batch import auto_accumulation_class, auto_rule_of
 from tfx_gradient_accumulator.accumulator.callbacks import window_callback_classes
-from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
+from tfx_gradient_accumulator.accumulator.window import SUMMED_NOISE_SCALE_MESSAGE, AccumulationWindow
 
 
 def before_fit(model, callbacks, fit_arguments=None):
@@ -53,7 +54,22 @@ def before_fit(model, callbacks, fit_arguments=None):
     if getattr(model, "jit_compile", False) is True and \
             model.distribute_strategy.num_replicas_in_sync > 1:
         raise NotImplementedError(NO_MERGE_CALL_MESSAGE)
+    _refuse_a_summed_loss_for_the_noise_scale(model, optimizer)
     return with_epoch_windows(model, callbacks, fit_arguments)
+
+
+def _refuse_a_summed_loss_for_the_noise_scale(model, optimizer):
+    """Before any batch: the step would refuse it too (`AccumulationWindow`), but only once
+    `fit` has prepared the data and traced the step."""
+    if not optimizer.measure_noise_scale or optimizer.loss_reduction != "auto":
+        return
+    loss = weighting.summed_loss(model)
+    if loss is not None:
+        name = getattr(loss, "name", None) or getattr(loss, "__name__", None) or type(loss).__name__
+        raise ValueError(
+            f"{SUMMED_NOISE_SCALE_MESSAGE} The model is compiled with the loss {name!r}, reduction "
+            f"{getattr(loss, 'reduction', None)!r}; `measure_noise_scale=True` (which accum_steps='auto' "
+            "turns on) allows 'sum_over_batch_size' or 'mean_with_sample_weight'.")
 
 
 def with_epoch_windows(model, callbacks, fit_arguments=None):

@@ -62,6 +62,17 @@ private name there. `GradientCache` on Keras 2 needs two (`keras2=True` below):
   marked built, and a TFRS tower builds only at the first step); Keras 2 does not
   compile a loaded model whose class overrides `compile` itself.
 
+Random state (`random_state()` / `restore_random_state()`: the Trainer's exactness
+check leaves the run's random numbers as it found them):
+
+* ``tensorflow.python.eager.context.Context._set_global_seed``, with the context's
+  ``_seed`` and ``_rng`` (what `tf.random.set_seed` sets: the global seed and the
+  generator of the op seeds drawn after it); TensorFlow has no public getter.
+* ``keras.src.backend.common.global_state.get_global_attribute`` and
+  ``set_global_attribute``: the seed `keras.utils.set_random_seed` stores and the
+  global `SeedGenerator` (Keras' unseeded random ops and initializers draw from
+  them), which `keras.backend.clear_session()` forgets.
+
 `keras2_module()` finds it; `keras_package_of()` tells which Keras an object
 belongs to (public `__module__` and `__version__` only).
 
@@ -79,9 +90,11 @@ import functools
 import importlib
 import importlib.util
 import itertools
+import random
 import sys
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 
@@ -136,6 +149,12 @@ PRIVATE_NAMES = (
                 "MultiWorkerMirroredStrategy fix (keras#20585)"),
     PrivateName("tensorflow", "distribute.MirroredStrategy._collective_key_base",
                 "AccumulatingTrainer: each MirroredStrategy of a process its own collective keys"),
+    PrivateName("tensorflow.python.eager.context", "Context._set_global_seed",
+                "AccumulatingTrainer(verify_exactness=True): the run's random state as before the check"),
+    PrivateName("keras.src.backend.common.global_state", "get_global_attribute",
+                "AccumulatingTrainer(verify_exactness=True): Keras' global seed as before the check"),
+    PrivateName("keras.src.backend.common.global_state", "set_global_attribute",
+                "AccumulatingTrainer(verify_exactness=True): Keras' global seed as before the check"),
     PrivateName("tf_keras", "_callable_losses",
                 "Keras 2 GradientCache: weight regularization told from losses added while running",
                 on_compiled_model=True, keras2=True),
@@ -197,6 +216,59 @@ def missing_private_names():
         except (AttributeError, ImportError) as err:
             missing.append((name, err))
     return missing
+
+
+# --------------------------------------------------------------- random state
+_KERAS_SEED, _KERAS_SEED_GENERATOR = "global_random_seed", "global_seed_generator"
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomState:
+    """Every random state a Keras program draws from, as `random_state()` found it."""
+
+    python: object
+    numpy: object
+    tf_seed: object
+    tf_op_seeds: object
+    keras_seed: object
+    keras_generator: object
+    keras_generator_state: object
+
+
+def random_state() -> RandomState:
+    """Python's, NumPy's, TensorFlow's global seed and op-seed generator, Keras' global
+    seed and `SeedGenerator` (its object and its state)."""
+    from keras.src.backend.common import global_state
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    rng = getattr(ctx, "_rng", None)
+    generator = global_state.get_global_attribute(_KERAS_SEED_GENERATOR)
+    return RandomState(
+        random.getstate(), np.random.get_state(), ctx._seed, rng.getstate() if rng is not None else None,
+        global_state.get_global_attribute(_KERAS_SEED), generator,
+        None if generator is None else np.array(generator.state.numpy()))
+
+
+def restore_random_state(state: RandomState) -> None:
+    """Puts back what `random_state()` found (also after `keras.backend.clear_session()`)."""
+    from keras.src.backend.common import global_state
+    from tensorflow.python.eager import context
+
+    random.setstate(state.python)
+    np.random.set_state(state.numpy)
+    ctx = context.context()
+    if state.tf_seed is None:
+        ctx._seed, ctx._rng = None, None
+    else:
+        ctx._set_global_seed(state.tf_seed)
+        if state.tf_op_seeds is not None:
+            ctx._rng.setstate(state.tf_op_seeds)
+    tf.compat.v1.get_default_graph().seed = state.tf_seed
+    global_state.set_global_attribute(_KERAS_SEED, state.keras_seed)
+    global_state.set_global_attribute(_KERAS_SEED_GENERATOR, state.keras_generator)
+    if state.keras_generator is not None:
+        state.keras_generator.state.assign(state.keras_generator_state)
 
 
 # --------------------------------------------------------------- distribution

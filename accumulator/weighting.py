@@ -84,22 +84,31 @@ def _batch_size(x):
     return tf.cast(tf.shape(flat[0])[0], tf.float32)
 
 
-def _first_output_loss(model, y, y_pred, sample_weight):
-    """(loss, y, y_pred, sample_weight) of the model's first compiled loss, or None."""
+def _first_loss(model):
+    """(loss, key, index) of the model's first compiled loss (key: its output's name in a
+    dict of losses, index: its position), or None without one."""
     loss = getattr(model, "loss", None)
-    if loss is None or y is None:
+    if loss is None:
         return None
     if isinstance(loss, dict):
         names = [n for n in (getattr(model, "output_names", None) or list(loss)) if loss.get(n) is not None]
         if not names:
             return None
-        key, index = names[0], list(getattr(model, "output_names", None) or list(loss)).index(names[0])
-    elif isinstance(loss, (list, tuple)):
+        key = names[0]
+        return loss[key], key, list(getattr(model, "output_names", None) or list(loss)).index(key)
+    if isinstance(loss, (list, tuple)):
         indices = [i for i, item in enumerate(loss) if item is not None]
-        if not indices:
-            return None
-        key, index = None, indices[0]
-    else:
+        return (loss[indices[0]], None, indices[0]) if indices else None
+    return loss, None, None
+
+
+def _first_output_loss(model, y, y_pred, sample_weight):
+    """(loss, y, y_pred, sample_weight) of the model's first compiled loss, or None."""
+    found = _first_loss(model) if y is not None else None
+    if found is None:
+        return None
+    loss, key, index = found
+    if index is None:
         return loss, y, y_pred, sample_weight
 
     def pick(structure):
@@ -109,7 +118,18 @@ def _first_output_loss(model, y, y_pred, sample_weight):
             return structure[index]
         return structure
 
-    return loss[key if key is not None else index], pick(y), pick(y_pred), pick(sample_weight)
+    return loss, pick(y), pick(y_pred), pick(sample_weight)
+
+
+def summed_loss(model):
+    """The model's compiled loss (its first output's) when it sums over its samples
+    (reduction "sum" or "none"), else None: what `loss_denominator` notes as
+    `SUMMED_LOSS`, known from `compile`, before any batch."""
+    found = _first_loss(model)
+    if found is None:
+        return None
+    loss = seam.keras_package_of(model).losses.get(found[0])
+    return loss if getattr(loss, "reduction", "sum_over_batch_size") in (None, "none", "sum") else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,6 +162,12 @@ def loss_denominator(model, x, y, y_pred, sample_weight):
     """D of the model's compiled loss on this batch (of its first output's loss), or
     `SUMMED_LOSS` when that loss sums over its samples (reduction "sum" or "none").
 
+    A loss that returns one number per batch (a function that reduces its samples itself)
+    weighs the batch's samples, as a mean loss over them: its window is exact when that
+    number is their mean, and the noise scale comes in samples either way (a sum is a
+    constant multiple, b, of the mean on equal micro-batches; exact windows of a sum need
+    `loss_reduction="sum"`).
+
     Keras 3: the ratio of the loss's sum to its own reduction, both on ones.
     Keras 2 (whose `sum_over_batch_size` divides by the loss elements, or by the
     unmasked ones under a mask, whatever the sample weights): the reduction
@@ -162,6 +188,11 @@ def loss_denominator(model, x, y, y_pred, sample_weight):
     compute = loss.call if isinstance(loss, keras_package.losses.Loss) else loss
     y_p_tensor = tf.convert_to_tensor(y_p)
     values = compute(tf.cast(tf.convert_to_tensor(y_t), y_p_tensor.dtype), y_p_tensor)
+    if values.shape.rank == 0:
+        # The loss reduced its batch itself (one number per batch, a mean or a sum of the
+        # samples: it does not say): weighed by its samples, as a mean over them would be,
+        # not 1, so a window's size, and the noise scale, are in samples.
+        values = tf.ones(tf.shape(y_p_tensor)[:1], values.dtype)
     ones = _ones_loss_class(keras_package)
     if keras2:
         return tf.cast(ones(values, "sum")(y_t, y_p), tf.float32)

@@ -14,6 +14,14 @@ trains as without the check. The verdict is recorded on the `model` and
 * `exactness_detail`: the variables that differ with their kinds, or why nothing
   was checked.
 
+The training after the check is the one without it: the random state (seeds and
+generators of Python, NumPy, TensorFlow and Keras) and Keras' global dtype policy
+are put back as they were before the probe. The probe runs the run_fn under the
+executor's strategy, as training will (a strategy the run_fn makes stands in for
+it). On a cluster every process probes (building the model runs collectives), the
+chief alone checks, and every process takes the chief's verdict through one
+all-reduce: all train, or all refuse; only the chief records.
+
 `verify_exactness="refuse"` stops before training when the verdict is not
 "exact" (a model that differs, or one the check cannot run on), with the report
 in the message. Not checked: `gradient_cache=True` (no window to compare) and
@@ -37,6 +45,7 @@ from tfx_gradient_accumulator.accumulator.check import check_exact
 VERIFY_EXACTNESS_KEY = "verify_exactness"
 MODES = (False, True, "refuse")
 UPDATES = 2
+EXACT, DIFFERS, NOT_CHECKED = VERDICTS = ("exact", "differs", "not checked")
 _STORED = {True: "record", "refuse": "refuse"}
 
 
@@ -74,17 +83,36 @@ def _fit_that_stops(original):
     return fit
 
 
-def probe(run_fn, fn_args):
-    """Runs `run_fn` until its first `fit`; returns that `_FitReached`, or None if none came."""
+def probe(run_fn, fn_args, strategy=None):
+    """Runs `run_fn` until its first `fit`; returns that `_FitReached`, or None if none came.
+
+    It runs as training will: under `strategy` (the executor's), with the strategies
+    the run_fn constructs standing in for it, so the run_fn sees the replicas it
+    will train on, and never makes a second strategy beside a
+    `MultiWorkerMirroredStrategy` (TF 2.16 segfaults). On a cluster every process
+    probes: building the model there runs collectives (its initial values come from
+    the chief)."""
     fn_args = copy.copy(fn_args)
     scratch = tempfile.mkdtemp(prefix="exactness-probe-")
     fn_args.serving_model_dir, fn_args.model_run_dir = f"{scratch}/serving", f"{scratch}/run"
-    with _fits_stopped():
+    with _fits_stopped(), _as_training_runs(strategy):
         try:
             run_fn(fn_args)
         except _FitReached as reached:
             return reached
     return None
+
+
+@contextlib.contextmanager
+def _as_training_runs(strategy):
+    """The executor's strategy around the run_fn, as `accumulating_compile` puts it there."""
+    with contextlib.ExitStack() as stack:
+        if strategy is not None:
+            stack.enter_context(hooks.strategies_made_map_onto(strategy))
+            if strategy is not tf.distribute.get_strategy() or tf.distribute.has_strategy():
+                stack.enter_context(strategy.scope())
+                stack.enter_context(hooks.strategy_scopes_map_onto(strategy))
+        yield
 
 
 @contextlib.contextmanager
@@ -119,55 +147,116 @@ def _check_arguments(reached, settings):
                 accumulator_options={"merge_duplicate_rows": settings.merge_duplicate_rows})
 
 
-def _not_checked(why, mode):
-    if mode == "refuse":
-        raise RuntimeError(
-            f"AccumulatingTrainer(verify_exactness='refuse') could not check the run_fn's model ({why}), "
-            "so nothing was trained. Set verify_exactness=True to train anyway and record 'not checked'.")
-    logging.warning("verify_exactness: not checked: %s.", why)
-    return Verdict("not checked", detail=why)
+def _refuse(why):
+    raise RuntimeError(
+        f"AccumulatingTrainer(verify_exactness='refuse') could not check the run_fn's model ({why}), "
+        "so nothing was trained. Set verify_exactness=True to train anyway and record 'not checked'.")
 
 
-def verify(run_fn, fn_args, settings, mode) -> Optional[Verdict]:
+def verify(run_fn, fn_args, settings, mode, strategy=None, role=None) -> Optional[Verdict]:
     """Runs the check when `mode` (the stored `verify_exactness`) asks for it; raises for
-    "refuse" on anything but exact. Returns the `Verdict` to record, or None (off)."""
+    "refuse" on anything but exact. Returns the `Verdict` to record, or None (off).
+
+    On a cluster (`role.workers` > 1) every process probes the run_fn, the chief alone
+    checks, and every process gets the chief's verdict (one collective), so all of
+    them train, or all refuse. Whatever the check drew, the run's random state
+    (seeds, generators) is put back as it was before the probe: the training that
+    follows is the one without the check."""
     if not mode:
         return None
     if settings.gradient_cache:
-        return _not_checked("gradient_cache=True trains each batch in one update: no window to compare", mode)
+        return _decide(_not_checked("gradient_cache=True trains each batch in one update: no window to compare"),
+                       mode)
     if settings.accum_steps < 2:
-        return _not_checked(f"accum_steps={settings.accum_steps}: nothing accumulates", mode)
+        return _decide(_not_checked(f"accum_steps={settings.accum_steps}: nothing accumulates"), mode)
+    chief = role is None or role.chief
     logging.info("verify_exactness: running the run_fn up to its fit, then check_exact (%d updates, "
-                 "accum_steps=%d).", UPDATES, settings.accum_steps)
+                 "accum_steps=%d)%s.", UPDATES, settings.accum_steps,
+                 "" if chief else "; the chief checks, this process takes its verdict")
+    before = keras.config.dtype_policy(), seam.random_state()
     try:
-        reached = probe(run_fn, fn_args)
+        verdict = _verdict(run_fn, fn_args, settings, strategy, chief)
+    finally:
+        _forget_the_check(before)
+    if role is not None and role.workers > 1:
+        verdict = _the_chiefs(verdict, strategy, chief)
+    return _decide(verdict, mode)
+
+
+def _not_checked(why):
+    return Verdict(NOT_CHECKED, detail=why)
+
+
+def _verdict(run_fn, fn_args, settings, strategy, chief):
+    """This process's verdict (None on a process that is not the chief: it only probes)."""
+    try:
+        reached = probe(run_fn, fn_args, strategy)
+        if not chief:
+            return None
         if reached is None:
-            return _not_checked("the run_fn never called Model.fit", mode)
+            return _not_checked("the run_fn never called Model.fit")
         report = check_exact(**_check_arguments(reached, settings))
     except Exception as err:      # noqa: BLE001 (any model the check cannot run on is reported, not fatal)
-        return _not_checked(f"{type(err).__name__}: {err}", mode)
-    finally:
-        _forget_the_check()
+        return _not_checked(f"{type(err).__name__}: {err}") if chief else None
     logging.info("verify_exactness:\n%s", report)
-    detail = ", ".join(f"{v.path} ({v.kind})" for v in report.differing)
     if report.exact:
-        return Verdict("exact", report.max_delta, f"every variable within its limit; {report.rule}", report)
+        return Verdict(EXACT, report.max_delta, f"every variable within its limit; {report.rule}", report)
+    detail = ", ".join(f"{v.path} ({v.kind})" for v in report.differing)
+    return Verdict(DIFFERS, report.max_delta, "; ".join([detail] + report.causes), report)
+
+
+def _the_chiefs(verdict, strategy, chief):
+    """The chief's exactness and max |dw|, on every process of the cluster (one all-reduce
+    under the executor's strategy, to which only the chief's first replica adds)."""
+    mine = [float(VERDICTS.index(verdict.exactness)),
+            -1.0 if verdict.max_delta is None else float(verdict.max_delta)] if chief else [0.0, 0.0]
+
+    def share():
+        first = tf.equal(tf.distribute.get_replica_context().replica_id_in_sync_group, 0)
+        return tf.where(first, tf.constant(mine, tf.float64), tf.zeros(2, tf.float64))
+
+    code, delta = strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(share), axis=None).numpy()
+    if chief:
+        return verdict
+    exactness = VERDICTS[int(round(code))]
+    verdict = Verdict(exactness, None if delta < 0 else float(delta),
+                      "the chief could not check it; its log says why" if exactness == NOT_CHECKED
+                      else "as the chief's check found; its log has the report")
+    logging.info("verify_exactness: the chief's verdict: %s (max |dw| %s).", verdict.exactness, verdict.max_delta)
+    return verdict
+
+
+def _decide(verdict, mode):
+    """Logs the verdict; raises for "refuse" unless it is exact."""
+    if verdict.exactness == EXACT:
+        return verdict
+    if verdict.exactness == NOT_CHECKED:
+        if mode == "refuse":
+            _refuse(verdict.detail)
+        logging.warning("verify_exactness: not checked: %s.", verdict.detail)
+        return verdict
     if mode == "refuse":
+        report = verdict.report if verdict.report is not None else f"max |dw| {verdict.max_delta:.3g}"
         raise RuntimeError(
             "AccumulatingTrainer(verify_exactness='refuse'): accumulation does not train this model like "
-            f"Keras' large batch ({detail}), so nothing was trained.\n{report}\nFix what the report names, "
-            "or set verify_exactness=True to train anyway and record the verdict.")
-    logging.warning("verify_exactness: accumulation differs from Keras' large batch: %s.", detail)
-    return Verdict("differs", report.max_delta, "; ".join([detail] + report.causes), report)
+            f"Keras' large batch ({verdict.detail}), so nothing was trained.\n{report}\nFix what the report "
+            "names, or set verify_exactness=True to train anyway and record the verdict.")
+    logging.warning("verify_exactness: accumulation differs from Keras' large batch: %s.", verdict.detail)
+    return verdict
 
 
-def _forget_the_check():
+def _forget_the_check(before):
     """Keras' global state as before the check (layer names, the graph), so the run_fn's
-    training sees its models named as without it."""
+    training sees its models named as without it; and as `before` (taken before the
+    probe) the dtype policy, which clearing the session forgets, and the random state:
+    the check seeds every generator, and the probe's run_fn drew from them."""
+    policy, random_state = before
     keras.backend.clear_session()
     keras2 = seam.keras2_module()
     if keras2 is not None and keras2.Model is not keras.Model:
         keras2.backend.clear_session()
+    keras.config.set_dtype_policy(policy)
+    seam.restore_random_state(random_state)
 
 
 def record(output_dict, verdict: Optional[Verdict]) -> None:

@@ -71,7 +71,7 @@ class Executor(tfx_trainer_executor.GenericExecutor):
         cluster.refuse_one_strategy_per_worker(role, strategy)
         backup = preemption.backup_for(input_dict, exec_properties, settings.steps_per_update, role.chief)
         verdict = exactness.verify(run_fn, fn_args_utils.for_accumulation(fn_args, settings, role.workers),
-                                   settings, exec_properties.get(exactness.VERIFY_EXACTNESS_KEY))
+                                   settings, exec_properties.get(exactness.VERIFY_EXACTNESS_KEY), strategy, role)
         # Train the model: every optimizer the run_fn compiles accumulates (or every GradientCache).
         logging.info("Training model. %s", _describe(settings, strategy, fn_args.train_steps, role))
         with cluster.worker_outputs(fn_args, role, backup) as outputs:

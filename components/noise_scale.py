@@ -6,7 +6,9 @@ records the final estimate: on the `model` and `model_run` artifacts (ML
 Metadata) and in the run's TensorBoard logs. What is recorded:
 
 * `noise_scale` (float): B_simple in samples (the micro-batch weights of
-  `fit`), the smoothed estimate when training ended. Only when there is one
+  `fit`: a loss's denominator, or the batch's samples for a loss that returns one
+  number per batch; a loss with reduction "sum" or "none" is refused by `fit`
+  before training), the smoothed estimate when training ended. Only when there is one
   that means something: a finite, positive number. Never a placeholder.
 * `noise_scale_windows` (int): the windows of two or more micro-batches it
   was estimated from (0: none closed, so no estimate).

@@ -129,6 +129,46 @@ def test_uneven_micro_batches_through_fit_match_the_closed_form():
     _fit_least_squares(weights, "uneven least squares via fit", dataset)
 
 
+@pytest.mark.parametrize("reduce", [tf.reduce_sum, tf.reduce_mean], ids=["sum", "mean"])
+def test_a_loss_that_reduces_its_batch_itself_gives_the_noise_scale_in_samples(reduce):
+    """A loss function that returns one number per batch (its samples' sum or mean) gives
+    B_simple in samples, as "mse" does: the same windows at fixed weights, the same
+    estimate (|G|^2 and tr Sigma 16^2 times "mse"'s for the sum of micro-batches of 16,
+    their ratio unchanged). Weighed 1 per micro-batch, as such a loss once was, B_simple
+    came out in micro-batches: 16 times too small."""
+    x, y, weights = _least_squares_data(50, 64)
+    readings = {}
+    for name, loss in (("mse", "mse"), ("own", lambda t, p: reduce(tf.square(p - t)))):
+        model = _least_squares_model(weights)
+        optimizer = _accumulator(noise_scale_smoothing=0.9)
+        model.compile(optimizer, loss)
+        model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+        readings[name] = _readings(optimizer)
+    print("mse", readings["mse"], reduce.__name__, readings["own"])
+    scale = 16.0 ** 2 if reduce is tf.reduce_sum else 1.0
+    mse = readings["mse"]
+    assert math.isfinite(mse[0]) and mse[0] > 0
+    np.testing.assert_allclose(readings["own"], [mse[0], mse[1] * scale, mse[2] * scale], rtol=1e-4)
+
+
+def test_a_loss_that_sums_is_refused_before_fit_reads_a_batch():
+    """reduction "sum": its micro-batches carry no size. Refused by `fit` before it
+    reads any data (once, at the first step, after the data and the step's tracing)."""
+    pulled = []
+
+    def batches():
+        for _ in range(8):
+            pulled.append(1)
+            yield np.ones((4, 10), "float32"), np.ones((4, 1), "float32")
+
+    model = keras.Sequential([keras.Input((10,)), keras.layers.Dense(1)])
+    model.compile(_accumulator(), keras.losses.MeanSquaredError(reduction="sum"))
+    with pytest.raises(ValueError, match=r"needs a loss that is a mean(.|\n)*the loss 'mean_squared_error', "
+                                         r"reduction 'sum'(.|\n)*allows 'sum_over_batch_size'"):
+        model.fit(batches(), verbose=0)
+    assert pulled == []
+
+
 def test_short_last_micro_batch_and_forced_close_are_exact():
     """100 samples in batches of 16 (6 of 16, one of 4), accum_steps 4: a window of
     4 x 16, then the epoch's end applies one of 16, 16, 4; both count, with

@@ -234,3 +234,65 @@ def test_vertex_executor_runs_the_job_and_publishes_the_chiefs_record(examples, 
     assert (recorded["workers"], recorded["replicas"], recorded["effective_batch_size"]) == (2, 2, EFFECTIVE)
     assert max_abs_diff(fixtures.read_run(outputs["model_run"][0].uri)[1], stock[0]) <= 1e-5
     assert np.abs(_predictions(outputs) - stock[1]).max() <= 1e-5
+
+
+def test_verify_exactness_on_two_processes_gives_the_one_process_verdict_once_and_trains_as_without_it(
+        examples, tmp_path):
+    """`verify_exactness=True` on a 2-process cluster, with a module that constructs its own
+    `MirroredStrategy()` (as TFX's penguin example does; the probe once made it beside the
+    executor's `MultiWorkerMirroredStrategy`: a segfault) and is seeded at import (so the
+    training after the check depends on the random state the check found). One verdict, the one-process run's, recorded by the chief alone; the
+    worker takes it; and the run trains bit for bit as the same 2 processes without the check."""
+    import keras
+
+    from tests.components.test_exactness import seeded_at_import_module
+
+    module = seeded_at_import_module(tmp_path)
+    one_process = fixtures.run_executor(tmp_path / "one", examples, num_steps=STEPS, accum_steps=ACCUM,
+                                        effective_batch_size=EFFECTIVE, verify_exactness="record",
+                                        module=module)[0]
+    keras.backend.clear_session()
+    expected = replicas.custom_properties(one_process["model"][0])
+    runs = {}
+    for name, check in (("checked", {"verify_exactness": "record"}), ("plain", {})):
+        inputs, outputs, properties = fixtures.executor_arguments(
+            tmp_path / name, examples, num_steps=STEPS, module=module, accum_steps=ACCUM,
+            effective_batch_size=EFFECTIVE, custom_config={"own_strategy": "mirrored"}, **check)
+        results = replicas.run(replicas.container_command(inputs, outputs, properties), 2, tmp_path / f"{name}-tmp")
+        assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
+        runs[name] = outputs, results
+
+    outputs, ((_, chief_out, _), (_, worker_out, worker_log)) = runs["checked"]
+    recorded = replicas.custom_properties(replicas.published(chief_out)["model"][0])
+    print(f"[measured] verify_exactness, 2 processes: {recorded['exactness']}, max |dw| "
+          f"{recorded['exactness_max_delta']:.2e}; one process: {expected['exactness']}, "
+          f"{expected['exactness_max_delta']:.2e}")
+    assert recorded["exactness"] == expected["exactness"] == "exact"
+    assert abs(recorded["exactness_max_delta"] - expected["exactness_max_delta"]) <= 1e-6
+    assert replicas.custom_properties(replicas.published(worker_out)["model"][0]) == {}   # the chief records
+    assert "verify_exactness: the chief's verdict: exact" in worker_log
+    assert "check_exact [1/3]" not in worker_log                                          # ... and alone checks
+    with open(os.path.join(outputs["model_run"][0].uri, "accumulation", "record.json")) as f:
+        assert '"exactness"' in f.read()
+    checked, plain = (fixtures.read_run(runs[name][0]["model_run"][0].uri) for name in ("checked", "plain"))
+    assert checked[0]["own_strategy"] == "CollectiveAllReduceStrategy" and checked[0]["iterations"] == STEPS
+    print(f"[measured] 2 processes with the check vs without: max |dw| = {max_abs_diff(checked[1], plain[1]):.1e}")
+    assert max_abs_diff(checked[1], plain[1]) == 0.0
+
+
+@pytest.mark.apart      # make test: the worker takes the chief's verdict (above, 2 processes), "refuse" (test_exactness)
+def test_verify_exactness_refuse_stops_every_process_of_the_cluster(examples, tmp_path):
+    """The batch-normalization module differs: the chief checks, the worker takes its verdict,
+    and both stop before training (none waits for the other in a collective); no model."""
+    from tests.components.test_exactness import _batch_norm_module
+
+    inputs, outputs, properties = fixtures.executor_arguments(
+        tmp_path / "run", examples, num_steps=STEPS, accum_steps=ACCUM, effective_batch_size=EFFECTIVE,
+        module=_batch_norm_module(tmp_path), verify_exactness="refuse")
+    (chief_code, _, chief_log), (worker_code, _, worker_log) = replicas.run(
+        replicas.container_command(inputs, outputs, properties), 2, tmp_path / "tmp", timeout=300)
+    assert chief_code != 0 and worker_code != 0
+    assert "nothing was trained" in chief_log and "batch-norm statistics" in chief_log
+    assert "nothing was trained" in worker_log and "as the chief's check found" in worker_log
+    assert not os.path.exists(outputs["model"][0].uri) or _model_dir_entries(outputs) == []
+    assert not os.path.exists(os.path.join(outputs["model_run"][0].uri, "seen.json"))

@@ -32,6 +32,22 @@ def _batch_norm_module(tmp_path):
     return str(path)
 
 
+def seeded_at_import_module(tmp_path, dtype_policy=None):
+    """The regression module seeded once, when it is imported, not in its run_fn (and given
+    `dtype_policy` there): the model's initial weights come from the random state (and the
+    policy) the run finds, which the check must leave as they were."""
+    with open(fixtures.MODULE) as f:
+        source = f.read()
+    seeded = 'def _make_keras_model():\n    keras.utils.set_random_seed(0)\n'
+    assert seeded in source
+    at_import = "keras.utils.set_random_seed(0)\n" + (
+        f"keras.config.set_dtype_policy({dtype_policy!r})\n" if dtype_policy else "")
+    path = tmp_path / f"seeded_at_import_{dtype_policy}_module.py"
+    path.write_text(source.replace(seeded, 'def _make_keras_model():\n').replace(
+        'BATCH_SIZE = 32\n', 'BATCH_SIZE = 32\n' + at_import))
+    return str(path)
+
+
 def _properties(artifact):
     return (artifact.get_string_custom_property("exactness"),
             artifact.get_float_custom_property("exactness_max_delta"),
@@ -39,17 +55,21 @@ def _properties(artifact):
 
 
 def test_an_exact_run_fn_is_recorded_exact_and_trains_as_without_the_check(examples, tmp_path):
+    module = seeded_at_import_module(tmp_path, "float64")
     keras.backend.clear_session()       # each run starts from fresh Keras names
     outputs, seen, weights = fixtures.run_executor(tmp_path / "checked", examples, num_steps=3, accum_steps=4,
-                                                   effective_batch_size=32, verify_exactness="record")
+                                                   effective_batch_size=32, verify_exactness="record", module=module)
     keras.backend.clear_session()
     plain, _, unchecked = fixtures.run_executor(tmp_path / "plain", examples, num_steps=3, accum_steps=4,
-                                            effective_batch_size=32)
+                                                effective_batch_size=32, module=module)
+    keras.config.set_dtype_policy("float32")
     for artifact in (outputs["model"][0], outputs["model_run"][0]):
         verdict, delta, detail = _properties(artifact)
         assert verdict == "exact" and delta <= 1e-5 and "within its limit" in detail
     assert seen["iterations"] == 3 and seen["optimizer"] == "GradientAccumulator"
-    # The probe stopped at fit: the run that followed trained from the same start.
+    # The probe stopped at fit, and the random state and dtype policy it and the check
+    # touched were put back: the run that followed trained from the same start.
+    assert [w.dtype for w in weights] == [w.dtype for w in unchecked] == ["float64"] * len(weights)
     assert max(float(abs(a - b).max()) for a, b in zip(weights, unchecked)) == 0.0
     # ... and with the same layer names: the check's models are forgotten.
     assert _layer_names(outputs) == _layer_names(plain)
