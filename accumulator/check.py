@@ -516,21 +516,65 @@ def _compare(reference, floor_model, accumulated, initial, optimizer, tolerance,
 # ---------------------------------------------------------------- the arbiter
 @contextlib.contextmanager
 def float64_policy():
-    """Keras' global dtype policy and floatx set to float64 inside; both restored on leaving,
-    also on error.
+    """Keras' global dtype policy set to float64 inside; restored on leaving, also on error.
 
     A model that a `model_fn` builds inside (layers that do not fix their own dtype) has
-    float64 variables and computes in float64; a loss or optimizer made inside too. The
-    arbiter builds its models this way, and tests that judge by the arbiter use the
-    same context (Keras 3 only: a Keras 2 model does not read Keras 3's policy)."""
-    policy, floatx = keras.config.dtype_policy(), keras.config.floatx()
+    float64 variables and computes in float64. Keras' `floatx` stays as it was: set to
+    float64 it also makes Python integers int64 in Keras' ops, which breaks models that mix
+    them with int32 shapes (KerasHub's T5 among them); what `floatx` still decides, a loss's
+    dtype, `float64_loss` sets. The arbiter builds its models this way, and tests that
+    judge by the arbiter use the same context (Keras 3 only: a Keras 2 model does not read
+    Keras 3's policy)."""
+    policy = keras.config.dtype_policy()
     try:
-        keras.config.set_floatx("float64")
         keras.config.set_dtype_policy("float64")
         yield
     finally:
-        keras.config.set_floatx(floatx)
         keras.config.set_dtype_policy(policy)
+
+
+class _Float64Loss(keras.losses.Loss):
+    """A loss function (a name's, or the user's) as `compile` wraps it, computing in float64:
+    the one of predictions and targets with an extra last axis of 1 is squeezed first."""
+
+    def __init__(self, fn):
+        super().__init__(name=getattr(fn, "__name__", None), dtype="float64")
+        self.fn = fn
+
+    def call(self, y_true, y_pred):
+        if len(y_true.shape) == len(y_pred.shape) + 1 and y_true.shape[-1] == 1:
+            y_true = keras.ops.squeeze(y_true, -1)
+        elif len(y_pred.shape) == len(y_true.shape) + 1 and y_pred.shape[-1] == 1:
+            y_pred = keras.ops.squeeze(y_pred, -1)
+        return self.fn(y_true, y_pred)
+
+
+def float64_loss(loss):
+    """`loss` (what `compile` takes: a name, a function, a Keras `Loss`, or a dict or list
+    of them) as Keras `Loss` objects that compute in float64.
+
+    A Keras loss casts the predictions to its own dtype, `floatx` (float32) unless told
+    otherwise: left so, a float64 model's gradients would start from float32 rounding.
+    Raises ValueError naming the loss when it cannot be rebuilt in float64 (a `Loss`
+    subclass whose config or constructor takes no `dtype`)."""
+    def rebuilt(item):
+        if item is None:
+            return None
+        found = keras.losses.get(item) if isinstance(item, str) else item
+        if not isinstance(found, keras.losses.Loss):
+            if not callable(found):
+                raise ValueError(f"the loss {item!r} is not a name, a function or a keras.losses.Loss")
+            return _Float64Loss(found)
+        try:
+            copy = type(found).from_config({**found.get_config(), "dtype": "float64"})
+        except Exception as err:                      # noqa: BLE001 (any custom loss; said below)
+            raise ValueError(f"the loss {type(found).__name__} cannot be rebuilt from its config with "
+                             f"dtype=\"float64\" ({type(err).__name__}: {err})") from err
+        if str(copy.dtype) != "float64":
+            raise ValueError(f"the loss {type(found).__name__} computes in {copy.dtype} even when "
+                             "rebuilt with dtype=\"float64\"")
+        return copy
+    return tf.nest.map_structure(rebuilt, loss)
 
 
 def to_float64(structure):
@@ -576,8 +620,10 @@ def _not_float64(model):
         return f"model_fn returned {type(model).__name__} under the float64 policy, not a Keras model"
     variables = [f"{path} ({v.dtype})" for v, path in zip(model.weights, _paths(model))
                  if _floating(v.dtype) and str(v.dtype) != "float64"]
+    # An input layer keeps floatx: the first layer casts its (float32-exact) values to float64.
     layers = [f"{layer.name} ({layer.compute_dtype})" for layer in seam.flatten_layers(model)
-              if _floating(getattr(layer, "compute_dtype", "float64")) and str(layer.compute_dtype) != "float64"]
+              if not isinstance(layer, keras.layers.InputLayer)
+              and _floating(getattr(layer, "compute_dtype", "float64")) and str(layer.compute_dtype) != "float64"]
     if not variables and not layers:
         return None
     named = (variables + layers)[:3]
@@ -587,24 +633,6 @@ def _not_float64(model):
             "build the model in model_fn without a fixed dtype for the arbiter to run")
 
 
-def _loss_in_float64(loss):
-    """`loss` with every Keras `Loss` object rebuilt from its config under the float64 policy
-    (one made before keeps the float32 it was made with), and the losses still not float64."""
-    kept = []
-
-    def rebuilt(item):
-        if not isinstance(item, keras.losses.Loss):
-            return item
-        try:
-            item = type(item).from_config(item.get_config())
-        except Exception:                             # noqa: BLE001 (reported below, by its dtype)
-            pass
-        if str(getattr(item, "dtype", "float64")) != "float64":
-            kept.append(f"{type(item).__name__} ({item.dtype})")
-        return item
-    return tf.nest.map_structure(rebuilt, loss), kept
-
-
 def _float64_runs(model_fn, initial, new_optimizer, compile_kwargs, arrays, sizes, seed, accum_steps,
                   accumulator_options, progress):
     """([Keras' large batch, the accumulated run], None) trained in float64, or (None, why not)."""
@@ -612,10 +640,10 @@ def _float64_runs(model_fn, initial, new_optimizer, compile_kwargs, arrays, size
     large, batch_size = sizes
     runs = []
     with float64_policy():
-        loss, kept = _loss_in_float64(compile_kwargs["loss"])
-        if kept:
-            return None, (f"the loss computes in float32 ({', '.join(kept)}): it cannot be rebuilt from its "
-                          "config under the float64 policy; pass `loss=` as a name or a function")
+        try:
+            loss = float64_loss(compile_kwargs["loss"])
+        except ValueError as err:
+            return None, f"{err}: pass `loss=` as a name, a function or a Keras loss"
         for accumulate in (False, True):
             try:
                 model = model_fn()
