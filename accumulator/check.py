@@ -19,8 +19,15 @@ variables differ and of what kind: "dense", "rows" (an embedding table's
 per-sample lookups), "once-per-batch rows" (a lookup whose ids do not depend on
 the sample, such as a position table), "batch-norm statistics" (a plain
 `BatchNormalization`'s moving mean and variance, computed per micro-batch) or
-other non-trainable state; random layers (`Dropout`, `GaussianNoise`, ...) draw
-differently at another batch size by design, and are named.
+other non-trainable state; random layers (`Dropout`, `GaussianNoise`, ... with a
+rate above 0) draw differently at another batch size by design, and are named.
+
+4. Where a variable is over its limit, float32 cannot say which run is right: the
+   float64 arbiter trains (1) and (3) again in float64 and clears a variable whose
+   accumulated run is no farther from Keras' float64 large batch than Keras' own
+   float32 large batch is (`arbiter_factor` times, plus `ARBITER_SLACK`): the verdict
+   is then "exact-by-arbiter", which counts as exact. Where float64 cannot be had the
+   report says why.
 
 Command line: `python -m tfx_gradient_accumulator.accumulator.check module:function` (see `main`).
 """
