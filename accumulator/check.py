@@ -410,9 +410,9 @@ def _draws(model, layer):
         return ", ".join(positive)
     if rates:
         return None                                   # every rate it has is 0: it draws nothing
-    if getattr(layer, "seed_generator", None) is not None or any(
-            isinstance(value, keras.random.SeedGenerator) for key, value in vars(layer).items()
-            if not key.startswith("_")):
+    generator = getattr(getattr(keras, "random", None), "SeedGenerator", None)     # Keras 3 only
+    if getattr(layer, "seed_generator", None) is not None or generator is not None and any(
+            isinstance(value, generator) for key, value in vars(layer).items() if not key.startswith("_")):
         return "owns a SeedGenerator and no rate the check can read: counted as random to be safe"
     return None
 
