@@ -69,7 +69,7 @@ ARBITER_CHOICES = ("auto", True, False)
 KINDS = ("dense", "rows", "once-per-batch rows", "dense + rows", "dense + once-per-batch rows", "maximum",
          "batch-norm statistics", "non-trainable state")
 # What makes a layer draw: a rate above 0 under one of these names (`stddev`: GaussianNoise only),
-# or being an augmentation layer (any class named Random..., and these).
+# or being an augmentation layer (Keras' preprocessing classes named Random..., and these).
 _RATE_NAMES = ("rate", "dropout", "recurrent_dropout", "attention_dropout", "dropout_rate")
 _AUGMENTATION_NAMES = ("RandAugment", "AugMix", "CutMix", "MixUp")
 
@@ -399,8 +399,8 @@ def _random_layers(model):
 
 def _draws(model, layer):
     """Why `layer` draws random numbers in training (a few words), or None when it does not."""
-    names = [c.__name__ for c in type(layer).__mro__]
-    if any(n.startswith("Random") or n in _AUGMENTATION_NAMES for n in names):
+    if any(c.__name__ in _AUGMENTATION_NAMES or c.__name__.startswith("Random") and
+           "preprocessing" in c.__module__ for c in type(layer).__mro__):
         return "random augmentation, active in training"
     noise = _package_layer(model, "GaussianNoise")
     keys = _RATE_NAMES + (("stddev",) if noise is not None and isinstance(layer, noise) else ())
