@@ -532,12 +532,12 @@ def float64_policy():
     dtype, `float64_loss` sets. The arbiter builds its models this way, and tests that
     judge by the arbiter use the same context (Keras 3 only: a Keras 2 model does not read
     Keras 3's policy)."""
-    policy = keras.config.dtype_policy()
+    policy = keras.mixed_precision.global_policy()           # (keras.config's names came after 3.0)
     try:
-        keras.config.set_dtype_policy("float64")
+        keras.mixed_precision.set_global_policy("float64")
         yield
     finally:
-        keras.config.set_dtype_policy(policy)
+        keras.mixed_precision.set_global_policy(policy)
 
 
 class _Float64Loss(keras.losses.Loss):

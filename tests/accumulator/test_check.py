@@ -218,6 +218,34 @@ def test_a_layer_is_random_only_when_it_draws(layer, random):
         assert "no rate the check can read" in found[0]
 
 
+class _Idle(keras.layers.Layer):
+    """A custom layer that owns a seed generator it never uses, and shows no rate."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.generator = keras.random.SeedGenerator(1)
+
+    def call(self, x):
+        return x
+
+
+def test_an_unknown_layer_with_a_seed_generator_is_counted_as_random_and_the_report_says_why():
+    """Conservative: the floor is not used; but its weights match, so no cause claims they cannot."""
+    report = check_exact(lambda: _mlp([_Idle()]), _regression(), _adam, 4, batch_size=8, loss="mse", verbose=False)
+    assert report.exact, str(report)
+    assert len(report.random_layers) == 1 and "no rate the check can read" in report.random_layers[0]
+    assert "(random layers)" in report.rule and report.causes == []
+    assert "random layers (they draw in training): " in str(report) and "cannot match" not in str(report)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_a_keras_hub_layer_is_random_by_its_dropout(dropout):
+    keras_hub = pytest.importorskip("keras_hub", reason="KerasHub is installed only in .venv-tf-latest")
+    encoder = keras_hub.layers.TransformerEncoder(intermediate_dim=8, num_heads=2, dropout=dropout)
+    found = check._random_layers(keras.Sequential([keras.Input((5, 4)), encoder]))
+    assert found == ([f"{encoder.name} (TransformerEncoder: dropout=0.1)"] if dropout else []), found
+
+
 def test_a_random_augmentation_layer_is_random():
     model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.RandomFlip(), keras.layers.Flatten()])
     assert [name for name in check._random_layers(model) if "RandomFlip" in name]
