@@ -24,9 +24,9 @@ rate above 0) draw differently at another batch size by design, and are named.
 
 4. Where a variable is over its limit, float32 cannot say which run is right: the
    float64 arbiter trains (1) and (3) again in float64 and clears a variable whose
-   accumulated run is no farther from Keras' float64 large batch than Keras' own
-   float32 large batch is (`arbiter_factor` times, plus `ARBITER_SLACK`): the verdict
-   is then "exact-by-arbiter", which counts as exact. Where float64 cannot be had the
+   accumulated run lands within `arbiter_factor` times Keras' own float32 distance
+   from Keras' float64 large batch (plus `ARBITER_SLACK`): when all are cleared the
+   verdict is "exact-by-arbiter", which counts as exact. Where float64 cannot be had the
    report says why.
 
 Command line: `python -m tfx_gradient_accumulator.accumulator.check module:function` (see `main`).
@@ -87,8 +87,8 @@ class VariableDelta:
     exact arithmetic), `accumulated_to_float64` = the same for the float32 accumulated
     run, `float64_delta` = the float64 accumulated run from the float64 large batch
     (~1e-12 where accumulation is exact in exact arithmetic), and `cleared` = over its
-    limit, but no farther from float64 than Keras' own float32 is (the arbiter's rule);
-    None where the arbiter did not run."""
+    limit, but within the arbiter's rule (`as_close_as_keras`, and `float64_delta` within
+    the tolerance); None where the arbiter did not run."""
 
     path: str
     kind: str
@@ -114,8 +114,9 @@ class ExactnessReport:
 
     Attributes:
         exact: True when every variable's delta is within its limit, or when the float64
-            arbiter ran and found each variable over its limit no farther from exact
-            arithmetic than Keras' own float32 large batch is (verdict "exact-by-arbiter").
+            arbiter ran and cleared each variable over its limit: about as far from exact
+            arithmetic as Keras' own float32 large batch, by its rule (verdict
+            "exact-by-arbiter").
         verdict: "exact" (every variable within its limit), "exact-by-arbiter" (some are
             not, and the arbiter cleared them: they differ from Keras' rounding, not from
             what Keras computes) or "differs".
@@ -199,8 +200,8 @@ class ExactnessReport:
         elif self.verdict == "exact-by-arbiter":
             cleared = [v for v in self.variables if v.cleared]
             lines.append(f"verdict: EXACT BY ARBITER ({len(cleared)} of {len(self.variables)} variables over "
-                         "their limit differ from Keras' float32 rounding, but are as close to exact "
-                         "arithmetic as Keras is)")
+                         "their limit: they differ from Keras' float32 rounding, but are as close to exact "
+                         "arithmetic as Keras is, by the arbiter's rule)")
         else:
             named = ", ".join(f"{v.path} ({v.kind})" for v in self.differing)
             lines.append(f"verdict: DIFFERS: {len(self.differing)} of {len(self.variables)} variables: {named}")
@@ -698,10 +699,10 @@ def _judge(variables, indices, reference, accumulated, float64_runs, factor, tol
         top = max(cleared, key=lambda v: v.accumulated_to_float64)
         return judged, "as close as Keras", (
             f"differs from Keras' rounding, but as close to exact arithmetic as Keras is: {len(cleared)} "
-            f"variable(s) over their limit land no farther from the float64 large batch than Keras' own "
-            f"float32 does (largest: {top.path} {top.accumulated_to_float64:.2e} against Keras' "
-            f"{top.keras_to_float64:.2e}); in float64 the accumulated run lands {worst64:.2e} from Keras' "
-            f"large batch ({rule})")
+            f"variable(s) over their limit land within {factor:g} x Keras' own float32 distance from the "
+            f"float64 large batch, + {ARBITER_SLACK:g} (farthest: {top.path} {top.accumulated_to_float64:.2e}, "
+            f"Keras' {top.keras_to_float64:.2e}); in float64 the accumulated run lands {worst64:.2e} from "
+            f"Keras' large batch ({rule})")
     named = []
     for v in real[:3]:
         if v.float64_delta > tolerance:
@@ -757,9 +758,10 @@ def check_exact(model_fn: Callable[[], Any], data, optimizer_fn: Optional[Callab
     right: the float64 arbiter trains Keras' large batch and the accumulator again in
     float64 (`model_fn` called under `float64_policy`, the first model's initial
     weights and the floating data cast to float64) and weighs both float32 runs against
-    Keras' float64 large batch. A variable the accumulator lands no farther from exact
-    arithmetic than Keras' own float32 does is cleared: it differs from Keras' rounding,
-    not from what Keras computes, and the verdict is "exact-by-arbiter".
+    Keras' float64 large batch. A variable whose accumulated run lands within
+    `arbiter_factor` times Keras' own float32 distance from it (plus `ARBITER_SLACK`) is
+    cleared: it differs from Keras' rounding, not from what Keras computes, and when
+    every variable over its limit is cleared the verdict is "exact-by-arbiter".
 
     Args:
         model_fn: a function returning a fresh Keras model (Keras 3, or a `tf_keras`

@@ -83,7 +83,7 @@ def _float64_large_batch(make, x, y, optimizer, eager):
 
 def assert_like_keras_large_batch(make, x, y, optimizer_name, eager=False):
     """Each variable within 1e-5 of Keras' own large batch, or within its noise floor there,
-    or, by the float64 arbiter, no farther from exact arithmetic than Keras' own float32.
+    or, by the float64 arbiter, within twice Keras' own float32 distance from exact arithmetic.
 
     The floor (measured only where some variable is over 1e-5): twice the larger spread of
     that variable between Keras' large batch and the same batches with their samples in two
