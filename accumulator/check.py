@@ -642,7 +642,7 @@ def _not_float64(model):
 
 
 def _float64_runs(model_fn, initial, new_optimizer, compile_kwargs, arrays, sizes, seed, accum_steps,
-                  accumulator_options, progress):
+                  accumulator_options, progress, earlier=()):
     """([Keras' large batch, the accumulated run], None) trained in float64, or (None, why not)."""
     initial64, arrays64 = [to_float64(w) for w in initial], to_float64(arrays)
     large, batch_size = sizes
@@ -655,6 +655,9 @@ def _float64_runs(model_fn, initial, new_optimizer, compile_kwargs, arrays, size
         for accumulate in (False, True):
             try:
                 model = model_fn()
+                if any(model is seen for seen in earlier):
+                    return None, ("model_fn returned a model it had returned before, not a fresh one: "
+                                  "a model built once in float32 cannot be rebuilt in float64")
                 if _is_model(model) and not model.weights:
                     model(_take(arrays64[0], slice(0, batch_size)))
                 why = _not_float64(model)
@@ -731,7 +734,7 @@ def _arbitrate(arbiter, factor, tolerance, variables, indices, rule, random_laye
     runs = None
     if why is None:
         runs, why = _float64_runs(model_fn, initial, new_optimizer, compile_kwargs, arrays, sizes, seed,
-                                  accum_steps, accumulator_options, progress)
+                                  accum_steps, accumulator_options, progress, (first, reference, accumulated))
     if runs is None:
         return variables, "unavailable", f"float64 cannot be had for this model: {why}", rule
     variables, finding, why = _judge(variables, indices, reference, accumulated, runs, factor, tolerance)

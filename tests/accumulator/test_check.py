@@ -318,9 +318,20 @@ def _mixed_mlp():
                              keras.layers.Dense(1, dtype="float32")])
 
 
+_ONE_MODEL = []
+
+
+def _the_same_model():
+    """A model_fn that builds once and returns that model at every call."""
+    if not _ONE_MODEL:
+        _ONE_MODEL.append(_mlp())
+    return _ONE_MODEL[0]
+
+
 @pytest.mark.parametrize("model_fn, words", [
     (_fixed_float32_mlp, "fix their dtype"),
     (_mixed_mlp, "mixed precision"),
+    (_the_same_model, "not a fresh one"),
 ])
 def test_where_float64_cannot_be_had_the_report_says_why(model_fn, words):
     report = check_exact(model_fn, _regression(), _adam, 4, batch_size=8, loss="mse", arbiter=True, verbose=False)
