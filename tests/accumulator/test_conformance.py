@@ -9,13 +9,13 @@ image tower) through `GradientCache` against Keras' own large batch. Exact: max 
 1e-5, or, where Keras' own rounding is above that, no more than a noise floor measured
 in the same test: Keras' large batch again with the samples permuted inside each batch
 (the same training in exact arithmetic); else, by the float64 arbiter of `check_exact`
-(`check.float64_policy`, `check.float64_loss`, `check.as_close_as_keras`): Keras' large batch again in float64
-from the same initial weights, and each variable over both limits no farther from it
-than twice Keras' own float32 large batch is. T5 with AdamW is why: on one machine its
-first key projector landed 1.52e-5 from Keras' float32 large batch, 4.4x Keras' spread;
-in float64, Keras' own float32 large batch is itself 1.52e-5 from exact arithmetic there,
-and the accumulated run 1.48e-5.
-Dropout rates are 0 (their draws differ by design). Controls show the comparisons can fail.
+(`check.float64_policy`, `check.float64_loss`, `check.as_close_as_keras`): Keras' large
+batch again in float64 from the same initial weights, and each variable over both limits
+no farther from it than twice Keras' own float32 large batch is (+ 1e-7). T5 with AdamW
+is why: on one machine its first key projector landed 1.52e-5 from Keras' float32 large
+batch, 4.4x Keras' spread; in float64, Keras' own float32 large batch is itself 1.52e-5
+from exact arithmetic there, and the accumulated run 1.48e-5. Dropout rates are 0 (their
+draws differ by design). Controls show the comparisons can fail.
 
 KerasHub is a test dependency of one environment (.venv-tf-latest,
 constraints/tf-latest-conformance.txt); elsewhere this file is skipped.
