@@ -725,8 +725,8 @@ def _arbitrate(arbiter, factor, tolerance, variables, indices, rule, random_laye
     if not (arbiter is True or (arbiter == "auto" and over and not random_layers)):
         if arbiter == "auto" and over:
             return variables, "not run", (
-                "not run: the random layers' draws differ between the large batch and its micro-batches by "
-                "design, in float64 too (arbiter=True runs it anyway)"), rule
+                "the random layers' draws differ between the large batch and its micro-batches by design, "
+                "in float64 too (arbiter=True runs it anyway)"), rule
         return variables, "not run", "", rule
     progress.total = 5
     model_fn, new_optimizer, compile_kwargs, arrays, sizes, seed, accum_steps, accumulator_options = training
