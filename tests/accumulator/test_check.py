@@ -17,10 +17,11 @@ import pytest
 import tensorflow as tf
 
 from tfx_gradient_accumulator import accumulator
-from tfx_gradient_accumulator.accumulator import lookups
+from tfx_gradient_accumulator.accumulator import check, lookups
 from tfx_gradient_accumulator.accumulator.check import ExactnessReport, check_exact, load_target, main
 
 from tests.accumulator import test_lookups as lookup_models
+from tests.accumulator.test_lookups import TokenAndPositionEmbedding
 
 ROOT = Path(__file__).resolve().parents[2]
 FEATURES = 6
@@ -88,6 +89,12 @@ def test_token_and_position_embedding_is_exact_and_differs_with_merged_rows():
     assert not merged.exact and merged.verdict == "differs"
     tokens = next(v for v in merged.variables if v.path.endswith("embeddings") and v.differs)
     assert tokens.kind == "rows" and tokens.delta > 100 * tokens.limit
+    # The arbiter ran by itself (a variable over its limit) and calls it real: in float64 too
+    # the merged rows land far from Keras' large batch; the exact check needed no arbiter.
+    assert exact.arbiter == "not run" and merged.arbiter == "real difference", str(merged)
+    assert tokens.float64_delta > 100 * tokens.limit and not tokens.cleared
+    assert tokens.accumulated_to_float64 > check.DEFAULT_ARBITER_FACTOR * tokens.keras_to_float64
+    assert "REAL DIFFERENCE" in str(merged)
     assert "rows" in merged.kinds
     assert any("merge_duplicate_rows=True sums" in cause for cause in merged.causes)
     assert "DIFFERS" in str(merged) and tokens.path in str(merged)
@@ -140,6 +147,225 @@ def test_dropout_differs_by_design_and_a_zero_rate_is_exact():
     assert off.exact and off.random_layers == [], str(off)
 
 
+# ------------------------------------------------------------- random layers
+def _users_text_model(attention_dropout=0.0):
+    """A text model as a new user writes it: keras.io's token + position embeddings, a
+    bidirectional GRU, self-attention, a residual LayerNormalization; AdamW with a schedule
+    and clipnorm. The GRU and MultiHeadAttention own seed generators at every rate."""
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((lookup_models.MAXLEN,), dtype="int32")
+    hidden = TokenAndPositionEmbedding(lookup_models.MAXLEN, lookup_models.VOCAB, 8)(inputs)
+    hidden = keras.layers.Bidirectional(keras.layers.GRU(4, return_sequences=True))(hidden)
+    attended = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, dropout=attention_dropout)(hidden, hidden)
+    hidden = keras.layers.LayerNormalization()(keras.layers.Add()([hidden, attended]))
+    model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(hidden)))
+    schedule = keras.optimizers.schedules.ExponentialDecay(1e-2, decay_steps=2, decay_rate=0.8)
+    model.compile(optimizer=keras.optimizers.AdamW(schedule, weight_decay=0.01, clipnorm=1.0), loss="mse")
+    return model
+
+
+def test_a_users_text_model_with_rates_at_0_is_exact_and_keeps_its_floor():
+    report = check_exact(_users_text_model, lookup_models.text_data(96), None, 4, batch_size=8, verbose=False)
+    assert report.exact and report.verdict == "exact", str(report)
+    assert report.random_layers == [] and "random layers" not in str(report)
+    assert "x floor" in report.rule and report.causes == []
+    assert report.settings["optimizer"] == "AdamW"
+    assert sum(v.moved > 1e-3 for v in report.variables) > len(report.variables) // 2
+
+
+def test_attention_dropout_is_named_alone_when_it_explains_the_difference():
+    report = check_exact(lambda: _users_text_model(attention_dropout=0.1), lookup_models.text_data(96), None, 4,
+                         batch_size=8, verbose=False)
+    assert not report.exact and report.verdict == "differs"
+    assert len(report.random_layers) == 1, report.random_layers      # its inner Dropout is not named again
+    assert "MultiHeadAttention" in report.random_layers[0] and "dropout=0.1" in report.random_layers[0]
+    assert len(report.causes) == 1 and "random layers" in report.causes[0]
+    assert not any("Embedding rows" in cause for cause in report.causes)
+    assert "(random layers)" in report.rule
+    # The arbiter cannot clear draws: "auto" says why it did not run.
+    assert report.arbiter == "not run" and "random layers" in report.arbiter_reason
+
+
+class _Jitter(keras.layers.Layer):
+    """A custom layer that draws with a seed generator and shows no rate."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.generator = keras.random.SeedGenerator(1)
+
+    def call(self, x, training=False):
+        return x + keras.random.normal(keras.ops.shape(x), stddev=0.01, seed=self.generator) if training else x
+
+
+@pytest.mark.parametrize("layer, random", [
+    (keras.layers.GRU(3, return_sequences=True), False),
+    (keras.layers.GRU(3, return_sequences=True, recurrent_dropout=0.2), True),
+    (keras.layers.Bidirectional(keras.layers.LSTM(3, return_sequences=True, dropout=0.1)), True),
+    (keras.layers.SimpleRNN(3, return_sequences=True), False),
+    (keras.layers.Dropout(0.0), False),
+    (keras.layers.SpatialDropout1D(0.2), True),
+    (keras.layers.GaussianNoise(0.0), False),
+    (keras.layers.GaussianNoise(0.1), True),
+    (keras.layers.GaussianDropout(0.1), True),
+    (keras.layers.AlphaDropout(0.1), True),
+    (_Jitter(), True),
+])
+def test_a_layer_is_random_only_when_it_draws(layer, random):
+    model = keras.Sequential([keras.Input((5, 3)), layer])
+    found = check._random_layers(model)
+    assert bool(found) == random, found
+    if isinstance(layer, _Jitter):
+        assert "no rate the check can read" in found[0]
+
+
+class _Idle(keras.layers.Layer):
+    """A custom layer that owns a seed generator it never uses, and shows no rate."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.generator = keras.random.SeedGenerator(1)
+
+    def call(self, x):
+        return x
+
+
+def test_an_unknown_layer_with_a_seed_generator_is_counted_as_random_and_the_report_says_why():
+    """Conservative: the floor is not used; but its weights match, so no cause claims they cannot."""
+    report = check_exact(lambda: _mlp([_Idle()]), _regression(), _adam, 4, batch_size=8, loss="mse", verbose=False)
+    assert report.exact, str(report)
+    assert len(report.random_layers) == 1 and "no rate the check can read" in report.random_layers[0]
+    assert "(random layers)" in report.rule and report.causes == []
+    assert "random layers (they draw in training): " in str(report) and "cannot match" not in str(report)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_a_keras_hub_layer_is_random_by_its_dropout(dropout):
+    keras_hub = pytest.importorskip("keras_hub", reason="KerasHub is installed only in .venv-tf-latest")
+    encoder = keras_hub.layers.TransformerEncoder(intermediate_dim=8, num_heads=2, dropout=dropout)
+    found = check._random_layers(keras.Sequential([keras.Input((5, 4)), encoder]))
+    assert found == ([f"{encoder.name} (TransformerEncoder: dropout=0.1)"] if dropout else []), found
+
+
+def test_a_random_augmentation_layer_is_random():
+    model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.RandomFlip(), keras.layers.Flatten()])
+    assert [name for name in check._random_layers(model) if "RandomFlip" in name]
+
+
+# ------------------------------------------------------------ the float64 arbiter
+def _shift_the_accumulated_float32_run(monkeypatch, shift):
+    """Adds `shift` to the first kernel of every float32 accumulated run: a difference of
+    known size, where Keras' own rounding on this MLP is ~1e-8."""
+    train = check._train
+
+    def shifted(model_fn, initial, optimizer, *args, **kwargs):
+        model = train(model_fn, initial, optimizer, *args, **kwargs)
+        if isinstance(optimizer, check.GradientAccumulator) and model.weights[0].dtype == "float32":
+            weights = model.get_weights()
+            weights[0] = weights[0] + np.float32(shift)
+            model.set_weights(weights)
+        return model
+    monkeypatch.setattr(check, "_train", shifted)
+
+
+@pytest.mark.parametrize("shift, exact", [(1e-7, True), (1e-4, False)])
+def test_the_arbiter_clears_rounding_and_keeps_a_real_difference(monkeypatch, shift, exact):
+    """With the tolerance far below float32 (1e-12) and the floor taken once, a shift of about
+    a float32 step (1e-7) puts the kernel over its limit: the arbiter finds it about as close
+    to float64 as Keras' own float32 (cleared, factor 4). 1e-4 is far beyond Keras' rounding:
+    real."""
+    _shift_the_accumulated_float32_run(monkeypatch, shift)
+    common = dict(accum_steps=4, batch_size=8, loss="mse", tolerance=1e-12, floor_factor=1.0, arbiter_factor=4,
+                  verbose=False)
+    report = check_exact(_mlp, _regression(), _adam, **common)
+    kernel = report.variables[0]
+    assert kernel.over_limit and kernel.keras_to_float64 is not None
+    assert kernel.float64_delta < 1e-12                       # accumulation is exact in float64
+    assert keras.config.dtype_policy().name == "float32"      # the policy is restored
+    if exact:
+        assert report.exact and report.verdict == "exact-by-arbiter", str(report)
+        assert kernel.cleared and not kernel.differs and report.differing == []
+        assert report.arbiter == "as close as Keras" and "EXACT BY ARBITER" in str(report)
+        assert kernel.accumulated_to_float64 <= 4 * kernel.keras_to_float64 + check.ARBITER_SLACK
+        # Control: the float32 verdict alone calls the same runs different.
+        alone = check_exact(_mlp, _regression(), _adam, arbiter=False, **common)
+        assert not alone.exact and alone.arbiter == "not run" and alone.variables[0].cleared is None
+    else:
+        assert not report.exact and report.verdict == "differs" and report.arbiter == "real difference"
+        assert kernel.differs and not kernel.cleared
+        assert kernel.accumulated_to_float64 > 1000 * kernel.keras_to_float64
+        assert "REAL DIFFERENCE" in str(report) and kernel.path in report.arbiter_reason
+
+
+def test_a_coupled_loss_without_gradient_cache_is_a_real_difference():
+    """A loss that compares each sample with the batch's mean prediction: a micro-batch's
+    mean is not the large batch's, in float64 as in float32."""
+    def coupled(y_true, y_pred):
+        return keras.ops.mean(keras.ops.square(y_pred - keras.ops.mean(y_pred) - y_true))
+
+    report = check_exact(_mlp, _regression(), _adam, 4, batch_size=8, loss=coupled, verbose=False)
+    assert not report.exact and report.arbiter == "real difference", str(report)
+    assert all(v.float64_delta > 1e-5 for v in report.differing)
+    assert any("couples the samples" in cause for cause in report.causes)
+
+
+def _fixed_float32_mlp():
+    return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(1, dtype="float32")])
+
+
+def _mixed_mlp():
+    return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(8, dtype="mixed_bfloat16"),
+                             keras.layers.Dense(1, dtype="float32")])
+
+
+_ONE_MODEL = []
+
+
+def _the_same_model():
+    """A model_fn that builds once and returns that model at every call."""
+    if not _ONE_MODEL:
+        _ONE_MODEL.append(_mlp())
+    return _ONE_MODEL[0]
+
+
+@pytest.mark.parametrize("model_fn, words", [
+    (_fixed_float32_mlp, "fix their dtype"),
+    (_mixed_mlp, "mixed precision"),
+    (_the_same_model, "not a fresh one"),
+])
+def test_where_float64_cannot_be_had_the_report_says_why(model_fn, words):
+    report = check_exact(model_fn, _regression(), _adam, 4, batch_size=8, loss="mse", arbiter=True, verbose=False)
+    assert report.arbiter == "unavailable" and words in report.arbiter_reason, str(report)
+    assert "float64 cannot be had" in str(report)
+    assert all(v.cleared is None for v in report.variables)
+    assert keras.config.dtype_policy().name == "float32"
+
+
+def test_the_float64_policy_is_restored_on_error():
+    with pytest.raises(RuntimeError):
+        with check.float64_policy():
+            assert keras.layers.Dense(2).dtype_policy.name == "float64"
+            raise RuntimeError("inside")
+    assert keras.config.dtype_policy().name == "float32" and keras.config.floatx() == "float32"
+
+
+def test_float64_loss_computes_in_float64_and_refuses_what_it_cannot_rebuild():
+    for loss in ("mse", keras.losses.MeanSquaredError(reduction="sum"), lambda t, p: keras.ops.abs(t - p)):
+        rebuilt = check.float64_loss(loss)
+        assert rebuilt.dtype == "float64"
+        assert float(rebuilt(np.ones((2, 1)), np.zeros((2, 1)))) > 0
+
+    class Fixed(keras.losses.Loss):
+        def __init__(self):
+            super().__init__(dtype="float32")
+
+        def call(self, y_true, y_pred):
+            return keras.ops.square(y_true - y_pred)
+
+    with pytest.raises(ValueError, match="cannot be rebuilt"):
+        check.float64_loss(Fixed())
+
+
 # ------------------------------------------------------------- bad input
 def _never_called():
     raise AssertionError("model_fn was called: the arguments should have been refused first")
@@ -153,6 +379,9 @@ def _never_called():
     (dict(tolerance=0), ValueError, "`tolerance` must be a positive number"),
     (dict(batch_size=32), ValueError, "the check needs `updates` x `accum_steps` x `batch_size`"),
     (dict(data=[1, 2, 3, 4]), ValueError, "`data` must be (x, y)"),
+    (dict(arbiter="yes"), ValueError, "`arbiter` must be \"auto\""),
+    (dict(arbiter=1), ValueError, "`arbiter` must be \"auto\""),
+    (dict(arbiter_factor=0.5), ValueError, "`arbiter_factor` must be a finite number >= 1"),
 ])
 def test_bad_arguments_are_refused_before_any_training(kwargs, error, words):
     arguments = dict(model_fn=_never_called, data=_regression(), optimizer_fn=_adam, accum_steps=4,
@@ -184,6 +413,13 @@ def test_the_command_line_exits_0_on_an_exact_setup(capsys):
     assert main(["tests.accumulator.test_check:exact_setup", "--accum_steps", "2", "--batch_size", "16",
                  "--quiet"]) == 0
     assert "verdict: EXACT" in capsys.readouterr().out
+
+
+def test_the_command_line_runs_the_arbiter_when_asked(capsys):
+    assert main(["tests.accumulator.test_check:exact_setup", "--accum_steps", "2", "--batch_size", "16",
+                 "--arbiter", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "arbiter: AS CLOSE AS KERAS" in out and "f64 accum" in out
 
 
 def test_the_command_line_exits_1_on_an_inexact_setup_in_its_own_process():

@@ -2,7 +2,7 @@
 
 Run in the Keras 2 environments (TF 2.15, and tf_keras with TF_USE_LEGACY_KERAS=1).
 One check (three tiny `fit` runs): an embedding model with Adam is exact, and its
-table is reported as rows. Keras 2 sums an id's repeated rows itself, so the
+table is reported as rows; the float64 arbiter, asked for, says why it cannot run. Keras 2 sums an id's repeated rows itself, so the
 window's rows and Keras' large batch agree either way.
 """
 
@@ -33,8 +33,12 @@ def test_a_keras2_embedding_model_is_exact_and_its_table_is_rows():
                               k2.layers.GlobalAveragePooling1D(), k2.layers.Dense(1)])
 
     report = check_exact(model_fn, (x, y), lambda: k2.optimizers.Adam(1e-2), 4, batch_size=8, updates=2,
-                         loss="mse", verbose=False)
+                         loss="mse", arbiter=True, verbose=False)
     assert report.exact, str(report)
+    # The float64 arbiter reads Keras 3's dtype policy: for a Keras 2 model it says so, and
+    # the float32 verdict stands.
+    assert report.arbiter == "unavailable" and "a Keras 2 model" in report.arbiter_reason
+    assert "float64 cannot be had" in str(report)
     assert report.settings["keras"].startswith("2.")
     assert [v.kind for v in report.variables] == ["rows", "dense", "dense"]
     assert min(v.moved for v in report.variables) > 1e-3
