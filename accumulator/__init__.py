@@ -18,6 +18,10 @@ two Keras 3 multi-worker fixes), unless the environment variable
 ACCUMULATOR_KERAS_HOOKS=0 is set; `accumulator.hooks.uninstall()` removes them.
 """
 
+if __name__ != "tfx_gradient_accumulator.accumulator":   # `import accumulator` from a checkout's root: a second copy
+    raise ImportError(f"`import {__name__}` would load the library a second time under another name; "
+                      "import tfx_gradient_accumulator.accumulator instead.")
+
 from tfx_gradient_accumulator.accumulator import hooks, seam
 from tfx_gradient_accumulator.accumulator import noise_scale  # noqa: F401  (accumulator.noise_scale.* after `import accumulator`)
 from tfx_gradient_accumulator.accumulator.distribute import strategy_from_environment

@@ -232,3 +232,15 @@ def test_the_library_imported_from_the_checkout_root_is_one_copy():
         top = ".".join(name.split(".")[:2])
         if top in expected:
             assert where.is_relative_to(expected[top]), (name, where, expected[top])
+
+
+@pytest.mark.parametrize("folder", INSTALLED)
+def test_a_folder_imported_by_its_own_name_is_refused(folder):
+    """From a checkout's root `import accumulator` would find the folder itself: a second
+    copy of the library (other classes, hooks installed twice). It is refused, naming
+    the import to use."""
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
+    out = subprocess.run([sys.executable, "-c", f"import {folder}"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert f"import tfx_gradient_accumulator.{folder} instead" in out.stderr
