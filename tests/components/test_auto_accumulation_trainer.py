@@ -21,11 +21,6 @@ AUTO = dict(accum_steps_auto=1, effective_batch_size=2, max_effective_batch_size
 KERAS2_MODULE = os.path.join(fixtures.TESTDATA, "keras2_regression_module.py")
 
 
-@pytest.fixture(scope="module")
-def examples(tmp_path_factory):
-    return fixtures.write_examples(str(tmp_path_factory.mktemp("examples")))
-
-
 def _max_diff(a, b):
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 

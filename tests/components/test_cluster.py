@@ -15,14 +15,9 @@ import numpy as np
 import pytest
 
 from tests.accumulator.reference import max_abs_diff
-from tests.components import fixtures, replicas
+from tests.components import fixtures, local_cluster
 
 STEPS, ACCUM, EFFECTIVE = 6, 4, 32      # 2 replicas x micro-batch 4 x 4 = the stock run's batch 32
-
-
-@pytest.fixture(scope="module")
-def examples(tmp_path_factory):
-    return fixtures.write_examples(str(tmp_path_factory.mktemp("examples")))
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +44,7 @@ def _model_dir_entries(outputs):
 def test_two_processes_train_like_the_large_batch_and_only_the_chief_exports_and_records(examples, stock, tmp_path):
     inputs, outputs, properties = fixtures.executor_arguments(
         tmp_path / "run", examples, num_steps=STEPS, accum_steps=ACCUM, effective_batch_size=EFFECTIVE)
-    results = replicas.run(replicas.container_command(inputs, outputs, properties), 2, tmp_path / "tmp")
+    results = local_cluster.run(local_cluster.container_command(inputs, outputs, properties), 2, tmp_path / "tmp")
     assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
 
     seen, weights = fixtures.read_run(outputs["model_run"][0].uri)     # the chief's run_fn wrote these
@@ -62,16 +57,16 @@ def test_two_processes_train_like_the_large_batch_and_only_the_chief_exports_and
     assert _model_dir_entries(outputs) == ["Format-Serving"]
     assert np.abs(_predictions(outputs) - stock_predictions).max() <= 1e-5     # the exported model itself
 
-    chief, worker = (replicas.published(out) for _, out, _ in results)
-    recorded = replicas.custom_properties(chief["model"][0])
+    chief, worker = (local_cluster.published(out) for _, out, _ in results)
+    recorded = local_cluster.custom_properties(chief["model"][0])
     assert {k: recorded[k] for k in ("replicas", "workers", "accum_steps", "micro_batch_size",
                                      "effective_batch_size", "optimizer_updates")} == {
         "replicas": 2, "workers": 2, "accum_steps": ACCUM, "micro_batch_size": 8,
         "effective_batch_size": EFFECTIVE, "optimizer_updates": STEPS}
     assert recorded["effective_batch_size"] == recorded["replicas"] * 4 * recorded["accum_steps"]
     assert recorded["distribution_strategy"] == "CollectiveAllReduceStrategy"
-    assert replicas.custom_properties(chief["model_run"][0]) == recorded
-    assert replicas.custom_properties(worker["model"][0]) == {}                  # the worker records nothing
+    assert local_cluster.custom_properties(chief["model_run"][0]) == recorded
+    assert local_cluster.custom_properties(worker["model"][0]) == {}                  # the worker records nothing
     summaries = glob.glob(os.path.join(outputs["model_run"][0].uri, "accumulation", "events.out.tfevents.*"))
     assert len(summaries) == 1                                           # TensorBoard: once
     assert os.listdir(tmp_path / "tmp" / "replica1") == []              # the worker's exports are gone
@@ -104,7 +99,7 @@ def test_a_run_fn_that_makes_its_own_mirrored_strategy_trains_on_two_processes(e
     inputs, outputs, properties = fixtures.executor_arguments(
         tmp_path / "run", examples, num_steps=STEPS, accum_steps=ACCUM, effective_batch_size=EFFECTIVE,
         custom_config={"own_strategy": "mirrored"})
-    results = replicas.run(replicas.container_command(inputs, outputs, properties), 2, tmp_path / "tmp")
+    results = local_cluster.run(local_cluster.container_command(inputs, outputs, properties), 2, tmp_path / "tmp")
     assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
     seen, weights = fixtures.read_run(outputs["model_run"][0].uri)
     assert (seen["own_strategy"], seen["own_strategy_replicas"], seen["iterations"]) == (
@@ -122,12 +117,12 @@ def test_the_demo_module_trains_on_two_processes_and_the_chief_exports_it(tmp_pa
     inputs, outputs, properties = fixtures.executor_arguments(
         tmp_path / "run", examples, num_steps=20, module=digits_module.__file__.replace(".pyc", ".py"),
         accum_steps=2, effective_batch_size=32)
-    results = replicas.run(replicas.container_command(inputs, outputs, properties), 2, tmp_path / "tmp")
+    results = local_cluster.run(local_cluster.container_command(inputs, outputs, properties), 2, tmp_path / "tmp")
     assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
     assert _model_dir_entries(outputs) == ["Format-Serving"]
-    recorded = replicas.custom_properties(replicas.published(results[0][1])["model"][0])
+    recorded = local_cluster.custom_properties(local_cluster.published(results[0][1])["model"][0])
     assert (recorded["workers"], recorded["replicas"], recorded["optimizer_updates"]) == (2, 2, 20)
-    assert replicas.custom_properties(replicas.published(results[1][1])["model"][0]) == {}
+    assert local_cluster.custom_properties(local_cluster.published(results[1][1])["model"][0]) == {}
     logs = glob.glob(os.path.join(outputs["model_run"][0].uri, "train", "events.out.tfevents.*"))
     assert len(logs) == 1                 # the module's TensorBoard callback: the chief's alone
 
@@ -135,7 +130,7 @@ def test_the_demo_module_trains_on_two_processes_and_the_chief_exports_it(tmp_pa
 def test_a_worker_that_dies_fails_the_run_with_a_clear_message_and_no_model(examples, tmp_path):
     inputs, outputs, properties = fixtures.executor_arguments(
         tmp_path / "run", examples, num_steps=STEPS, accum_steps=ACCUM, effective_batch_size=EFFECTIVE)
-    results = replicas.run(replicas.container_command(inputs, outputs, properties), 2, tmp_path / "tmp",
+    results = local_cluster.run(local_cluster.container_command(inputs, outputs, properties), 2, tmp_path / "tmp",
                            env={1: {"DIE_AFTER_STEPS": 10}}, timeout=300)
     (chief_code, _, chief_log), (worker_code, _, _) = results
     assert worker_code == -signal.SIGKILL and chief_code != 0
@@ -157,22 +152,22 @@ def test_a_killed_run_resumes_from_its_backup_with_the_weights_of_an_uninterrupt
     """Backups every update (4 micro-steps); the last replica is SIGKILLed after
     micro-step 10, 2 micro-batches into the third window; the job is restarted."""
     inputs, outputs, properties = _resumable(examples, tmp_path)
-    command = replicas.container_command(inputs, outputs, properties)
-    killed = replicas.run(command, workers, tmp_path / "tmp1", env={workers - 1: {"DIE_AFTER_STEPS": 10}},
+    command = local_cluster.container_command(inputs, outputs, properties)
+    killed = local_cluster.run(command, workers, tmp_path / "tmp1", env={workers - 1: {"DIE_AFTER_STEPS": 10}},
                           timeout=300)
     assert killed[-1][0] == -signal.SIGKILL
     if workers == 2:
         assert killed[0][0] != 0 and "resumes from the backup" in killed[0][2] and "fit step 8" in killed[0][2]
     assert not os.path.exists(os.path.join(outputs["model"][0].uri, "Format-Serving"))
 
-    results = replicas.run(command, workers, tmp_path / "tmp2")
+    results = local_cluster.run(command, workers, tmp_path / "tmp2")
     assert [code for code, _, _ in results] == [0] * workers, results[0][2][-3000:]
     seen, weights = fixtures.read_run(outputs["model_run"][0].uri)
     print(f"[measured] {workers} process(es), killed and resumed, vs the large batch: "
           f"max |dw| = {max_abs_diff(weights, stock[0]):.1e}")
     assert max_abs_diff(weights, stock[0]) <= 1e-5
     assert np.abs(_predictions(outputs) - stock[1]).max() <= 1e-5
-    recorded = replicas.custom_properties(replicas.published(results[0][1])["model"][0])
+    recorded = local_cluster.custom_properties(local_cluster.published(results[0][1])["model"][0])
     assert {k: recorded[k] for k in ("backup_resumes", "resumed_at_step", "resumed_at_update",
                                      "optimizer_updates", "workers")} == {
         "backup_resumes": 1, "resumed_at_step": 8, "resumed_at_update": 2, "optimizer_updates": STEPS,
@@ -192,18 +187,18 @@ def test_a_killed_keras_2_run_resumes_from_its_backup_exactly(workers, examples,
     stock_weights = fixtures.run_executor(tmp_path / "stock", examples, num_steps=STEPS, stock=True,
                                           module=module)[2]
     inputs, outputs, properties = _resumable(examples, tmp_path, module=module)
-    command = replicas.container_command(inputs, outputs, properties)
-    killed = replicas.run(command, workers, tmp_path / "tmp1", env={workers - 1: {"DIE_AFTER_STEPS": 10}},
+    command = local_cluster.container_command(inputs, outputs, properties)
+    killed = local_cluster.run(command, workers, tmp_path / "tmp1", env={workers - 1: {"DIE_AFTER_STEPS": 10}},
                           timeout=300)
     assert killed[-1][0] == -signal.SIGKILL, killed[-1][2][-3000:]
-    results = replicas.run(command, workers, tmp_path / "tmp2")
+    results = local_cluster.run(command, workers, tmp_path / "tmp2")
     assert [code for code, _, _ in results] == [0] * workers, results[0][2][-3000:]
     seen, weights = fixtures.read_run(outputs["model_run"][0].uri)
     assert (seen["keras"][:2], seen["optimizer_module"], seen["iterations"]) == ("2.", "tfx_gradient_accumulator.accumulator.keras2", STEPS)
     print(f"[measured] Keras 2, {workers} process(es), killed and resumed, vs the stock Trainer: "
           f"max |dw| = {max_abs_diff(weights, stock_weights):.1e}")
     assert max_abs_diff(weights, stock_weights) <= 1e-5
-    recorded = replicas.custom_properties(replicas.published(results[0][1])["model"][0])
+    recorded = local_cluster.custom_properties(local_cluster.published(results[0][1])["model"][0])
     assert {k: recorded[k] for k in ("backup_resumes", "resumed_at_step", "resumed_at_update")} == {
         "backup_resumes": 1, "resumed_at_step": 8, "resumed_at_update": 2}
 
@@ -218,7 +213,7 @@ def test_vertex_executor_runs_the_job_and_publishes_the_chiefs_record(examples, 
 
     def launch(project, training_job, enable_vertex, vertex_region):
         jobs.append(training_job)
-        replicas.run_custom_job(training_job, tmp_path / "tmp")
+        local_cluster.run_custom_job(training_job, tmp_path / "tmp")
 
     monkeypatch.setattr(training_clients.VertexJobClient, "create_client", lambda self: None)
     monkeypatch.setattr(runner, "_launch_cloud_training", launch)
@@ -230,7 +225,7 @@ def test_vertex_executor_runs_the_job_and_publishes_the_chiefs_record(examples, 
     spec = jobs[0]["job_spec"]
     assert [p["replica_count"] for p in spec["worker_pool_specs"]] == [1, 1]
     assert spec["scheduling"] == {"restart_job_on_worker_restart": True}
-    recorded = replicas.custom_properties(outputs["model"][0])
+    recorded = local_cluster.custom_properties(outputs["model"][0])
     assert (recorded["workers"], recorded["replicas"], recorded["effective_batch_size"]) == (2, 2, EFFECTIVE)
     assert max_abs_diff(fixtures.read_run(outputs["model_run"][0].uri)[1], stock[0]) <= 1e-5
     assert np.abs(_predictions(outputs) - stock[1]).max() <= 1e-5
@@ -252,24 +247,24 @@ def test_verify_exactness_on_two_processes_gives_the_one_process_verdict_once_an
                                         effective_batch_size=EFFECTIVE, verify_exactness="record",
                                         module=module)[0]
     keras.backend.clear_session()
-    expected = replicas.custom_properties(one_process["model"][0])
+    expected = local_cluster.custom_properties(one_process["model"][0])
     runs = {}
     for name, check in (("checked", {"verify_exactness": "record"}), ("plain", {})):
         inputs, outputs, properties = fixtures.executor_arguments(
             tmp_path / name, examples, num_steps=STEPS, module=module, accum_steps=ACCUM,
             effective_batch_size=EFFECTIVE, custom_config={"own_strategy": "mirrored"}, **check)
-        results = replicas.run(replicas.container_command(inputs, outputs, properties), 2, tmp_path / f"{name}-tmp")
+        results = local_cluster.run(local_cluster.container_command(inputs, outputs, properties), 2, tmp_path / f"{name}-tmp")
         assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
         runs[name] = outputs, results
 
     outputs, ((_, chief_out, _), (_, worker_out, worker_log)) = runs["checked"]
-    recorded = replicas.custom_properties(replicas.published(chief_out)["model"][0])
+    recorded = local_cluster.custom_properties(local_cluster.published(chief_out)["model"][0])
     print(f"[measured] verify_exactness, 2 processes: {recorded['exactness']}, max |dw| "
           f"{recorded['exactness_max_delta']:.2e}; one process: {expected['exactness']}, "
           f"{expected['exactness_max_delta']:.2e}")
     assert recorded["exactness"] == expected["exactness"] == "exact"
     assert abs(recorded["exactness_max_delta"] - expected["exactness_max_delta"]) <= 1e-6
-    assert replicas.custom_properties(replicas.published(worker_out)["model"][0]) == {}   # the chief records
+    assert local_cluster.custom_properties(local_cluster.published(worker_out)["model"][0]) == {}   # the chief records
     assert "verify_exactness: the chief's verdict: exact" in worker_log
     assert "check_exact [1/3]" not in worker_log                                          # ... and alone checks
     with open(os.path.join(outputs["model_run"][0].uri, "accumulation", "record.json")) as f:
@@ -289,8 +284,8 @@ def test_verify_exactness_refuse_stops_every_process_of_the_cluster(examples, tm
     inputs, outputs, properties = fixtures.executor_arguments(
         tmp_path / "run", examples, num_steps=STEPS, accum_steps=ACCUM, effective_batch_size=EFFECTIVE,
         module=_batch_norm_module(tmp_path), verify_exactness="refuse")
-    (chief_code, _, chief_log), (worker_code, _, worker_log) = replicas.run(
-        replicas.container_command(inputs, outputs, properties), 2, tmp_path / "tmp", timeout=300)
+    (chief_code, _, chief_log), (worker_code, _, worker_log) = local_cluster.run(
+        local_cluster.container_command(inputs, outputs, properties), 2, tmp_path / "tmp", timeout=300)
     assert chief_code != 0 and worker_code != 0
     assert "nothing was trained" in chief_log and "batch-norm statistics" in chief_log
     assert "nothing was trained" in worker_log and "as the chief's check found" in worker_log

@@ -16,11 +16,6 @@ from tfx_gradient_accumulator.components.component import AccumulatingTrainer
 from tests.components import fixtures
 
 
-@pytest.fixture(scope="module")
-def examples(tmp_path_factory):
-    return fixtures.write_examples(str(tmp_path_factory.mktemp("examples")))
-
-
 def _batch_norm_module(tmp_path):
     """The regression module with a BatchNormalization after its hidden layer."""
     with open(fixtures.MODULE) as f:

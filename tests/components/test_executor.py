@@ -14,11 +14,6 @@ from tests.accumulator.reference import max_abs_diff
 from tests.components import fixtures
 
 
-@pytest.fixture(scope="module")
-def examples(tmp_path_factory):
-    return fixtures.write_examples(str(tmp_path_factory.mktemp("examples")))
-
-
 def test_unchanged_stock_module_trains_like_the_stock_trainer_with_the_big_batch(examples, tmp_path):
     """Stock Trainer: batch 32, 6 steps. Ours: effective 32 in micro-batches of 8, 6 updates."""
     _, stock_seen, stock_weights = fixtures.run_executor(tmp_path / "stock", examples, num_steps=6, stock=True)

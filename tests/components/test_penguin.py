@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests.accumulator.reference import max_abs_diff
-from tests.components import fixtures, penguin, replicas, shipped
+from tests.components import fixtures, local_cluster, penguin, shipped
 
 STEPS, ACCUM, EFFECTIVE = 6, 2, 20         # the module's batch, 20: 2 replicas x 5 x 2 micro-steps
 STOCK = "tfx.components.trainer.executor.GenericExecutor"
@@ -42,13 +42,13 @@ def _arguments(tmp, transformed, **accumulation):
     return inputs, outputs, properties
 
 
-def _run(transformed, tmp, workers, executor=replicas.EXECUTOR, legacy=None, env=None, **accumulation):
+def _run(transformed, tmp, workers, executor=local_cluster.EXECUTOR, legacy=None, env=None, **accumulation):
     """`legacy`: TF_USE_LEGACY_KERAS in the replicas' environment (None: unset, as a fresh container starts)."""
     inputs, outputs, properties = _arguments(tmp / "run", transformed, **accumulation)
-    path = os.pathsep.join([replicas.ROOT, os.path.dirname(transformed[0])])
+    path = os.pathsep.join([local_cluster.ROOT, os.path.dirname(transformed[0])])
     env = {i: {"PYTHONPATH": path, "TF_USE_LEGACY_KERAS": legacy, **((env or {}).get(i) or {})}
            for i in range(workers)}
-    results = replicas.run(replicas.container_command(inputs, outputs, properties, executor), workers, tmp / "tmp",
+    results = local_cluster.run(local_cluster.container_command(inputs, outputs, properties, executor), workers, tmp / "tmp",
                            env=env)
     return outputs, results
 
@@ -88,13 +88,13 @@ def test_tfx_penguin_module_trains_on_two_processes_like_the_stock_trainer(trans
     assert np.abs(logits - stock_logits).max() <= 1e-5
     # Exported once, recorded once.
     assert sorted(os.listdir(outputs["model"][0].uri)) == ["Format-Serving"]
-    chief, worker = (replicas.published(out) for _, out, _ in results)
-    recorded = replicas.custom_properties(chief["model"][0])
+    chief, worker = (local_cluster.published(out) for _, out, _ in results)
+    recorded = local_cluster.custom_properties(chief["model"][0])
     assert {k: recorded[k] for k in ("workers", "replicas", "accum_steps", "effective_batch_size",
                                      "optimizer_updates")} == {
         "workers": 2, "replicas": 2, "accum_steps": ACCUM, "effective_batch_size": EFFECTIVE,
         "optimizer_updates": STEPS}
-    assert replicas.custom_properties(worker["model"][0]) == {}
+    assert local_cluster.custom_properties(worker["model"][0]) == {}
     assert len(glob.glob(os.path.join(outputs["model_run"][0].uri, "train", "events.out.tfevents.*"))) == 1
     assert len(glob.glob(os.path.join(outputs["model_run"][0].uri, "accumulation", "events.out.tfevents.*"))) == 1
 
@@ -121,7 +121,7 @@ def test_tfx_penguin_module_killed_mid_window_resumes_exactly(killed, transforme
           f"max |dw| = {max_abs_diff(variables, stock[0]):.1e}, served logits {np.abs(logits - stock[1]).max():.1e}")
     assert max_abs_diff(variables, stock[0]) <= 1e-5
     assert np.abs(logits - stock[1]).max() <= 1e-5
-    recorded = replicas.custom_properties(replicas.published(results[0][1])["model"][0])
+    recorded = local_cluster.custom_properties(local_cluster.published(results[0][1])["model"][0])
     assert {k: recorded[k] for k in ("backup_resumes", "resumed_at_step", "resumed_at_update",
                                      "optimizer_updates")} == {
         "backup_resumes": 1, "resumed_at_step": 4, "resumed_at_update": 2, "optimizer_updates": STEPS}

@@ -21,11 +21,6 @@ MADE = {
 
 
 @pytest.fixture(scope="module")
-def examples(tmp_path_factory):
-    return fixtures.write_examples(str(tmp_path_factory.mktemp("examples")))
-
-
-@pytest.fixture(scope="module")
 def stock(examples, tmp_path_factory):
     """The stock Trainer at batch 32, in one process and one replica: the large batch. (With the
     module's own MirroredStrategy, the stock Trainer here trains on this session's 2 logical CPUs, and

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests.accumulator.reference import max_abs_diff
-from tests.components import fixtures, replicas, shipped
+from tests.components import fixtures, local_cluster, shipped
 
 TESTDATA = os.path.join(shipped.PACKAGE, "components", "testdata")
 CHANGES = {"trainer_module.py": [
@@ -44,14 +44,14 @@ def _artifacts():
     return examples, graph
 
 
-def _run(module_file, tmp, executor=replicas.EXECUTOR, **accumulation):
+def _run(module_file, tmp, executor=local_cluster.EXECUTOR, **accumulation):
     """One replica, with Keras 2 as TFX gives it under Transform (TF_USE_LEGACY_KERAS=1)."""
     examples, graph = _artifacts()
     inputs, outputs, properties = fixtures.executor_arguments(tmp / "run", examples, num_steps=STEPS,
                                                               module=module_file, **accumulation)
     inputs["transform_graph"] = [graph]
-    env = {0: {"PYTHONPATH": replicas.ROOT, "TF_USE_LEGACY_KERAS": "1"}}
-    [(code, stdout, stderr)] = replicas.run(replicas.container_command(inputs, outputs, properties, executor), 1,
+    env = {0: {"PYTHONPATH": local_cluster.ROOT, "TF_USE_LEGACY_KERAS": "1"}}
+    [(code, stdout, stderr)] = local_cluster.run(local_cluster.container_command(inputs, outputs, properties, executor), 1,
                                             tmp / "tmp", env=env)
     assert code == 0, stderr[-3000:]
     raw = shipped.raw_examples(os.path.join(TESTDATA, "csv_example_gen", "Split-eval"))
@@ -69,6 +69,6 @@ def test_tfx_taxi_trainer_module_trains_like_the_stock_trainer(module_file, tmp_
     assert len(variables) == len(stock_variables) == 10      # 5 Dense layers
     assert max_abs_diff(variables, stock_variables) <= 1e-5
     assert np.abs(outputs - stock_outputs).max() <= 1e-5
-    recorded = replicas.custom_properties(replicas.published(stdout)["model"][0])
+    recorded = local_cluster.custom_properties(local_cluster.published(stdout)["model"][0])
     assert {k: recorded[k] for k in ("accum_steps", "effective_batch_size", "optimizer_updates")} == {
         "accum_steps": ACCUM, "effective_batch_size": BATCH, "optimizer_updates": STEPS}

@@ -49,7 +49,7 @@ def start(command, workers, tmp, env=None):
             replica_env.pop(name, None) if value is None else replica_env.__setitem__(name, str(value))
         with open(f"{tmpdir}.out", "w") as out, open(f"{tmpdir}.err", "w") as err:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.components.replica", *command[3:], "--write-outputs-stdout"],
+                [sys.executable, "-m", "tests.components.replica_process", *command[3:], "--write-outputs-stdout"],
                 env=replica_env, cwd=ROOT, stdout=out, stderr=err)
         proc.logs = tmpdir
         procs.append(proc)
