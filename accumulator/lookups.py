@@ -110,7 +110,9 @@ def _shaped_once_per_batch(ids, batch_size=None):
     batch of static size its size as a Python number, so the program cannot
     tell a batch axis from a constant one; the shape tells. With the
     micro-batch's size noted (`note_batch_size`), any leading axis of another
-    size is once per batch (T5's relative-position buckets, ``(L, L)``);
+    size is once per batch (T5's relative-position buckets, ``(L, L)``), and
+    one of the same size is when it is carried from a `Range` (the same buckets
+    with micro-batches of L samples; see `_leading_axis_counts_positions`);
     without it, a scalar, a vector or a leading axis of 1 (``(1, L)``).
     """
     shape = ids.shape
@@ -119,8 +121,44 @@ def _shaped_once_per_batch(ids, batch_size=None):
     if shape.rank == 0:
         return True
     if batch_size is not None:
-        return shape[0] is not None and shape[0] != batch_size
+        if shape[0] is None:
+            return False
+        return shape[0] != batch_size or _leading_axis_counts_positions(ids)
     return shape.rank == 1 or shape[0] == 1
+
+
+# Ops whose output's leading axis is spelled out by a shape (or a literal array), not
+# carried from an input: zeros shaped like the batch, positions broadcast or tiled to it.
+_SPELLED_OUT = frozenset({"Const", "Fill", "BroadcastTo", "Tile", "Reshape", "Transpose", "ConcatV2", "Pack",
+                          "Pad", "PadV2", "MirrorPad", "ZerosLike", "OnesLike"})
+# Ops that may add or drop an axis while keeping the input's leading one.
+_KEEPS_LEADING = frozenset({"ExpandDims", "StridedSlice", "Squeeze"})
+
+
+def _leading_axis_counts_positions(ids):
+    """Whether `ids`' leading axis is the length of a `Range` carried through ops that keep it
+    (T5's relative-position buckets, ``arange(L)[:, None] - arange(L)[None, :]`` and what
+    follows), for ids whose leading axis equals the micro-batch's size: then it counts
+    positions, not samples, and the lookup is once per batch (a T5 with micro-batches as long
+    as its sequences). A leading axis spelled out by a shape or a literal array (zeros like the
+    batch, positions broadcast or tiled to it) stays per sample, the answer for anything else."""
+    todo, seen = [ids], set()
+    while todo:
+        current = todo.pop()
+        if current.name in seen or len(seen) > _MAX_OPS:
+            continue
+        seen.add(current.name)
+        op = current.op
+        if op.type == "Range":
+            return True
+        if op.type in _SPELLED_OUT or current.shape.rank is None:
+            continue
+        leading = current.shape[0]
+        for source in op.inputs:
+            same_rank = source.shape.rank == current.shape.rank or op.type in _KEEPS_LEADING
+            if source.shape.rank and same_rank and source.shape[0] == leading and source.dtype != tf.resource:
+                todo.append(source)
+    return False
 
 
 def _is_symbolic(tensor):

@@ -70,7 +70,7 @@ def _per_variable(weights_a, weights_b):
             for a, b in zip(weights_a, weights_b)]
 
 
-def _float64_large_batch(make, x, y, optimizer, eager):
+def _float64_large_batch(make, x, y, optimizer, eager, batch=MICRO_BATCH * N):
     """Keras' large batch in float64 (the arbiter), from `make()`'s float32 initial weights."""
     initial = make().get_weights()
     with check.float64_policy():
@@ -79,7 +79,7 @@ def _float64_large_batch(make, x, y, optimizer, eager):
             "the model did not build in float64: the arbiter cannot judge it"
         model.set_weights(check.to_float64(initial))
         model.compile(optimizer=optimizer, loss=check.float64_loss("mse"), run_eagerly=eager)
-        model.fit(check.to_float64(x), check.to_float64(y), batch_size=MICRO_BATCH * N, shuffle=False, verbose=0)
+        model.fit(check.to_float64(x), check.to_float64(y), batch_size=batch, shuffle=False, verbose=0)
         return model.get_weights()
 
 
@@ -220,3 +220,31 @@ def test_control_plain_accumulation_of_the_clip_loss_is_far_off():
     plain.compile(optimizer=GradientAccumulator(OPTIMIZERS["sgd"](), N), run_eagerly=True)
     plain.fit(data, batch_size=MICRO_BATCH, shuffle=False, verbose=0)
     assert ref.max_abs_diff(plain.get_weights(), expected) > 100 * TOLERANCE
+
+
+def test_t5_with_micro_batches_as_long_as_its_sequences():
+    # T5's relative-position buckets are (length, length): with micro-batches of `length`
+    # samples their leading axis is the micro-batch's size, and only where it comes from
+    # tells positions from samples (kept apart as samples: 1.0e-2 off with AdamW).
+    make, micro = (lambda: cm.hub_model("t5")), cm.LENGTH
+    large, samples = micro * N, micro * N * UPDATES
+    x = cm.hub_inputs("seq2seq", samples)
+    y = np.random.RandomState(1).randn(samples, 1).astype("float32")
+    expected = _trained_at(make, x, y, OPTIMIZERS["adamw"](), large)
+    assert ref.max_abs_diff(expected, make().get_weights()) > 100 * TOLERANCE
+    got = _trained_at(make, x, y, GradientAccumulator(OPTIMIZERS["adamw"](), N), micro)
+
+    def permuted(seed):
+        rng = np.random.RandomState(seed)
+        index = np.concatenate([start + rng.permutation(large) for start in range(0, samples, large)])
+        return _trained_at(make, _take(x, index), y[index], OPTIMIZERS["adamw"](), large)
+    assert_within_noise_floor(got, expected, [v.path for v in make().weights], permuted,
+                              float64_large_batch=lambda: _float64_large_batch(
+                                  make, x, y, OPTIMIZERS["adamw"](), False, batch=large))
+
+
+def _trained_at(make, x, y, optimizer, batch):
+    model = make()
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
+    return model.get_weights()

@@ -424,7 +424,8 @@ ID_CASES = {"tiled to the batch": lookups.PER_SAMPLE, "broadcast to the batch": 
             "gathered from a constant": lookups.ONCE_PER_BATCH, "zeros of the ids' shape": lookups.PER_SAMPLE,
             "ones of (1, L)": lookups.ONCE_PER_BATCH, "a constant concatenated to data": lookups.PER_SAMPLE,
             "looked up three times in a Python loop": lookups.ONCE_PER_BATCH,
-            "zeros like the ids inside TimeDistributed": lookups.PER_SAMPLE}
+            "zeros like the ids inside TimeDistributed": lookups.PER_SAMPLE,
+            "relative positions as many as the micro-batch": lookups.ONCE_PER_BATCH}
 
 
 class BuiltIds(layers.Layer):
@@ -442,6 +443,10 @@ class BuiltIds(layers.Layer):
     def call(self, x):
         if self.how == "looked up three times in a Python loop":
             extra = sum(self.extra(ops.arange(MAXLEN) + k) for k in range(3))
+        elif self.how == "relative positions as many as the micro-batch":
+            # T5's buckets, (L, L), with L the micro-batch's size: the leading axis counts positions.
+            relative = ops.arange(MICRO)[:, None] - ops.arange(MICRO)[None, :]
+            extra = ops.mean(self.extra(ops.minimum(ops.abs(relative), VOCAB - 1)), axis=(0, 1))
         elif self.how == "by the data and by arange":
             extra = self.extra(x) + self.extra(ops.arange(MAXLEN))
         elif self.how == "zeros like the ids inside TimeDistributed":
