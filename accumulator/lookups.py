@@ -77,16 +77,16 @@ def kind_of_rows(indices):
     if not _is_symbolic(indices):
         return None
     batch_size = _noted.batch_size if _noted.graph is indices.graph else None
-    lookups = [_shaped_once_per_batch(ids, batch_size) and _from_constants_and_shapes(ids)
-               for ids in _forward_ids(indices)]
-    if any(lookups) and not all(lookups):
+    once = [_shaped_once_per_batch(ids, batch_size) and _from_constants_and_shapes(ids)
+            for ids in _forward_ids(indices)]
+    if any(once) and not all(once):
         logger.warning(
             "A table is looked up both once per batch and per sample in one step (%s): all its rows are "
             "kept apart, so its once-per-batch rows reach the optimizer once per micro-batch, where Keras' "
             "large batch has them once. Optimizers that read rows one by one (Adam, RMSprop, clipping) then "
             "differ from the large batch; use separate tables, or check_exact to see by how much.",
             indices.op.name)
-    return ONCE_PER_BATCH if all(lookups) else PER_SAMPLE
+    return ONCE_PER_BATCH if all(once) else PER_SAMPLE
 
 
 def _forward_ids(indices):
