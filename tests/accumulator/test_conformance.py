@@ -23,6 +23,7 @@ constraints/tf-latest-conformance.txt); elsewhere this file is skipped.
 
 import keras
 import numpy as np
+import tensorflow as tf
 import pytest
 
 pytest.importorskip("keras_hub", reason="KerasHub is installed only in .venv-tf-latest "
@@ -43,7 +44,8 @@ OPTIMIZERS = {
 
 
 def _regression(features, seed=1):
-    return features, np.random.RandomState(seed).randn(SAMPLES, 1).astype("float32")
+    samples = len(tf.nest.flatten(features)[0])
+    return features, np.random.RandomState(seed).randn(samples, 1).astype("float32")
 
 
 def _take(features, index):
@@ -51,15 +53,19 @@ def _take(features, index):
 
 
 def _permuted_inside_batches(x, y, batch, seed=0):
+    """`x` and `y` (or None) with the samples of each `batch` in another order."""
     rng = np.random.RandomState(seed)
-    index = np.concatenate([start + rng.permutation(min(batch, SAMPLES - start))
-                            for start in range(0, SAMPLES, batch)])
-    return _take(x, index), y[index]
+    samples = len(tf.nest.flatten(x)[0])
+    index = np.concatenate([start + rng.permutation(min(batch, samples - start))
+                            for start in range(0, samples, batch)])
+    return _take(x, index), None if y is None else y[index]
 
 
-def _trained(make, x, y, optimizer, batch, eager=False, **window):
+def _trained(make, x, y, optimizer, batch, eager=False, micro_batch=MICRO_BATCH, **window):
+    """The weights after `fit` at `batch`: accumulated over N micro-batches when `batch` is
+    `micro_batch` (or window options are given), Keras' own large batch otherwise."""
     model = make()
-    model.compile(optimizer=GradientAccumulator(optimizer, N, **window) if window or batch == MICRO_BATCH
+    model.compile(optimizer=GradientAccumulator(optimizer, N, **window) if window or batch == micro_batch
                   else optimizer, loss="mse", run_eagerly=eager)
     model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
     return model.get_weights()
@@ -227,24 +233,11 @@ def test_t5_with_micro_batches_as_long_as_its_sequences():
     # samples their leading axis is the micro-batch's size, and only where it comes from
     # tells positions from samples (kept apart as samples: 1.0e-2 off with AdamW).
     make, micro = (lambda: cm.hub_model("t5")), cm.LENGTH
-    large, samples = micro * N, micro * N * UPDATES
-    x = cm.hub_inputs("seq2seq", samples)
-    y = np.random.RandomState(1).randn(samples, 1).astype("float32")
-    expected = _trained_at(make, x, y, OPTIMIZERS["adamw"](), large)
+    x, y = _regression(cm.hub_inputs("seq2seq", micro * N * UPDATES))
+    adamw = OPTIMIZERS["adamw"]
+    expected = _trained(make, x, y, adamw(), micro * N, micro_batch=micro)
     assert ref.max_abs_diff(expected, make().get_weights()) > 100 * TOLERANCE
-    got = _trained_at(make, x, y, GradientAccumulator(OPTIMIZERS["adamw"](), N), micro)
-
-    def permuted(seed):
-        rng = np.random.RandomState(seed)
-        index = np.concatenate([start + rng.permutation(large) for start in range(0, samples, large)])
-        return _trained_at(make, _take(x, index), y[index], OPTIMIZERS["adamw"](), large)
-    assert_within_noise_floor(got, expected, [v.path for v in make().weights], permuted,
-                              float64_large_batch=lambda: _float64_large_batch(
-                                  make, x, y, OPTIMIZERS["adamw"](), False, batch=large))
-
-
-def _trained_at(make, x, y, optimizer, batch):
-    model = make()
-    model.compile(optimizer=optimizer, loss="mse")
-    model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
-    return model.get_weights()
+    got = _trained(make, x, y, adamw(), micro, micro_batch=micro)
+    assert_within_noise_floor(got, expected, [v.path for v in make().weights], lambda seed: _trained(
+        make, *_permuted_inside_batches(x, y, micro * N, seed), adamw(), micro * N, micro_batch=micro),
+        float64_large_batch=lambda: _float64_large_batch(make, x, y, adamw(), False, batch=micro * N))

@@ -25,7 +25,7 @@ pytest.importorskip("keras_hub", reason="KerasHub is installed only in .venv-tf-
 from tfx_gradient_accumulator.accumulator import GradientAccumulator, GradientCache, lookups  # noqa: E402
 from tests.accumulator import conformance_models as cm  # noqa: E402
 from tests.accumulator import reference as ref  # noqa: E402
-from tests.accumulator.test_conformance import assert_within_noise_floor  # noqa: E402
+from tests.accumulator.test_conformance import _permuted_inside_batches, assert_within_noise_floor  # noqa: E402
 
 MICRO, N, UPDATES = 8, 4, 3
 LARGE = MICRO * N
@@ -39,12 +39,6 @@ def _adamw():
 
 def _sgd_clipped():
     return keras.optimizers.SGD(0.5, global_clipnorm=0.05)
-
-
-def _permuted(x, y, seed):
-    rng = np.random.RandomState(seed)
-    index = np.concatenate([start + rng.permutation(LARGE) for start in range(0, SAMPLES, LARGE)])
-    return {k: v[index] for k, v in x.items()}, (None if y is None else y[index])
 
 
 def _fit(make, optimizer, x, y, batch, loss=None, cache=False):
@@ -63,8 +57,8 @@ def _assert_like_large_batch(make, optimizer_fn, x, y=None, loss=None, cache=Fal
     else:
         got = _fit(make, GradientAccumulator(optimizer_fn(), N), x, y, MICRO, loss)
     assert_within_noise_floor(got.get_weights(), expected.get_weights(), [v.path for v in got.weights],
-                              lambda seed: _fit(make, optimizer_fn(), *_permuted(x, y, seed), LARGE,
-                                                loss).get_weights())
+                              lambda seed: _fit(make, optimizer_fn(), *_permuted_inside_batches(x, y, LARGE, seed),
+                                                LARGE, loss).get_weights())
     return got
 
 
