@@ -327,6 +327,23 @@ def _loss_of(model, loss):
 
 
 # ---------------------------------------------------------------- the runs
+@dataclasses.dataclass(frozen=True)
+class _Runs:
+    """What every training of one check shares (float32 and the arbiter's float64): the
+    model and optimizer factories, the compile arguments, the samples, Keras' large batch
+    and the micro-batch, the seed, and the accumulator's window."""
+
+    model_fn: Callable[[], Any]
+    new_optimizer: Callable[[], Any]
+    compile_kwargs: Dict[str, Any]
+    arrays: tuple
+    large: int
+    batch_size: int
+    seed: int
+    accum_steps: int
+    accumulator_options: Dict[str, Any]
+
+
 def _train(model_fn, initial, optimizer, compile_kwargs, arrays, batch_size, seed, first=None):
     keras.utils.set_random_seed(seed)
     model = first if first is not None else model_fn()
@@ -641,38 +658,37 @@ def _not_float64(model):
             "build the model in model_fn without a fixed dtype for the arbiter to run")
 
 
-def _float64_runs(model_fn, initial, new_optimizer, compile_kwargs, arrays, sizes, seed, accum_steps,
-                  accumulator_options, progress, earlier=()):
-    """([Keras' large batch, the accumulated run], None) trained in float64, or (None, why not)."""
-    initial64, arrays64 = [to_float64(w) for w in initial], to_float64(arrays)
-    large, batch_size = sizes
-    runs = []
+def _float64_runs(runs, initial, progress, earlier=()):
+    """([Keras' large batch, the accumulated run], None) trained in float64 as `runs` (a
+    `_Runs`) says, or (None, why not)."""
+    initial64, arrays64 = [to_float64(w) for w in initial], to_float64(runs.arrays)
+    trained = []
     with float64_policy():
         try:
-            loss = float64_loss(compile_kwargs["loss"])
+            loss = float64_loss(runs.compile_kwargs["loss"])
         except ValueError as err:
             return None, f"{err}: pass `loss=` as a name, a function or a Keras loss"
         for accumulate in (False, True):
             try:
-                model = model_fn()
+                model = runs.model_fn()
                 if any(model is seen for seen in earlier):
                     return None, ("model_fn returned a model it had returned before, not a fresh one: "
                                   "a model built once in float32 cannot be rebuilt in float64")
                 if _is_model(model) and not model.weights:
-                    model(_take(arrays64[0], slice(0, batch_size)))
+                    model(_take(arrays64[0], slice(0, runs.batch_size)))
                 why = _not_float64(model)
                 if why:
                     return None, why
-                progress(f"GradientAccumulator(accum_steps={accum_steps}) at batch {batch_size} in float64"
-                         if accumulate else f"Keras' fit at batch {large} in float64 (the arbiter)")
-                optimizer = new_optimizer()
+                progress(f"GradientAccumulator(accum_steps={runs.accum_steps}) at batch {runs.batch_size} in "
+                         "float64" if accumulate else f"Keras' fit at batch {runs.large} in float64 (the arbiter)")
+                optimizer = runs.new_optimizer()
                 if accumulate:
-                    optimizer = GradientAccumulator(optimizer, accum_steps, **accumulator_options)
-                runs.append(_train(model_fn, initial64, optimizer, dict(compile_kwargs, loss=loss), arrays64,
-                                   batch_size if accumulate else large, seed, model))
+                    optimizer = GradientAccumulator(optimizer, runs.accum_steps, **runs.accumulator_options)
+                trained.append(_train(runs.model_fn, initial64, optimizer, dict(runs.compile_kwargs, loss=loss),
+                                      arrays64, runs.batch_size if accumulate else runs.large, runs.seed, model))
             except Exception as err:                  # noqa: BLE001 (any failure is the arbiter's answer)
                 return None, f"training in float64 failed: {type(err).__name__}: {err}"
-    return runs, None
+    return trained, None
 
 
 def _judge(variables, indices, reference, accumulated, float64_runs, factor, tolerance):
@@ -717,7 +733,7 @@ def _judge(variables, indices, reference, accumulated, float64_runs, factor, tol
         f"a real difference, not rounding: {'; '.join(named)}{'; ...' if len(real) > 3 else ''} ({rule})")
 
 
-def _arbitrate(arbiter, factor, tolerance, variables, indices, rule, random_layers, trained, progress, training):
+def _arbitrate(arbiter, factor, tolerance, variables, indices, rule, random_layers, trained, progress, runs):
     """(variables, the arbiter's finding, its reason, the rule) after the float64 arbiter
     ran where `arbiter` asks for it; the float32 variables where it did not."""
     first, reference, accumulated, initial = trained
@@ -729,15 +745,13 @@ def _arbitrate(arbiter, factor, tolerance, variables, indices, rule, random_laye
                 "in float64 too (arbiter=True runs it anyway)"), rule
         return variables, "not run", "", rule
     progress.total = 5
-    model_fn, new_optimizer, compile_kwargs, arrays, sizes, seed, accum_steps, accumulator_options = training
     why = _float64_unavailable(first)
-    runs = None
+    in_float64 = None
     if why is None:
-        runs, why = _float64_runs(model_fn, initial, new_optimizer, compile_kwargs, arrays, sizes, seed,
-                                  accum_steps, accumulator_options, progress, (first, reference, accumulated))
-    if runs is None:
+        in_float64, why = _float64_runs(runs, initial, progress, (first, reference, accumulated))
+    if in_float64 is None:
         return variables, "unavailable", f"float64 cannot be had for this model: {why}", rule
-    variables, finding, why = _judge(variables, indices, reference, accumulated, runs, factor, tolerance)
+    variables, finding, why = _judge(variables, indices, reference, accumulated, in_float64, factor, tolerance)
     return variables, finding, why, rule + f"; over it, the float64 arbiter (factor {factor:g})"
 
 
@@ -822,6 +836,8 @@ def check_exact(model_fn: Callable[[], Any], data, optimizer_fn: Optional[Callab
     compile_kwargs = {"jit_compile": False, **(compile_kwargs or {}), "loss": _loss_of(first, loss)}
     accumulator_options = dict(accumulator_options or {})
     large = accum_steps * batch_size
+    runs = _Runs(model_fn, new_optimizer, compile_kwargs, arrays, large, batch_size, seed, accum_steps,
+                 accumulator_options)
     progress = _Progress(verbose, 5 if arbiter is True else 3)
 
     progress(f"Keras' fit at batch {large}, {updates} updates (the reference)")
@@ -839,9 +855,8 @@ def check_exact(model_fn: Callable[[], Any], data, optimizer_fn: Optional[Callab
     variables, floor, rule, indices = _compare(reference, floor_model, accumulated, initial, optimizer,
                                                tolerance, floor_factor, random_layers)
     trained = (first, reference, accumulated, initial)
-    variables, finding, why, rule = _arbitrate(
-        arbiter, arbiter_factor, tolerance, variables, indices, rule, random_layers, trained, progress,
-        (model_fn, new_optimizer, compile_kwargs, arrays, (large, batch_size), seed, accum_steps, accumulator_options))
+    variables, finding, why, rule = _arbitrate(arbiter, arbiter_factor, tolerance, variables, indices, rule,
+                                               random_layers, trained, progress, runs)
     differing = [v for v in variables if v.differs]
     cleared = any(v.cleared for v in variables)
     verdict = "differs" if differing else "exact-by-arbiter" if cleared else "exact"
