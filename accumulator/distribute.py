@@ -6,6 +6,8 @@ the default strategy. The TFX component uses this so the same pipeline runs on
 a laptop and on GPU worker pools.
 """
 
+from __future__ import annotations
+
 import json
 import os
 
@@ -17,8 +19,20 @@ KINDS = ("multi_worker", "mirrored", "one_device", "default")
 _WORKER_TYPES = ("chief", "worker")
 
 
-def parse_tf_config(raw):
-    """Validates a `TF_CONFIG` string; returns the parsed dict, or {} if empty."""
+def parse_tf_config(raw: str | None) -> dict:
+    """Parses and validates a `TF_CONFIG` string.
+
+    Args:
+        raw: the variable's value (None or blank: no cluster).
+
+    Returns:
+        The parsed dict, or {} when `raw` is empty.
+
+    Raises:
+        ValueError: naming the field that is malformed (not JSON, a cluster that
+            is not lists of "host:port", a task without type or index, a task
+            outside the cluster).
+    """
     if raw is None or not raw.strip():
         return {}
     try:
@@ -61,8 +75,16 @@ def _training_processes(cluster):
     return sum(len(cluster.get(job, [])) for job in _WORKER_TYPES)
 
 
-def choose_strategy_kind(tf_config, num_gpus):
-    """The decision alone: one of `KINDS`, from a parsed TF_CONFIG and a GPU count."""
+def choose_strategy_kind(tf_config: dict, num_gpus: int) -> str:
+    """The decision alone, without making a strategy.
+
+    Args:
+        tf_config: a parsed TF_CONFIG (`parse_tf_config`).
+        num_gpus: the local GPUs.
+
+    Returns:
+        One of `KINDS`.
+    """
     if _training_processes(tf_config.get("cluster", {})) > 1:
         return "multi_worker"
     if num_gpus > 1:
@@ -72,10 +94,17 @@ def choose_strategy_kind(tf_config, num_gpus):
     return "default"
 
 
-def cluster_role(tf_config):
-    """`(chief, task, workers)` of this process in a parsed TF_CONFIG: whether it is
-    the chief (the "chief" task; worker 0 where the cluster names none; a process
-    alone), its name ("chief", "worker 1", ...) and how many processes train."""
+def cluster_role(tf_config: dict) -> tuple[bool, str, int]:
+    """This process's place in a cluster.
+
+    Args:
+        tf_config: a parsed TF_CONFIG (`parse_tf_config`).
+
+    Returns:
+        `(chief, task, workers)`: whether it is the chief (the "chief" task;
+        worker 0 where the cluster names none; a process alone), its name
+        ("chief", "worker 1", ...) and how many processes train.
+    """
     cluster = tf_config.get("cluster", {})
     workers = _training_processes(cluster)
     if workers <= 1:
@@ -85,8 +114,20 @@ def cluster_role(tf_config):
     return chief, f"{task_type} {index}", workers
 
 
-def strategy_from_environment(kind="auto"):
-    """Returns a strategy for `kind` ("auto" reads TF_CONFIG and the local GPUs)."""
+def strategy_from_environment(kind: str = "auto") -> tf.distribute.Strategy:
+    """The `tf.distribute` strategy the environment calls for.
+
+    Args:
+        kind: "auto" (read TF_CONFIG and the local GPUs, in the order of the
+            module docstring) or one of `KINDS` ("multi_worker", "mirrored",
+            "one_device", "default").
+
+    Returns:
+        A new strategy (the default one for "default").
+
+    Raises:
+        ValueError: `kind` is not one of those, or TF_CONFIG is malformed.
+    """
     if kind not in KINDS + ("auto",):
         raise ValueError(f"`kind` must be one of {('auto',) + KINDS}; got {kind!r}")
     # Physical, not logical: listing logical devices initialises the runtime,
@@ -103,6 +144,7 @@ def strategy_from_environment(kind="auto"):
     return tf.distribute.get_strategy()
 
 
-def num_replicas(strategy=None):
+def num_replicas(strategy: tf.distribute.Strategy | None = None) -> int:
+    """The replicas in sync of `strategy` (default: the current one)."""
     strategy = strategy or tf.distribute.get_strategy()
     return strategy.num_replicas_in_sync
