@@ -1,40 +1,10 @@
-"""Backs a `fit` up to a directory, and resumes it there exactly (preemption).
+"""`TrainingBackup`: backs a `fit` up to a directory and resumes it at its step.
 
-Keras' `BackupAndRestore` resumes at an epoch: a run killed in the middle of
-an epoch (a TFX run_fn trains one epoch of `train_steps`) starts that epoch
-again from its first batch with the weights of a later step, so micro-batches
-are counted twice, and an accumulation window is left half-full. A
-`TrainingBackup` resumes at the step:
-
-* every `every_steps` fit steps (micro-steps) and at every epoch's end (after
-  the epoch's window is closed), the model's and the optimizer's state
-  (weights, slots, the accumulator's window: its sums, rows, counts) is saved
-  with the position: epoch, step in the epoch, steps in all;
-* a backup is a new folder `step-<steps>-epoch-<e>-<b>` written whole before the file
-  `latest` names it (written to a temporary name, then renamed), so a process
-  killed while saving leaves the previous backup in force; two are kept;
-* the next `fit` with the same arguments restores the latest backup when
-  training begins, and its data start where the backed-up run was: a
-  `tf.data.Dataset` that repeats (`fit(..., steps_per_epoch=k)`, the TFX way)
-  skips the steps already trained; a finite one (no `steps_per_epoch`, each
-  epoch reads it whole) skips the steps of the interrupted epoch. The
-  interrupted epoch runs to its own end (a `fit` of its remaining steps), then
-  the rest as asked; the weights are those of the uninterrupted run when the
-  data are in a fixed order (no shuffle, or a seeded one that does not
-  reshuffle).
-
-Under `MultiWorkerMirroredStrategy` every worker saves (reading the window's
-rows is a collective) and reads the chief's backup: only the chief
-(`chief=True`) writes to `directory`; the others write to a temporary folder
-that is removed at once, as Keras' multi-worker guide does. `directory` must
-be one that every worker reads (a bucket on a cluster).
-
-One `fit` per run (a second is refused): the position is the one `fit`'s.
-Keras 3 and Keras 2 (`tf_keras`, TF 2.15's `keras`) models: a Keras 3 model's
-state is saved with `save_weights` (`.weights.h5`), a Keras 2 model's as a
-TensorFlow checkpoint (`save_weights` in the TF format), which holds the
-optimizer's slots and the accumulator's window as the model tracks them.
+Keras' `BackupAndRestore` resumes at an epoch; a run resumed from a
+`TrainingBackup` ends with the weights of the uninterrupted run.
 """
+
+from __future__ import annotations
 
 import json
 import logging
@@ -61,6 +31,29 @@ KEEP = 2
 class TrainingBackup:
     """Saves `fit`'s state every `every_steps` steps to `directory` and resumes there.
 
+    The model's and the optimizer's state (weights, slots, the accumulator's
+    window: its sums, rows, counts) is saved with the position (epoch, step in
+    the epoch, steps in all) every `every_steps` fit steps and at every epoch's
+    end, after the epoch's window is closed. Each backup is a new folder that
+    the file `latest` names only once it is written whole; two are kept. The
+    next `fit` with the same arguments restores the latest backup when
+    training begins and skips the data already trained: a repeated
+    `tf.data.Dataset` (`fit(..., steps_per_epoch=k)`, the TFX way) skips the
+    steps done, a finite one the steps of the interrupted epoch. That epoch
+    runs to its own end, then the rest as asked; with data in a fixed order
+    (no shuffle, or a seeded one that does not reshuffle) the weights are those
+    of the uninterrupted run.
+
+    Under `MultiWorkerMirroredStrategy` every worker saves (reading the
+    window's rows is a collective) and reads the chief's backup; only the
+    chief writes to `directory`, which every worker must read (a bucket on a
+    cluster). One `fit` per run. A Keras 3 model is saved with `save_weights`
+    (`.weights.h5`), a Keras 2 one as a TensorFlow checkpoint.
+
+    After the `fit`, `resumed_from` is the progress it resumed from (a dict
+    with `epoch`, `batch`, `steps`, `updates`, `resumes`), or None for a fresh
+    run; `remove()` deletes the backups once the run's outputs are safe.
+
     Args:
         directory: where the backups go (local or `gs://`); one run's alone.
         every_steps: fit steps (micro-steps) between backups; epoch ends
@@ -68,12 +61,12 @@ class TrainingBackup:
         chief: whether this process writes the backups (the chief of a
             multi-worker cluster; True on one machine).
 
-    After the `fit`, `resumed_from` is the progress it resumed from (a dict
-    with `epoch`, `batch`, `steps`, `updates`, `resumes`), or None for a fresh
-    run; `remove()` deletes the backups once the run's outputs are safe.
+    Raises:
+        ValueError: `directory` is empty or not a string, or `every_steps` < 1.
+        TypeError: `every_steps` is not an integer.
     """
 
-    def __init__(self, directory, every_steps, chief=True):
+    def __init__(self, directory: str, every_steps: int, chief: bool = True):
         if not directory or not isinstance(directory, str):
             raise ValueError(f"`directory` must be a non-empty path; received {directory!r}.")
         self.directory = directory
@@ -83,8 +76,13 @@ class TrainingBackup:
         self._fits = 0
 
     # ------------------------------------------------------------ the files
-    def latest(self):
-        """The progress of the backup in force, or None when there is none."""
+    def latest(self) -> dict | None:
+        """The backup in force.
+
+        Returns:
+            Its progress (`epoch`, `batch`, `steps`, `updates`, `resumes`, `fit`,
+            `callback_states`, and `path`, its folder), or None when there is none.
+        """
         pointer = os.path.join(self.directory, LATEST)
         if not tf.io.gfile.exists(pointer):
             return None
@@ -95,8 +93,17 @@ class TrainingBackup:
         progress["path"] = os.path.join(self.directory, name)
         return progress
 
-    def save(self, model, progress):
-        """Writes a backup of `model` at `progress` (every worker calls this)."""
+    def save(self, model: keras.Model, progress: dict) -> None:
+        """Writes a backup of `model` at `progress`.
+
+        Every worker calls it: reading the window's rows is a collective. A
+        worker other than the chief writes to a temporary folder, removed at once.
+
+        Args:
+            model: the model being trained (Keras 3 or Keras 2).
+            progress: the position and what a resume restores (`epoch`, `batch`,
+                `steps`, `updates`, `resumes`, `fit`, `callback_states`).
+        """
         # Named by the position, so a save never rewrites the backup in force (an epoch's
         # end can follow a backup at the same step).
         name = f"step-{progress['steps']}-epoch-{progress['epoch']}-{progress['batch']}"
@@ -127,14 +134,30 @@ class TrainingBackup:
             if name != keep:
                 tf.io.gfile.rmtree(os.path.join(self.directory, name))
 
-    def remove(self):
+    def remove(self) -> None:
         """Deletes the backups (the chief's); call it when the run's outputs are written."""
         if self.chief and tf.io.gfile.exists(self.directory):
             tf.io.gfile.rmtree(self.directory)
 
     # ------------------------------------------------------------ the fit
-    def fit(self, fit, model, arguments):
-        """Runs `fit(model, **arguments)` backed up, resumed from the latest backup."""
+    def fit(self, fit, model: keras.Model, arguments: dict):
+        """Runs `fit(model, **arguments)` backed up, resumed from the latest backup.
+
+        Args:
+            fit: the function that trains, `fit(model, **arguments)` (Keras'
+                `Model.fit` as the caller found it).
+            model: the compiled model.
+            arguments: `fit`'s keyword arguments; `x` must be a `tf.data.Dataset`.
+
+        Returns:
+            The `History` of the last `fit` call (a resume may make two).
+
+        Raises:
+            ValueError: a second `fit` of this backup; data it cannot position (not
+                a `tf.data.Dataset`, a repeated one without `steps_per_epoch`, one
+                shorter than `steps_per_epoch` x `epochs`); `steps_per_execution`
+                other than 1; a backup in force of another `fit`.
+        """
         if self._fits:
             raise ValueError(
                 "TrainingBackup (AccumulatingTrainer's backup_dir) resumes a run that calls `fit` once; "
@@ -213,6 +236,7 @@ def _calls(arguments, shape, progress):
 
 
 def _weights_file(model):
+    """The backup's file name: a TensorFlow checkpoint for Keras 2, `.weights.h5` for Keras 3."""
     return KERAS2_WEIGHTS if seam.is_keras2_object(model) else WEIGHTS
 
 
