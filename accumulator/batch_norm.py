@@ -1,26 +1,11 @@
 """`AccumBatchNormalization`: moving statistics of the effective batch, not the micro-batch.
 
-With accumulation, a stock `BatchNormalization` updates its moving mean and
-variance after every micro-batch, from the micro-batch's statistics: more
-updates, of noisier statistics, than the large batch makes, so inference
-statistics drift from those of large-batch training. This layer pools the
-statistics of a window's micro-batches (count, mean and sum of squared
-deviations, combined exactly with Chan's parallel formula, so the spread between
-micro-batch means counts) and updates the moving statistics once per window,
-with the mean and (biased) variance of the whole effective batch: what the
-large batch would have used.
-
-In training, each micro-batch is still *normalized* with its own statistics (a
-forward pass only sees its micro-batch); only the moving statistics, the ones
-inference uses, are those of the effective batch.
-
-Under a strategy with several replicas the effective batch spans them all: each
-micro-step gathers the replicas' (count, mean, M2) in one small all-reduce
-(2 x channels + 1 floats per replica) and pools them exactly, whether or not
-the layer is `synchronized`. (Stock Keras' unsynchronized layer keeps the
-statistics of one replica's share of the batch.) `synchronized` still decides
-what a micro-batch is normalized with, as in Keras.
+Each micro-batch is still normalized with its own statistics; only the moving
+statistics, the ones inference uses, are those of the whole effective batch
+(every micro-batch of the window, on every replica), updated once per window.
 """
+
+from __future__ import annotations
 
 import logging
 
@@ -37,22 +22,42 @@ logger = logging.getLogger(__name__)
 class AccumBatchNormalization(keras.layers.BatchNormalization):
     """Drop-in `keras.layers.BatchNormalization` with one moving-statistics update per window.
 
+    A stock `BatchNormalization` under accumulation updates its moving mean and
+    variance after every micro-batch, from that micro-batch's statistics: more
+    updates, of noisier statistics, than the large batch makes. This layer
+    pools the window's micro-batches exactly (count, mean and sum of squared
+    deviations, combined with Chan's parallel formula) and updates the moving
+    statistics once per window with the mean and (biased) variance of the
+    effective batch. Under several replicas it pools them all, whether or not
+    the layer is `synchronized` (which still decides, as in Keras, what a
+    micro-batch is normalized with).
+
     Args:
+        *args: those of `keras.layers.BatchNormalization`, by position.
         accum_steps: micro-batches per window; must match the optimizer's
             `GradientAccumulator`. `None` (the default) leaves it to
             `accumulating_compile` / `use_accumulated_batch_norm`, which set it,
             and behaves as 1 until then.
         **kwargs: those of `keras.layers.BatchNormalization` (`renorm` is not
             supported).
+
+    Raises:
+        ValueError: `renorm=True`, or `accum_steps` < 1.
+        TypeError: `accum_steps` is not an integer.
     """
 
-    def __init__(self, *args, accum_steps=None, **kwargs):
+    def __init__(self, *args, accum_steps: int | None = None, **kwargs):
         if kwargs.get("renorm"):
             raise ValueError("AccumBatchNormalization does not support `renorm=True`.")
         super().__init__(*args, **kwargs)
         self._initial_accum_steps = None if accum_steps is None else validate_accum_steps(accum_steps)
 
-    def build(self, input_shape):
+    def build(self, input_shape) -> None:
+        """Creates Keras' weights and the window's (accum_steps, calls, count, mean, M2).
+
+        Args:
+            input_shape: the inputs' shape, as Keras gives it.
+        """
         super().build(input_shape)
         channels = self.moving_mean.shape
 
@@ -69,16 +74,37 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         self._window_m2 = state("window_m2", channels)
 
     @property
-    def accum_steps(self):
+    def accum_steps(self) -> int | None:
+        """Micro-batches per window (None before it is set on an unbuilt layer)."""
         return int(self._window_accum_steps.numpy()) if self.built else self._initial_accum_steps
 
-    def set_accum_steps(self, accum_steps):
+    def set_accum_steps(self, accum_steps: int) -> None:
+        """Changes the window's length; a schedule calls it with the optimizer's.
+
+        Args:
+            accum_steps: micro-batches per window, an integer >= 1.
+
+        Raises:
+            ValueError: `accum_steps` < 1.
+            TypeError: `accum_steps` is not an integer.
+        """
         accum_steps = validate_accum_steps(accum_steps)
         self._initial_accum_steps = accum_steps
         if self.built:
             self._window_accum_steps.assign(accum_steps)
 
     def call(self, inputs, training=None, mask=None):
+        """Normalizes `inputs`; in training, also adds their statistics to the window.
+
+        Args:
+            inputs: the layer's input tensor.
+            training: Keras' training flag; outside training (or when the layer
+                is not trainable) it is Keras' own `BatchNormalization`.
+            mask: an optional mask of the samples (or positions) that count.
+
+        Returns:
+            The normalized tensor, in the layer's compute dtype.
+        """
         if not (training and self.trainable):
             return super().call(inputs, training=training, mask=mask)
         compute_dtype = keras.backend.result_type(inputs.dtype, "float32")
@@ -94,6 +120,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         return ops.cast(outputs, self.compute_dtype)
 
     def _accumulate(self, inputs, mask, mean, variance):
+        """Pools this micro-batch's (count, mean, variance) into the window; closes it when full."""
         if mask is None:
             shape = ops.shape(inputs)
             count = ops.cast(1, "float32")
@@ -133,8 +160,16 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         moving_mean.assign(ops.where(close, new_mean, moving_mean))
         moving_variance.assign(ops.where(close, new_variance, moving_variance))
 
-    def close_window(self, apply=True):
-        """Applies (or, with apply=False, discards) a partly filled window's statistics."""
+    def close_window(self, apply: bool = True) -> int:
+        """Closes a partly filled window (the optimizer's partial window closes it).
+
+        Args:
+            apply: True: the moving statistics take the window's pooled ones;
+                False: the window's statistics are discarded.
+
+        Returns:
+            The micro-batches the window held (0: nothing to close).
+        """
         if not self.built or int(self._window_calls.numpy()) == 0:
             return 0
         held = int(self._window_calls.numpy())
@@ -147,7 +182,8 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         self._window_calls.assign(0)
         return held
 
-    def get_config(self):
+    def get_config(self) -> dict:
+        """Keras' config of the layer, with `accum_steps`."""
         return {**super().get_config(), "accum_steps": self.accum_steps}
 
 
@@ -165,16 +201,29 @@ def _pool_over_replicas(count, mean, variance):
 
 
 def _batch_norm_layers(model):
+    """The model's `AccumBatchNormalization` layers, nested ones included."""
     return [layer for layer in seam.flatten_layers(model) if isinstance(layer, AccumBatchNormalization)]
 
 
-def configure_batch_norm(model, accum_steps, optimizer=None):
-    """Sets `accum_steps` on the model's AccumBatchNormalization layers.
+def configure_batch_norm(model: keras.Model, accum_steps: int, optimizer=None) -> list:
+    """Sets `accum_steps` on the model's `AccumBatchNormalization` layers.
 
-    With `optimizer` (a GradientAccumulator), the layers follow it: its
-    partial windows close theirs, and `set_accum_steps` (a schedule) changes
-    theirs. `fit` does this for a model compiled with a GradientAccumulator.
-    Returns the layers.
+    `fit` does this for a model compiled with a `GradientAccumulator`. A layer
+    built with another `accum_steps` follows the optimizer (with a warning).
+
+    Args:
+        model: the model whose layers (nested ones included) are set.
+        accum_steps: micro-batches per window, the optimizer's.
+        optimizer: a `GradientAccumulator` the layers then follow: its partial
+            windows close theirs, and its `set_accum_steps` (a schedule)
+            changes theirs. None: set once.
+
+    Returns:
+        The model's `AccumBatchNormalization` layers.
+
+    Raises:
+        ValueError: `accum_steps` < 1.
+        TypeError: `accum_steps` is not an integer.
     """
     layers = _batch_norm_layers(model)
     for layer in layers:
@@ -191,12 +240,23 @@ def configure_batch_norm(model, accum_steps, optimizer=None):
     return layers
 
 
-def use_accumulated_batch_norm(model, accum_steps):
-    """A copy of `model` whose BatchNormalization layers are AccumBatchNormalization.
+def use_accumulated_batch_norm(model: keras.Model, accum_steps: int) -> keras.Model:
+    """A copy of `model` whose `BatchNormalization` layers are `AccumBatchNormalization`.
 
     Weights (gamma, beta, moving statistics, all other layers') are kept, so a
-    pretrained model can be fine-tuned with accumulation. Works for Sequential
-    and functional models (through `keras.models.clone_model`).
+    pretrained model can be fine-tuned with accumulation.
+
+    Args:
+        model: a Sequential or functional Keras 3 model (it is copied with
+            `keras.models.clone_model`).
+        accum_steps: micro-batches per window, the optimizer's.
+
+    Returns:
+        The copy; `model` is unchanged.
+
+    Raises:
+        ValueError: `accum_steps` < 1.
+        TypeError: `accum_steps` is not an integer.
     """
     accum_steps = validate_accum_steps(accum_steps)
 
