@@ -1,21 +1,11 @@
 """Negatives across replicas: every replica scores the whole global batch.
 
-Under a `tf.distribute` strategy each replica holds its share of the batch. Keras'
-own large batch scores each share alone, and so does `GradientCache` by default:
-with R replicas, each sample meets the negatives of its share, 1/R of the global
-batch's. `GradientCache(..., gather_across_replicas=True)` gathers the shares'
-representations (and the inputs, targets and sample weights the loss reads) into
-the global batch, in replica order, on every replica; every replica computes the
-same global loss, and keeps the gradient of its own rows only, which it sends back
-through its own micro-batches. The strategy's sum of the replicas' parameter
-gradients is then the global batch's gradient on one device.
-
-How: one all-reduce of the share sizes, then an all-reduce (sum) of blocks, each
-replica's share zero-padded to the longest and placed at its replica's index:
-shares may differ in size, even be empty (a last batch smaller than the replicas).
-An all-gather would do the same with less traffic, but it does not run inside
-Keras' train step under `MultiWorkerMirroredStrategy` here.
+`GlobalBatch` gathers the replicas' shares for `GradientCache(...,
+gather_across_replicas=True)` and takes each replica's rows back out of the
+global loss's gradient (DEVELOPERS.md, "Design notes by module", says how).
 """
+
+from __future__ import annotations
 
 import tensorflow as tf
 
@@ -25,10 +15,21 @@ SUM = tf.distribute.ReduceOp.SUM
 class GlobalBatch:
     """The global batch, gathered from every replica's share, and the way back.
 
-    `whole` is the gathered structure (same structure as given, every tensor's
-    first axis now the global batch's samples, replica 0's first); `own(grads)`
-    takes this replica's rows out of a gradient by `whole`; `replicas` is R.
-    Without a strategy (one replica) nothing is gathered.
+    Made in a replica context. Shares may differ in size, even be empty (a last
+    batch smaller than the replicas): they are summed as zero-padded blocks.
+
+    Attributes:
+        whole: the gathered structure (same structure as given, every tensor's
+            first axis now the global batch's samples, replica 0's first).
+        replicas: R, the replicas in sync (1: nothing is gathered).
+
+    Args:
+        shares: this replica's batch: a structure of dense tensors whose first
+            axis is the samples.
+
+    Raises:
+        ValueError: a share holds a `tf.SparseTensor`, a `tf.RaggedTensor`, a
+            string tensor or a tensor of unknown rank, which cannot be summed.
     """
 
     def __init__(self, shares):
@@ -54,7 +55,15 @@ class GlobalBatch:
         self.whole = tf.nest.pack_sequence_as(shares, whole)
 
     def own(self, grads):
-        """This replica's rows of `grads` (a structure like `whole`)."""
+        """This replica's rows of a gradient by `whole`.
+
+        Args:
+            grads: a structure like `whole` (the global loss's gradient by it).
+
+        Returns:
+            The same structure holding only this replica's rows (`grads` itself
+            on one replica).
+        """
         if self._count is None:
             return grads
         return tf.nest.map_structure(lambda g: g[self._offset:self._offset + self._count], grads)
@@ -69,6 +78,7 @@ def _block(tensor, here, longest, replicas):
 
 
 def _refuse_what_cannot_be_summed(tensor):
+    """Raises for a tensor that an all-reduce of blocks cannot carry."""
     if isinstance(tensor, (tf.SparseTensor, tf.RaggedTensor)):
         raise ValueError(
             "GradientCache(gather_across_replicas=True): the batch holds a "

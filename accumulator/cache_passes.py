@@ -1,26 +1,21 @@
 """Gradient caching's three passes, for both Keras: what `GradientCache` does in a step.
 
-The Keras 3 class (`accumulator.gradient_cache`) and the Keras 2 class
-(`accumulator.keras2_gradient_cache`) differ in how they call the loss, scale
-it and report it; the passes themselves are TensorFlow only and live here once,
-so the two cannot drift apart:
-
-1. represent every micro-batch without a tape (outputs only);
-2. score the whole batch's loss on the concatenated outputs under a tape: its
-   gradient by representation, and by the variables the loss itself uses;
-3. run each micro-batch again under a tape and send its slice of that gradient
-   back through the model, micro-batch 0 alone and the rest in a
-   `tf.while_loop(parallel_iterations=1)` (one micro-batch's activations at a
-   time: an unrolled graph was measured to keep about one more alive).
+TensorFlow only, shared by the Keras 3 class (`gradient_cache`) and the Keras 2
+one (`keras2_gradient_cache`), so the two cannot drift apart: 1. represent
+every micro-batch without a tape; 2. score the whole batch's loss on the
+outputs under a tape; 3. send each micro-batch's slice of that gradient back
+through the model, one micro-batch's activations at a time.
 """
+
+from __future__ import annotations
 
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import lookups
 
 
-def cached_gradients(forward, x, accum_steps, score, variables, after_pass_1=None, before_pass_3=None,
-                     gather=None):
+def cached_gradients(forward, x, accum_steps: int, score, variables: list, after_pass_1=None,
+                     before_pass_3=None, gather=None) -> tuple:
     """The large batch's gradient of `score` by `variables`, in three passes.
 
     Args:
@@ -30,16 +25,20 @@ def cached_gradients(forward, x, accum_steps, score, variables, after_pass_1=Non
         score: `score(whole) -> (loss, scaled_loss)` on the whole batch's outputs;
             the gradients are those of `scaled_loss` (loss scaling), as given.
         variables: the trainable variables to differentiate.
-        after_pass_1, before_pass_3: called (no arguments) between the passes:
-            refusals that need a forward traced, state that pass 3 must replay.
+        after_pass_1: called (no arguments) after pass 1: refusals that need a
+            forward traced, variables built by it.
+        before_pass_3: called (no arguments) before pass 3: state that pass 3
+            must replay.
         gather: `gather(whole) -> across_replicas.GlobalBatch` whose `whole` the loss
             scores instead of this replica's outputs (negatives across replicas):
             the gradient of this replica's rows goes back through its micro-batches,
             and the loss's own variables' gradients, which every replica computes
             whole, count 1/R each, so that the strategy's sum counts them once.
 
-    Returns `(loss, whole, grads)`: the loss, the whole batch's outputs, and one
-    gradient per variable (None where it has none; sparse rows as the large batch has them).
+    Returns:
+        `(loss, whole, grads)`: the loss, the whole batch's outputs, and one
+        gradient per variable (None where it has none; sparse rows as the large
+        batch has them).
     """
     micro_batches = [micro_batch(x, k, accum_steps) for k in range(accum_steps)]
     representations = []
@@ -81,26 +80,41 @@ def cached_gradients(forward, x, accum_steps, score, variables, after_pass_1=Non
     return loss, whole, grads
 
 
-def micro_batch(x, k, accum_steps):
-    """Micro-batch `k` (an int or a scalar tensor) of `x`, or of anything whose
-    first axis follows the samples (the representations' gradient): micro-batches
-    of ceil(B / accum_steps), in order, the last possibly shorter."""
+def micro_batch(x, k, accum_steps: int):
+    """Micro-batch `k` of `x`: micro-batches of ceil(B / accum_steps), in order, the last possibly shorter.
+
+    Args:
+        x: a structure whose tensors' first axis follows the samples (the
+            inputs, or the representations' gradient).
+        k: which micro-batch, an int or a scalar tensor.
+        accum_steps: micro-batches in the batch.
+
+    Returns:
+        The same structure, each tensor cut to micro-batch `k`'s samples.
+    """
     size = tf.shape(tf.nest.flatten(x)[0])[0]
     step = (size + accum_steps - 1) // accum_steps
     return tf.nest.map_structure(lambda t: t[k * step:(k + 1) * step], x)
 
 
-def summed_over(gradients_of, count):
-    """`gradients_of(k)` for k < `count`, added up: dense gradients summed, sparse rows
-    (`tf.IndexedSlices`) concatenated in order, as the large batch's gradient has them,
-    except the rows of a lookup made once per batch (`accumulator.lookups`: ids that
-    do not depend on the sample), which the large batch has once per id position
-    with every sample summed into it: those are summed position by position.
+def summed_over(gradients_of, count: int) -> list:
+    """`gradients_of(k)` for k < `count`, added up as the large batch's gradient has them.
 
-    Micro-batch 0 runs first, on its own, to tell which variables get which kind;
-    the others run in a `tf.while_loop` with `parallel_iterations=1`: TensorFlow runs
-    its iterations one after another and frees each one's activations before the
-    next.
+    Dense gradients are summed, sparse rows (`tf.IndexedSlices`) concatenated in
+    order, except the rows of a lookup made once per batch (`accumulator.lookups`:
+    ids that do not depend on the sample), which the large batch has once per id
+    position with every sample summed into it: those are summed position by position.
+    Micro-batch 0 runs first, alone, to tell which variables get which kind; the
+    others run in a `tf.while_loop(parallel_iterations=1)`, which frees each
+    iteration's activations before the next.
+
+    Args:
+        gradients_of: `gradients_of(k) -> list` of one gradient per variable
+            (None where it has none) for micro-batch `k` (an int, then a tensor).
+        count: how many micro-batches.
+
+    Returns:
+        One summed gradient per variable, None where micro-batch 0 had none.
     """
     first = gradients_of(0)
     shared = {i for i, g in enumerate(first) if isinstance(g, tf.IndexedSlices)
@@ -136,7 +150,16 @@ def summed_over(gradients_of, count):
 
 
 def after(dependencies, part):
-    """`part`, read only once every tensor in `dependencies` exists."""
+    """`part`, read only once every tensor in `dependencies` exists.
+
+    Args:
+        dependencies: a structure of tensors (or `tf.IndexedSlices`) to wait for.
+        part: a structure of tensors.
+
+    Returns:
+        `part` through `tf.identity` under control dependencies on them (`part`
+        itself when there are none).
+    """
     tensors = [t.values if isinstance(t, tf.IndexedSlices) else t for t in tf.nest.flatten(dependencies)]
     if not tensors:
         return part
@@ -145,8 +168,17 @@ def after(dependencies, part):
 
 
 def add(total, grad):
-    """Two gradients of one variable as one: sparse rows concatenated in sample order
-    (the large batch's `IndexedSlices`), dense ones summed."""
+    """Two gradients of one variable as one.
+
+    Args:
+        total: a gradient (a tensor, `tf.IndexedSlices`, or None).
+        grad: another gradient of the same variable (likewise).
+
+    Returns:
+        Sparse rows concatenated in sample order (the large batch's
+        `IndexedSlices`) when both are rows, else their dense sum; the other
+        one when one is None.
+    """
     if total is None or grad is None:
         return grad if total is None else total
     if isinstance(total, tf.IndexedSlices) and isinstance(grad, tf.IndexedSlices):
@@ -156,7 +188,15 @@ def add(total, grad):
 
 
 def scaled_by(grad, factor):
-    """`grad` times `factor`, dense or sparse rows (None stays None)."""
+    """`grad` times `factor`.
+
+    Args:
+        grad: a gradient: a tensor, `tf.IndexedSlices` (its values are scaled) or None.
+        factor: a Python number or a scalar tensor, cast to the gradient's dtype.
+
+    Returns:
+        The scaled gradient, of `grad`'s kind (None stays None).
+    """
     if grad is None:
         return None
     if isinstance(grad, tf.IndexedSlices):
@@ -165,7 +205,16 @@ def scaled_by(grad, factor):
 
 
 def ready_for_update(grads):
-    """Control inputs that make an update wait for every gradient: the step Keras runs
-    on a dataset of unknown size that has run out then makes no update and counts none."""
+    """Control inputs that make an update wait for every gradient.
+
+    The step Keras runs on a dataset of unknown size that has run out then
+    makes no update and counts none.
+
+    Args:
+        grads: the gradients (tensors, `tf.IndexedSlices` or None).
+
+    Returns:
+        A `tf.control_dependencies` context manager.
+    """
     return tf.control_dependencies([g.values if isinstance(g, tf.IndexedSlices) else g
                                     for g in grads if g is not None])

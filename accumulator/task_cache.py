@@ -1,28 +1,12 @@
 """`GradientCache` on a TensorFlow Recommenders model: the task scores the whole batch.
 
-A `tfrs.Model` has no `call()`: its `compute_loss(inputs, training)` runs the
-towers and ends in `self.task(query_embeddings, candidate_embeddings, ...)`, so
-its representations exist only as the arguments of that call. The three passes
-of `accumulator.cache_passes` still apply, with the task as the loss:
-
-* passes 1 and 3 run the model's own `compute_loss` on a micro-batch with its
-  task swapped, for that call only, for a recorder that keeps the task's
-  arguments and returns a stand-in: the embeddings are the representations, the
-  other arguments (`sample_weight`, `candidate_sampling_probability`,
-  `candidate_ids`, ...) go with them;
-* pass 2 calls the real task once, on the whole batch's concatenated arguments:
-  its loss, its reduction and its metrics (`FactorizedTopK`, batch metrics) see
-  the batch that TFRS's own `fit` would give it; then, as `tfrs.Model.train_step`
-  does, the model's regularization losses are added, and the logs are TFRS's
-  (`loss`, `regularization_loss`, `total_loss` of the last batch, and the
-  model's metrics).
-
-The library never imports `tensorflow_recommenders`: a model is recognised as a
-TFRS model only when that package is already loaded. Refused, with a message:
-several tasks, a task other than `Retrieval`, a `compute_loss` that does not
-return the task's loss as it is, a `score_mask`, candidates that are not one per
-query (extra negatives).
+A `tfrs.Model`'s representations exist only as the arguments of its task's
+call, so passes 1 and 3 record them with the task swapped for a recorder, and
+pass 2 calls the real task once on the whole batch. TensorFlow Recommenders is
+never imported: a model is one only when that package is already loaded.
 """
+
+from __future__ import annotations
 
 import inspect
 import sys
@@ -34,11 +18,20 @@ from tfx_gradient_accumulator.accumulator import cache_passes, seam
 _UNSUPPORTED_ARGUMENTS = ("score_mask",)
 
 
-def find_task(model):
-    """The name of the attribute of `model` that holds its TFRS task, or None when
-    `model` is not a `tfrs.Model` (or TensorFlow Recommenders is not loaded).
+def find_task(model) -> str | None:
+    """The attribute of a TensorFlow Recommenders model that holds its task.
 
-    Raises ValueError for what the task mode cannot make exact."""
+    Args:
+        model: the model `GradientCache` was given (any Keras 2 model).
+
+    Returns:
+        The attribute's name, or None when `model` is not a `tfrs.Model` (or
+        TensorFlow Recommenders is not loaded).
+
+    Raises:
+        ValueError: what the task mode cannot make exact: several tasks (or
+            none), a task other than `tfrs.tasks.Retrieval`.
+    """
     tfrs = sys.modules.get("tensorflow_recommenders")
     if tfrs is None or not isinstance(model, tfrs.models.Model):
         return None
@@ -112,9 +105,23 @@ def _split(arguments):
     return floats, others, options
 
 
-def train_step(cache, data, attribute):
-    """One step of `cache` (a Keras 2 `GradientCache`) on a TFRS model: logs as
-    `tfrs.Model.train_step` returns them."""
+def train_step(cache, data, attribute: str) -> dict:
+    """One step of a Keras 2 `GradientCache` on a TFRS model.
+
+    Args:
+        cache: the Keras 2 `GradientCache` (its `model`, `optimizer`, `accum_steps`).
+        data: the step's batch, as `tfrs.Model.compute_loss` takes it.
+        attribute: the model's task attribute (`find_task`).
+
+    Returns:
+        The logs as `tfrs.Model.train_step` returns them: the model's metrics,
+        `loss`, `regularization_loss` and `total_loss`.
+
+    Raises:
+        ValueError: a `compute_loss` the task mode cannot make exact (it calls
+            the task other than once, or returns other than the task's loss as
+            it is), a `score_mask`, or candidates that are not one per query.
+    """
     model, optimizer = cache.model, cache.optimizer
     scaling = isinstance(optimizer, seam.keras2_module().mixed_precision.LossScaleOptimizer)
     first_pass = []
