@@ -145,6 +145,13 @@ def strategy_from_environment(kind: str = "auto") -> tf.distribute.Strategy:
 
 
 def num_replicas(strategy: tf.distribute.Strategy | None = None) -> int:
-    """The replicas in sync of `strategy` (default: the current one)."""
+    """The replicas in sync of a strategy.
+
+    Args:
+        strategy: a `tf.distribute` strategy; None: the current one.
+
+    Returns:
+        Its `num_replicas_in_sync`.
+    """
     strategy = strategy or tf.distribute.get_strategy()
     return strategy.num_replicas_in_sync

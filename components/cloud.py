@@ -1,19 +1,11 @@
 """`AccumulatingTrainer` on Vertex AI worker pools (multi-worker GPU training).
 
-`VertexAccumulatingTrainer` is `AccumulatingTrainer` whose executor starts a
-Vertex AI CustomJob (through TFX's Cloud AI Platform extension) that runs our
-executor on every replica of the worker pools. Vertex sets `TF_CONFIG` on each
-replica, so `strategy="auto"` picks `MultiWorkerMirroredStrategy` there, and
-`effective_batch_size` is divided over all replicas of all pools.
-
-Each replica's executor sets ML Metadata properties on artifacts that stay in
-its own process; the chief also writes them to `accumulation/record.json` in
-the ModelRun, and `VertexExecutor` copies them from there onto the artifacts
-it publishes once the job has succeeded (a job without one fails).
-
-The container image must have this project installed (see the manual's
-"Going to a cluster", docs/cluster.md).
+`VertexAccumulatingTrainer` runs the Trainer's executor on every replica of a
+Vertex AI CustomJob; `vertex_training_config` makes its `custom_config`. The
+container image must have this project installed ("Going to a cluster").
 """
+
+from __future__ import annotations
 
 import json
 import os
@@ -32,18 +24,42 @@ from tfx_gradient_accumulator.components.component import AccumulatingTrainer
 
 
 class VertexExecutor(cloud_executor.GenericExecutor):
-    """Starts the CustomJob; each replica runs `tfx_gradient_accumulator.components.executor.Executor`."""
+    """Starts the CustomJob; each replica runs `tfx_gradient_accumulator.components.executor.Executor`.
+
+    Each replica sets ML Metadata properties on artifacts that stay in its own
+    process, so the chief also writes them to `record.json`, and this executor
+    copies them onto the artifacts it publishes once the job has succeeded.
+    """
 
     def _GetExecutorClass(self):
         return executor.Executor
 
-    def Do(self, input_dict, output_dict, exec_properties):
+    def Do(self, input_dict: dict, output_dict: dict, exec_properties: dict) -> None:
+        """Runs the CustomJob to its end, then records the chief's properties (`copy_record`).
+
+        Args:
+            input_dict: TFX's input artifacts, by key.
+            output_dict: TFX's output artifacts, by key (`model`, `model_run`, ...).
+            exec_properties: the component's execution properties.
+
+        Raises:
+            RuntimeError: the job ended without the chief's `record.json`.
+        """
         super().Do(input_dict, output_dict, exec_properties)
         copy_record(output_dict)
 
 
-def copy_record(output_dict):
-    """Sets the properties the chief recorded (`record.json`) on `output_dict`'s artifacts."""
+def copy_record(output_dict: dict) -> None:
+    """Sets the properties the chief recorded (`record.json`) on the output artifacts.
+
+    Args:
+        output_dict: TFX's output artifacts, by key; the record is read from the
+            `model_run` artifact's folder and set on `model` and `model_run`.
+
+    Raises:
+        RuntimeError: there is no `record.json` (a job that cannot be shown to
+            have trained records nothing).
+    """
     model_run = output_dict[standard_component_specs.MODEL_RUN_KEY][0]
     path = os.path.join(model_run.uri, executor.TENSORBOARD_SUBDIR, executor.RECORD_FILE)
     if not fileio.exists(path):
@@ -64,15 +80,34 @@ class VertexAccumulatingTrainer(AccumulatingTrainer):
     EXECUTOR_SPEC = executor_spec.ExecutorClassSpec(VertexExecutor)
 
 
-def vertex_training_config(project, region, image, workers=2, machine_type="n1-standard-8",
-                           accelerator_type="NVIDIA_TESLA_T4", gpus_per_worker=1,
-                           restart_job_on_worker_restart=False):
+def vertex_training_config(project: str, region: str, image: str, workers: int = 2,
+                           machine_type: str = "n1-standard-8", accelerator_type: str = "NVIDIA_TESLA_T4",
+                           gpus_per_worker: int = 1, restart_job_on_worker_restart: bool = False) -> dict:
     """The `custom_config` that puts training on `workers` machines with GPUs.
 
     Pool 0 is the chief (1 replica), pool 1 the other `workers - 1` workers.
-    `restart_job_on_worker_restart`: Vertex restarts every replica when one is
-    restarted (a preempted machine), so the cluster resumes together from the
-    Trainer's backup (`backup_dir`); without it, the job fails.
+    Vertex sets `TF_CONFIG` on each replica, so `strategy="auto"` picks
+    `MultiWorkerMirroredStrategy` there, and `effective_batch_size` is divided
+    over all replicas of all pools.
+
+    Args:
+        project: the Google Cloud project of the CustomJob.
+        region: the Vertex AI region.
+        image: the container image (this project installed in it).
+        workers: machines in all, the chief included.
+        machine_type: every machine's type.
+        accelerator_type: the GPUs' type (unused without GPUs).
+        gpus_per_worker: GPUs per machine; 0 for none.
+        restart_job_on_worker_restart: Vertex restarts every replica when one
+            is restarted (a preempted machine), so the cluster resumes together
+            from the Trainer's backup (`backup_dir`); without it, the job fails.
+
+    Returns:
+        The dict for the Trainer's `custom_config`.
+
+    Raises:
+        ValueError: `workers` < 1 or `gpus_per_worker` < 0.
+        TypeError: either is not an integer.
     """
     workers = integer_at_least(workers, "workers")
     gpus_per_worker = integer_at_least(gpus_per_worker, "gpus_per_worker", minimum=0)

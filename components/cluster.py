@@ -1,20 +1,11 @@
 """What each process of a training cluster writes, and what a failed one becomes.
 
-Vertex AI and Kubeflow run the Trainer's executor once on every replica of the
-worker pools, each with its own `TF_CONFIG` and the same output artifacts. The
-stock Trainer leaves it to the user's module "to export the model only once";
-a penguin-style module exports from every worker into the same folder. Here,
-with the module unchanged:
-
-* the chief's run_fn exports into a staging folder beside `Format-Serving`,
-  which becomes `Format-Serving` only when the run succeeded and was recorded:
-  the model artifact holds a whole model or none;
-* every other worker's run_fn gets its own temporary folders for the serving
-  model and the run's logs (removed after), as Keras' multi-worker guide does:
-  it must still save (saving runs collectives), but nowhere that clobbers;
-* a peer that dies makes the collectives fail (`UnavailableError`, ...), which
-  becomes one error that says so, with what a restart resumes from.
+The chief exports through a staging folder (the model artifact holds a whole
+model or none), the other workers into temporary folders; a peer that dies
+becomes one error that says so.
 """
+
+from __future__ import annotations
 
 import contextlib
 import copy
@@ -23,12 +14,16 @@ import json
 import os
 import shutil
 import tempfile
+from typing import TYPE_CHECKING
 
 import tensorflow as tf
 from absl import logging
 from tfx.dsl.io import fileio
 
 from tfx_gradient_accumulator.accumulator.distribute import cluster_role, parse_tf_config
+
+if TYPE_CHECKING:
+    from tfx_gradient_accumulator.accumulator.backup import TrainingBackup
 
 STAGING = ".Format-Serving.incomplete"
 # The errors a collective raises when a peer is gone (TF 2.16: a reset connection
@@ -39,18 +34,42 @@ PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.Can
 
 @dataclasses.dataclass(frozen=True)
 class Role:
+    """This process's place in the cluster.
+
+    Attributes:
+        chief: whether it exports the model and records the run.
+        task: its name ("chief", "worker 1", ...).
+        workers: the processes that train (1: no cluster).
+    """
+
     chief: bool = True
     task: str = "chief"
     workers: int = 1
 
 
 def role_from_environment() -> Role:
+    """This process's `Role`, from `TF_CONFIG` (a process alone without one).
+
+    Raises:
+        ValueError: `TF_CONFIG` is malformed.
+    """
     return Role(*cluster_role(parse_tf_config(os.environ.get("TF_CONFIG"))))
 
 
-def refuse_one_strategy_per_worker(role: Role, strategy) -> None:
-    """Several processes must train as one (MultiWorkerMirroredStrategy), or each
-    would train a model of its own and the chief export only its part."""
+def refuse_one_strategy_per_worker(role: Role, strategy: tf.distribute.Strategy) -> None:
+    """Refuses a cluster whose processes would each train alone.
+
+    Several processes must train as one (MultiWorkerMirroredStrategy), or each
+    would train a model of its own and the chief export only its part.
+
+    Args:
+        role: this process's place in the cluster.
+        strategy: the strategy the run trains under.
+
+    Raises:
+        ValueError: several processes, and a strategy other than
+            `MultiWorkerMirroredStrategy`.
+    """
     if role.workers > 1 and not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         raise ValueError(
             f"TF_CONFIG names a cluster of {role.workers} training processes, but the strategy is "
@@ -59,7 +78,20 @@ def refuse_one_strategy_per_worker(role: Role, strategy) -> None:
 
 
 class WorkerOutputs:
-    """This process's `fn_args` (its output folders) and the model's publication."""
+    """This process's `fn_args` (its output folders) and the model's publication.
+
+    The chief's `fn_args.serving_model_dir` is a staging folder beside
+    `Format-Serving` (an earlier attempt's folders are removed); another
+    worker's serving and run folders are temporary ones of its own, since it
+    must still save (saving runs collectives) but nowhere that clobbers.
+
+    Attributes:
+        fn_args: a copy of the run's `fn_args` with this process's folders.
+
+    Args:
+        fn_args: the run's `FnArgs`, as the executor made them.
+        role: this process's place in the cluster.
+    """
 
     def __init__(self, fn_args, role: Role):
         self.role = role
@@ -77,17 +109,19 @@ class WorkerOutputs:
             self.fn_args.serving_model_dir = os.path.join(self.temporary, "serving_model")
             self.fn_args.model_run_dir = os.path.join(self.temporary, "model_run")
 
-    def check_exported(self):
+    def check_exported(self) -> None:
+        """Raises `RuntimeError` when the run_fn wrote no model (as the stock Trainer does)."""
         if not fileio.exists(self.fn_args.serving_model_dir):
             raise RuntimeError("run_fn failed to generate model.")
 
-    def publish(self):
+    def publish(self) -> None:
         """The chief's model becomes the artifact's `Format-Serving`; the others' temporary folders go."""
         if self.role.chief:
             fileio.rename(self.staging, self.serving_model_dir)
         self.discard()
 
-    def discard(self):
+    def discard(self) -> None:
+        """Removes what this process wrote (the chief's staging folder, another's temporary one)."""
         if self.role.chief:
             if fileio.exists(self.staging):
                 fileio.rmtree(self.staging)
@@ -96,9 +130,23 @@ class WorkerOutputs:
 
 
 @contextlib.contextmanager
-def worker_outputs(fn_args, role: Role, backup=None):
-    """`WorkerOutputs` for the run; on failure nothing is published, and a dead
-    peer is said to be one."""
+def worker_outputs(fn_args, role: Role, backup: TrainingBackup | None = None):
+    """`WorkerOutputs` for the run, discarded if the run fails.
+
+    Args:
+        fn_args: the run's `FnArgs`.
+        role: this process's place in the cluster.
+        backup: the run's `TrainingBackup`, if any: the error of a dead peer
+            says what a restart resumes from.
+
+    Yields:
+        The `WorkerOutputs`; nothing is published on failure.
+
+    Raises:
+        RuntimeError: on a cluster, a collective failed because a peer died or
+            became unreachable (`PEER_ERRORS`); it says so, and what a restart
+            resumes from.
+    """
     outputs = WorkerOutputs(fn_args, role)
     try:
         yield outputs
@@ -113,6 +161,7 @@ def worker_outputs(fn_args, role: Role, backup=None):
 
 
 def _peer_failed(role, err, backup):
+    """The message of a run stopped by a dead peer, with what a restart resumes from."""
     first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
     if backup is not None:
         latest = backup.latest()
@@ -127,14 +176,27 @@ def _peer_failed(role, err, backup):
 
 
 def describe(role: Role) -> str:
+    """One phrase for the log: "one process", or the task and what it does.
+
+    Args:
+        role: this process's place in the cluster.
+
+    Returns:
+        E.g. "worker 1 of 2 processes (exports to a temporary folder)".
+    """
     if role.workers == 1:
         return "one process"
     duty = "exports the model and records the run" if role.chief else "exports to a temporary folder"
     return f"{role.task} of {role.workers} processes ({duty})"
 
 
-def write_json(path, value):
-    """Writes `value` as JSON to `path` through a temporary name (whole or absent)."""
+def write_json(path: str, value) -> None:
+    """Writes `value` as JSON to `path` through a temporary name (whole or absent).
+
+    Args:
+        path: the file (local or a `tf.io.gfile` path); its folder is made.
+        value: anything `json.dumps` takes.
+    """
     fileio.makedirs(os.path.dirname(path))
     with fileio.open(path + ".tmp", "w") as f:
         f.write(json.dumps(value, indent=1, sort_keys=True))

@@ -1,22 +1,11 @@
 """The gradient noise scale a run measured: read from its optimizers, recorded honestly.
 
-With `measure_noise_scale=True`, `AccumulatingTrainer` makes the wrapped
-optimizers estimate B_simple (`accumulator.noise_scale`) and, after training,
-records the final estimate: on the `model` and `model_run` artifacts (ML
-Metadata) and in the run's TensorBoard logs. What is recorded:
-
-* `noise_scale` (float): B_simple in samples (the micro-batch weights of
-  `fit`: a loss's denominator, or the batch's samples for a loss that returns one
-  number per batch; a loss with reduction "sum" or "none" is refused by `fit`
-  before training), the smoothed estimate when training ended. Only when there is one
-  that means something: a finite, positive number. Never a placeholder.
-* `noise_scale_windows` (int): the windows of two or more micro-batches it
-  was estimated from (0: none closed, so no estimate).
-* `noise_scale_smoothing` (float): the EMA decay over windows.
-* `noise_scale_status` (string): "measured", or why there is no
-  `noise_scale` (no window of two or more micro-batches; the smoothed |G|^2
-  not resolved from 0; the run_fn's own accumulator does not measure).
+With `measure_noise_scale=True` the Trainer records the final B_simple estimate
+on the `model` and `model_run` artifacts and in TensorBoard, and only when it
+means something: never a placeholder (`NoiseScaleReading` lists what is recorded).
 """
+
+from __future__ import annotations
 
 import dataclasses
 import json
@@ -28,7 +17,22 @@ MEASURED = "measured"
 
 @dataclasses.dataclass(frozen=True)
 class NoiseScaleReading:
-    """The final estimate of one run (see the module docstring)."""
+    """The final estimate of one run, as recorded.
+
+    Attributes:
+        status: "measured", or why there is no `noise_scale` (no window of two
+            or more micro-batches; the smoothed |G|^2 not resolved from 0; the
+            run_fn's own accumulator does not measure).
+        noise_scale: B_simple in samples (the micro-batch weights of `fit`: a
+            loss's denominator, or the batch's samples for a loss that returns
+            one number per batch), the smoothed estimate when training ended;
+            recorded only when measured (a finite, positive number).
+        windows: the windows of two or more micro-batches it was estimated from
+            (0: none closed, so no estimate).
+        smoothing: the EMA decay over windows (None when not known).
+        gradient_sq_norm: the smoothed |G|^2 (in the JSON reading only).
+        trace: the smoothed tr(Sigma) (in the JSON reading only).
+    """
 
     status: str
     noise_scale: float = float("nan")
@@ -42,7 +46,7 @@ class NoiseScaleReading:
         """True when `noise_scale` is a finite, positive estimate."""
         return self.status == MEASURED
 
-    def as_dict(self):
+    def as_dict(self) -> dict:
         """JSON-ready: NaN and infinities become None."""
         def clean(value):
             return value if isinstance(value, (int, str)) or value is None or math.isfinite(value) else None
@@ -58,10 +62,17 @@ class NoiseScaleReading:
 
 
 def read(optimizers: Sequence, measure: bool) -> Optional[NoiseScaleReading]:
-    """The estimate of the optimizer that measured the most windows; None when not measuring.
+    """The estimate of the optimizer that measured the most windows.
 
-    `optimizers` are the `GradientAccumulator`s the run made (one per compiled
-    model, usually one); on a tie the last one made wins (the model trained last).
+    Args:
+        optimizers: the `GradientAccumulator`s the run made (one per compiled
+            model, usually one); on a tie the last one made wins (the model
+            trained last).
+        measure: whether the Trainer was asked to measure (`measure_noise_scale`).
+
+    Returns:
+        The reading (its `status` says why there is no estimate, if there is
+        none), or None when not measuring.
     """
     if not measure:
         return None
@@ -94,7 +105,16 @@ def read(optimizers: Sequence, measure: bool) -> Optional[NoiseScaleReading]:
 
 
 def record(artifacts, reading: Optional[NoiseScaleReading]) -> None:
-    """Sets the custom properties of the module docstring on every artifact."""
+    """Sets the reading's custom properties on every artifact.
+
+    `noise_scale_status` (string), `noise_scale_windows` (int),
+    `noise_scale_smoothing` (float, when known) and `noise_scale` (float, only
+    when measured).
+
+    Args:
+        artifacts: TFX artifacts (the `model` and `model_run` ones).
+        reading: the run's reading; None: nothing is set.
+    """
     if reading is None:
         return
     for artifact in artifacts:
@@ -107,9 +127,16 @@ def record(artifacts, reading: Optional[NoiseScaleReading]) -> None:
 
 
 def write_summaries(reading: Optional[NoiseScaleReading], step: int) -> None:
-    """TensorBoard, inside the caller's default writer: `accumulation/noise_scale` (only
-    when measured) and `accumulation/noise_scale_windows` at `step` (the optimizer
-    updates), and the reading as JSON text."""
+    """Writes the reading to TensorBoard, inside the caller's default writer.
+
+    `accumulation/noise_scale` (only when measured) and
+    `accumulation/noise_scale_windows`, and the reading as JSON text
+    (`accumulation/noise_scale_reading`).
+
+    Args:
+        reading: the run's reading; None: nothing is written.
+        step: the summaries' step (the optimizer updates).
+    """
     import tensorflow as tf
 
     if reading is None:
@@ -121,8 +148,17 @@ def write_summaries(reading: Optional[NoiseScaleReading], step: int) -> None:
                     step=step)
 
 
-def describe(reading: Optional[NoiseScaleReading], effective_batch_size=None) -> Optional[str]:
-    """One log line for the reading; None when not measuring."""
+def describe(reading: Optional[NoiseScaleReading], effective_batch_size: int | None = None) -> Optional[str]:
+    """One log line for the reading.
+
+    Args:
+        reading: the run's reading (None when not measuring).
+        effective_batch_size: the run's effective batch, shown beside the
+            estimate when given.
+
+    Returns:
+        The line, or None when not measuring.
+    """
     if reading is None:
         return None
     if not reading.measured:

@@ -1,19 +1,11 @@
 """`AccumulatingTrainer(backup_dir=...)`: training that survives a killed worker.
 
-The run backs up to `<backup_dir>/<run key>` (`accumulator.backup.TrainingBackup`:
-every `backup_every` optimizer updates, at window boundaries, and at epoch ends).
-The run key is a digest of what decides the training: the input artifacts'
-URIs, the execution properties and the module file's contents. A restarted
-executor (a preempted Vertex replica, a retried component) with the same key
-resumes where the backup was, exactly; a run with other data, parameters or
-code never picks up a backup that is not its own. The backup is removed once
-the model is published.
-
-Recorded on the output artifacts (ML Metadata) and in TensorBoard:
-`backup_resumes` (0 for a run that started fresh), `resumed_at_step` (fit
-steps, i.e. micro-steps, already trained when it resumed), `resumed_at_update`
-(optimizer updates then), and the string `backup_dir`.
+A restarted executor with the same run key (the inputs, the execution
+properties and the module file) resumes from `<backup_dir>/<run key>`, exactly;
+the resume is recorded on the output artifacts and in TensorBoard.
 """
+
+from __future__ import annotations
 
 import hashlib
 import json
@@ -30,8 +22,20 @@ BACKUP_EVERY_KEY = "backup_every"
 DEFAULT_BACKUP_EVERY = 100
 
 
-def run_key(input_dict, exec_properties) -> str:
-    """What decides the training, as a digest (16 hex digits)."""
+def run_key(input_dict: dict, exec_properties: dict) -> str:
+    """What decides the training, as a digest.
+
+    A run with other data, parameters or code never picks up a backup that is
+    not its own; a restarted executor of the same run does.
+
+    Args:
+        input_dict: TFX's input artifacts, by key (their URIs count).
+        exec_properties: the execution properties (all but `backup_dir` and
+            `backup_every` count, and the contents of `module_file`).
+
+    Returns:
+        16 hex digits.
+    """
     described = {
         "inputs": {key: sorted(a.uri for a in artifacts) for key, artifacts in sorted(input_dict.items())},
         "properties": {k: v for k, v in sorted(exec_properties.items())
@@ -45,8 +49,27 @@ def run_key(input_dict, exec_properties) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def backup_for(input_dict, exec_properties, steps_per_update, chief) -> Optional[TrainingBackup]:
-    """The run's `TrainingBackup`, or None without `backup_dir`."""
+def backup_for(input_dict: dict, exec_properties: dict, steps_per_update: int,
+               chief: bool) -> Optional[TrainingBackup]:
+    """The run's `TrainingBackup`, in `<backup_dir>/<run key>`.
+
+    It backs up every `backup_every` optimizer updates (at window boundaries)
+    and at epoch ends, and is removed once the model is published.
+
+    Args:
+        input_dict: TFX's input artifacts, by key.
+        exec_properties: the execution properties (`backup_dir`, `backup_every`).
+        steps_per_update: fit steps per optimizer update (`accum_steps`, or 1
+            with `gradient_cache`).
+        chief: whether this process writes the backups.
+
+    Returns:
+        The backup, or None without `backup_dir`.
+
+    Raises:
+        ValueError: `backup_every` < 1.
+        TypeError: `backup_every` is not an integer.
+    """
     directory = exec_properties.get(BACKUP_DIR_KEY)
     if not directory:
         return None
@@ -55,8 +78,18 @@ def backup_for(input_dict, exec_properties, steps_per_update, chief) -> Optional
                           every_steps=every * steps_per_update, chief=chief)
 
 
-def properties(backup: Optional[TrainingBackup]):
-    """(integers, strings) recorded for the run's backup; empty without one."""
+def properties(backup: Optional[TrainingBackup]) -> tuple[dict, dict]:
+    """What is recorded (ML Metadata, TensorBoard) for the run's backup.
+
+    Args:
+        backup: the run's backup, after training; None without `backup_dir`.
+
+    Returns:
+        `(integers, strings)`: `backup_resumes` (0 for a run that started
+        fresh), `resumed_at_step` (fit steps, i.e. micro-steps, already trained
+        when it resumed), `resumed_at_update` (optimizer updates then); and
+        `backup_dir`. Both empty without a backup.
+    """
     if backup is None:
         return {}, {}
     resumed = backup.resumed_from or {"resumes": 0, "steps": 0, "updates": 0}
