@@ -15,6 +15,7 @@ module file as a wheel. Submit the JSON with the Vertex AI SDK or the KFP UI.
 """
 
 import os
+from typing import Optional
 
 from absl import app, flags
 
@@ -38,15 +39,40 @@ BACKUP_EVERY = flags.DEFINE_integer("backup_every", 100, "Optimizer updates betw
 OUTPUT = flags.DEFINE_string("output", "digits_pipeline.json", "Where to write the pipeline JSON.")
 
 
-def compile_pipeline(output, project, region, image, pipeline_root, data_root, serving_model_dir,
-                     workers, gpus_per_worker, machine_type, accelerator_type, accum_steps,
-                     effective_batch_size, backup_dir=None, backup_every=100):
-    """Writes the KFP v2 pipeline JSON to `output`; returns its path.
+def compile_pipeline(output: str, project: str, region: str, image: str, pipeline_root: str, data_root: str,
+                     serving_model_dir: str, workers: int, gpus_per_worker: int, machine_type: str,
+                     accelerator_type: str, accum_steps: int, effective_batch_size: int,
+                     backup_dir: Optional[str] = None, backup_every: int = 100) -> str:
+    """Writes the digits pipeline's KFP v2 JSON, its Trainer on Vertex AI.
 
-    `backup_dir` (default `<pipeline_root>/trainer-backups`; "none" for no
-    backup): the Trainer backs up there every `backup_every` optimizer
-    updates, and Vertex restarts every replica when one restarts, so the job
-    resumes together from the backup instead of failing.
+    Args:
+        output: the JSON file to write.
+        project: the Google Cloud project.
+        region: the Vertex AI region.
+        image: the container image (this project installed in it).
+        pipeline_root: where the components' artifacts go (nothing is read or
+            written there when compiling).
+        data_root: the folder holding `digits.csv`.
+        serving_model_dir: the Pusher's destination.
+        workers: training machines, the chief included.
+        gpus_per_worker: GPUs per machine.
+        machine_type: every training machine's type.
+        accelerator_type: the GPUs' type.
+        accum_steps: the Trainer's default; the Tuner's best value replaces it.
+        effective_batch_size: the Trainer's default; the Tuner's best value
+            replaces it.
+        backup_dir: where the Trainer backs up (default
+            `<pipeline_root>/trainer-backups`; "none" for no backup); with a
+            backup, Vertex restarts every replica when one restarts, so the job
+            resumes together from the backup instead of failing.
+        backup_every: optimizer updates between backups.
+
+    Returns:
+        The JSON file's absolute path.
+
+    Raises:
+        ValueError: settings the Trainer's executor would refuse (e.g. an
+            effective batch that the micro-batches of all replicas do not divide).
     """
     from tfx.orchestration.kubeflow.v2 import kubeflow_v2_dag_runner
 

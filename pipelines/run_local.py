@@ -36,6 +36,7 @@ them; the outputs are the same records and statistics
 import json
 import os
 import sys
+from typing import Optional
 
 from absl import app, flags, logging
 
@@ -73,9 +74,21 @@ MEASURE = flags.DEFINE_boolean("measure_noise_scale", True,
                                "Not with retrieval (GradientCache gives no honest estimate).")
 
 
-def beam_pipeline_args(running_mode="in_memory", workers=None):
-    """The pipeline's `beam_pipeline_args` for the direct runner: `running_mode` one of
-    BEAM_RUNNING_MODES, `workers` (direct_num_workers) 1 in memory, else default the CPU count."""
+def beam_pipeline_args(running_mode: str = "in_memory", workers: Optional[int] = None) -> list:
+    """The pipeline's `beam_pipeline_args` for the direct runner.
+
+    Args:
+        running_mode: one of `BEAM_RUNNING_MODES`.
+        workers: Beam's `direct_num_workers`: 1 in memory; else default the
+            CPU count.
+
+    Returns:
+        The arguments, as a list of flags.
+
+    Raises:
+        ValueError: another running mode, or workers other than 1 in memory
+            (or below 1).
+    """
     if running_mode not in BEAM_RUNNING_MODES:
         raise ValueError(f"running_mode={running_mode!r}: one of {', '.join(BEAM_RUNNING_MODES)}")
     if workers is None:
@@ -97,8 +110,15 @@ def _beam_args():
     return beam_pipeline_args(BEAM_RUNNING_MODE.value, BEAM_WORKERS.value)
 
 
-def latest_artifacts(metadata_path):
-    """`latest(type_name)`: the newest artifact of that type in the store, or None."""
+def latest_artifacts(metadata_path: str):
+    """A reader of the newest artifacts in a SQLite ML Metadata store.
+
+    Args:
+        metadata_path: the store's file.
+
+    Returns:
+        `latest(type_name)`: the newest artifact of that type, or None.
+    """
     import ml_metadata as mlmd
     from tfx import v1 as tfx
 
@@ -111,8 +131,17 @@ def latest_artifacts(metadata_path):
     return latest
 
 
-def summarize(metadata_path, pipeline_name):
-    """Reads the run's outcome back from ML Metadata; returns a dict."""
+def summarize(metadata_path: str, pipeline_name: str) -> dict:
+    """Reads the run's outcome back from ML Metadata.
+
+    Args:
+        metadata_path: the run's SQLite store.
+        pipeline_name: the pipeline's name (not read: the run's store is its own).
+
+    Returns:
+        What it found of `best_hyperparameters`, `trainer` (the model's
+        recorded properties), `evaluation`, `blessed`, `pushed`, `pushed_to`.
+    """
     latest = latest_artifacts(metadata_path)
 
     summary = {}
@@ -143,8 +172,15 @@ def summarize(metadata_path, pipeline_name):
     return summary
 
 
-def noise_scale_line(trainer):
-    """What the Trainer's record says about the gradient noise scale; None if it did not measure."""
+def noise_scale_line(trainer: dict) -> Optional[str]:
+    """What the Trainer's record says about the gradient noise scale.
+
+    Args:
+        trainer: the model's recorded properties (`summarize`'s `trainer`).
+
+    Returns:
+        One line, or None if the Trainer did not measure.
+    """
     if "noise_scale_status" not in trainer:
         return None
     if "noise_scale" not in trainer:
@@ -155,8 +191,16 @@ def noise_scale_line(trainer):
             "few updates")
 
 
-def retrieval_recall(metadata_path, k=10):
-    """Held-out recall@k of the newest trained model on the newest examples' eval split."""
+def retrieval_recall(metadata_path: str, k: int = 10) -> dict:
+    """Held-out recall@k of the newest trained model on the newest examples' eval split.
+
+    Args:
+        metadata_path: the run's SQLite store.
+        k: how many of the top-scored items count.
+
+    Returns:
+        `evaluate.held_out_recall`'s dict.
+    """
     from tfx.utils import path_utils
 
     from tfx_gradient_accumulator.pipelines.retrieval.evaluate import held_out_recall
@@ -186,7 +230,8 @@ def use_keras_2_for_tfrs():
             "run it in a fresh process, or start the process with TF_USE_LEGACY_KERAS=1.")
 
 
-def run_digits(root):
+def run_digits(root: str) -> None:
+    """Writes the data, runs the digits pipeline under `root` and prints its outcome."""
     from tfx.orchestration.beam.beam_dag_runner import BeamDagRunner
 
     from tfx_gradient_accumulator.pipelines.digits.data import write_digits_csv
@@ -222,8 +267,15 @@ def run_digits(root):
     print("pushed model:", summary.get("pushed_to"))
 
 
-def recall_line(recall):
-    """The held-out recall@k, read between what the generating distribution and chance reach."""
+def recall_line(recall: dict) -> str:
+    """The held-out recall@k, read between what the generating distribution and chance reach.
+
+    Args:
+        recall: `evaluate.held_out_recall`'s dict.
+
+    Returns:
+        One line.
+    """
     k = recall["k"]
     return (f"held-out recall@{k}: {recall['recall_at_k']:.3f} over {recall['interactions']} interactions "
             f"(ranking by the generating distribution: {recall['oracle_recall_at_k']:.3f}; "
@@ -242,7 +294,8 @@ def _retrieval_max_trials():
     return 0
 
 
-def run_retrieval(root):
+def run_retrieval(root: str) -> None:
+    """Writes the data, runs the retrieval pipeline under `root` and prints its outcome."""
     if MEASURE.present:
         raise app.UsageError("--measure_noise_scale is the digits pipeline's: the retrieval pipeline trains "
                              "with gradient_cache=True, which gives the noise scale no honest estimate.")

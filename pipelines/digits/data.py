@@ -13,8 +13,15 @@ LABEL_KEY = "label"
 FILE_NAME = "digits.csv"
 
 
-def write_digits_csv(directory):
-    """Writes `directory/digits.csv` once (atomically); returns its path."""
+def write_digits_csv(directory: str) -> str:
+    """Writes `directory/digits.csv` once (atomically).
+
+    Args:
+        directory: the folder (made if missing); an existing file is kept.
+
+    Returns:
+        The CSV's path.
+    """
     from sklearn.datasets import load_digits
 
     os.makedirs(directory, exist_ok=True)

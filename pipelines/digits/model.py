@@ -44,7 +44,14 @@ def _schema():
 
 
 def build_model(hp: keras_tuner.HyperParameters) -> keras.Model:
-    """A small CNN over the 8x8 image: where a bigger batch steadies training."""
+    """A small CNN over the 8x8 image: where a bigger batch steadies training.
+
+    Args:
+        hp: the hyperparameters; `learning_rate` is read.
+
+    Returns:
+        The model, compiled with a plain Adam (the Trainer or the tuner wraps it).
+    """
     inputs = [keras.layers.Input(shape=(1,), name=key) for key in FEATURE_KEYS]
     x = keras.layers.Concatenate()(inputs)
     x = keras.layers.Rescaling(1.0 / 16.0)(x)
@@ -67,6 +74,7 @@ def build_model(hp: keras_tuner.HyperParameters) -> keras.Model:
 
 
 def _hyperparameters(fn_args) -> keras_tuner.HyperParameters:
+    """The Tuner's best hyperparameters, or a fixed learning rate without a Tuner."""
     if fn_args.hyperparameters:
         return keras_tuner.HyperParameters.from_config(fn_args.hyperparameters)
     hp = keras_tuner.HyperParameters()
@@ -90,7 +98,12 @@ def _export(model: keras.Model, directory: str) -> None:
 
 
 def run_fn(fn_args: tfx.components.FnArgs) -> None:
-    """Trains the model; the Trainer decides the steps, the batch and the optimizer's wrapper."""
+    """Trains the model; the Trainer decides the steps, the batch and the optimizer's wrapper.
+
+    Args:
+        fn_args: the Trainer's `FnArgs` (files, steps, `hyperparameters`, the
+            serving and run folders, `data_accessor`).
+    """
     schema = _schema()
     train = _input_fn(fn_args.train_files, fn_args.data_accessor, schema, BATCH_SIZE)
     evaluation = _input_fn(fn_args.eval_files, fn_args.data_accessor, schema, EVAL_BATCH_SIZE)
@@ -111,6 +124,13 @@ def tuner_fn(fn_args: tfx.components.FnArgs) -> tfx.components.TunerFnResult:
 
     accum_steps from 2: the Trainer measures the gradient noise scale, which
     needs windows of two or more micro-batches.
+
+    Args:
+        fn_args: the Tuner's `FnArgs`; `custom_config["max_trials"]` (default 4)
+            bounds the search.
+
+    Returns:
+        The KerasTuner random search and `fit`'s arguments for its trials.
     """
     hp = keras_tuner.HyperParameters()
     hp.Choice("learning_rate", [3e-3, 1e-2])

@@ -22,7 +22,15 @@ MODULE = "tfx_gradient_accumulator.pipelines.digits.model"
 ACCURACY_THRESHOLD = 0.8
 
 
-def eval_config(threshold=ACCURACY_THRESHOLD):
+def eval_config(threshold: float = ACCURACY_THRESHOLD) -> tfma.EvalConfig:
+    """The Evaluator's config: example count, and accuracy that blesses the model.
+
+    Args:
+        threshold: the sparse categorical accuracy's lower bound for blessing.
+
+    Returns:
+        The TFMA `EvalConfig`.
+    """
     return tfma.EvalConfig(
         model_specs=[tfma.ModelSpec(
             label_key=LABEL_KEY, signature_name="serving_default",
@@ -41,9 +49,17 @@ def eval_config(threshold=ACCURACY_THRESHOLD):
     )
 
 
-def data_components(data_root: str):
-    """The data components, in order: CsvExampleGen (of the CSV under `data_root`),
-    StatisticsGen, SchemaGen. The first two run on Beam."""
+def data_components(data_root: str) -> tuple:
+    """The data components, in order: CsvExampleGen, StatisticsGen, SchemaGen.
+
+    The first two run on Beam.
+
+    Args:
+        data_root: the folder holding the CSV.
+
+    Returns:
+        `(example_gen, statistics_gen, schema_gen)`.
+    """
     example_gen = tfx.components.CsvExampleGen(input_base=data_root)
     statistics_gen = tfx.components.StatisticsGen(examples=example_gen.outputs["examples"])
     schema_gen = tfx.components.SchemaGen(
@@ -75,19 +91,44 @@ def create_pipeline(
     backup_dir: Optional[str] = None,
     backup_every: Optional[int] = None,
 ) -> tfx.dsl.Pipeline:
-    """Builds the pipeline. `accum_steps`/`effective_batch_size` are the Trainer's
+    """Builds the digits pipeline.
 
-    defaults; the Tuner's best values replace them. `measure_noise_scale`: the
-    Trainer estimates the gradient noise scale and records it on its model.
-    `backup_dir`, `backup_every`: the Trainer backs training up there and a
-    restarted Trainer resumes (AccumulatingTrainer's parameters).
+    Args:
+        pipeline_name: the pipeline's name in ML Metadata.
+        pipeline_root: where the components' artifacts go.
+        data_root: the folder holding `digits.csv`.
+        serving_model_dir: the Pusher's destination.
+        metadata_path: a SQLite ML Metadata file; None: the orchestrator's store.
+        train_updates: the Trainer's optimizer updates (`TrainArgs.num_steps`).
+        tuner_updates: each tuning trial's optimizer updates.
+        eval_steps: evaluation steps of the Tuner and the Trainer.
+        max_trials: tuning trials.
+        accum_steps: the Trainer's default; the Tuner's best value replaces it.
+        effective_batch_size: the Trainer's default; the Tuner's best value
+            replaces it.
+        accuracy_threshold: the Evaluator's accuracy lower bound for blessing.
+        strategy: the Trainer's `strategy` ("auto" reads the environment).
+        beam_pipeline_args: Beam's arguments; None: the direct runner in
+            memory, one worker.
+        module_file: the Tuner's and Trainer's code by path (packaged by TFX as
+            a wheel under the pipeline root when the pipeline is compiled or run).
+        module: the same code by import path instead (`f"{module}.tuner_fn"`,
+            `f"{module}.run_fn"`): nothing is packaged, so compiling with a
+            remote pipeline root needs no access to it, and the runtime image
+            must have the module installed.
+        trainer_class: `AccumulatingTrainer` or a subclass
+            (`VertexAccumulatingTrainer`).
+        trainer_custom_config: the Trainer's `custom_config`
+            (`vertex_training_config` on Vertex AI).
+        measure_noise_scale: the Trainer estimates the gradient noise scale
+            and records it on its model.
+        backup_dir: the Trainer backs training up there, and a restarted
+            Trainer resumes (AccumulatingTrainer's parameter).
+        backup_every: optimizer updates between backups.
 
-    The Tuner and Trainer get their code from `module_file` (a path, packaged by
-    TFX as a wheel under the pipeline root when the pipeline is compiled or run)
-    or, when `module` is given, by import path (`f"{module}.tuner_fn"`,
-    `f"{module}.run_fn"`): nothing is packaged, so compiling with a remote
-    pipeline root needs no access to it, and the runtime image must have the
-    module installed.
+    Returns:
+        The `tfx.dsl.Pipeline`: ExampleGen, StatisticsGen, SchemaGen, Tuner,
+        the Trainer, Evaluator, Pusher.
     """
     if module:
         code = dict(tuner=dict(tuner_fn=f"{module}.tuner_fn"), trainer=dict(run_fn=f"{module}.run_fn"))

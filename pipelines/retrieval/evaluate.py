@@ -19,8 +19,19 @@ import tensorflow as tf
 from tfx_gradient_accumulator.pipelines.retrieval.data import ITEM_KEY, ITEMS, USER_KEY, oracle_recall_at_k, recall_at_k
 
 
-def read_split(examples_uri, split="eval"):
-    """(user ids, item ids) of one split of an Examples artifact (gzipped TFRecords)."""
+def read_split(examples_uri: str, split: str = "eval") -> tuple:
+    """The interactions of one split of an Examples artifact (gzipped TFRecords).
+
+    Args:
+        examples_uri: the Examples artifact's folder.
+        split: the split's name.
+
+    Returns:
+        `(user ids, item ids)`, two int64 arrays.
+
+    Raises:
+        FileNotFoundError: the artifact has no such split.
+    """
     files = sorted(glob.glob(os.path.join(examples_uri, f"Split-{split}", "*")))
     if not files:
         raise FileNotFoundError(f"No `{split}` split under {examples_uri!r}.")
@@ -33,8 +44,17 @@ def read_split(examples_uri, split="eval"):
     return np.concatenate(users), np.concatenate(items)
 
 
-def held_out_recall(serving_model_dir, examples_uri, k=10):
-    """{"recall_at_k", "oracle_recall_at_k", "chance_recall_at_k", "k", "interactions"} on the eval split."""
+def held_out_recall(serving_model_dir: str, examples_uri: str, k: int = 10) -> dict:
+    """The exported model's recall@k on the eval split, beside the oracle's and chance's.
+
+    Args:
+        serving_model_dir: the exported model (its `query` and `candidate` signatures).
+        examples_uri: the Examples artifact's folder.
+        k: how many of the top-scored items count.
+
+    Returns:
+        `{"recall_at_k", "oracle_recall_at_k", "chance_recall_at_k", "k", "interactions"}`.
+    """
     users, items = read_split(examples_uri)
     model = tf.saved_model.load(serving_model_dir)
     queries = model.query(tf.constant(users, tf.int64)).numpy()

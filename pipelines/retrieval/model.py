@@ -1,18 +1,8 @@
 """Module file of the retrieval pipeline: a two-tower model with in-batch negatives.
 
-user id -> query tower, item id -> candidate tower; the loss is each query's
-softmax over every candidate of its batch (`accumulator.contrastive.in_batch_softmax`,
-TensorFlow Recommenders' `Retrieval` task). The batch *is* the set of
-negatives, so plain gradient accumulation would be wrong (micro-batches would
-have only their own negatives): the model is wrapped in
-`accumulator.GradientCache(two_tower, accum_steps=1)`, and
-`AccumulatingTrainer(gradient_cache=True)` sets its accum_steps and batches the
-training data at the effective batch. Under the stock Trainer the same module
-trains at its own `BATCH_SIZE` without micro-batches.
-
-The export has two signatures, `query` (user ids -> query embeddings) and
-`candidate` (item ids -> candidate embeddings): retrieval scores every
-candidate against a query by dot product (`pipelines/retrieval/evaluate.py`).
+The batch is the set of negatives, so the model is wrapped in
+`GradientCache(two_tower, accum_steps=1)`, and `AccumulatingTrainer(gradient_cache=True)`
+sets its accum_steps; the export has `query` and `candidate` signatures.
 """
 
 import keras
@@ -39,25 +29,40 @@ class TwoTower(keras.Model):
     """Query and candidate towers over ids; `compute_loss` is the in-batch softmax.
 
     The candidate tower has no output bias: it would shift every logit of a
-    query's row alike, which the softmax ignores (its gradient is zero)."""
+    query's row alike, which the softmax ignores (its gradient is zero).
 
-    def __init__(self, dim=EMBEDDING_DIM, **kwargs):
+    Args:
+        dim: the embeddings' size.
+        **kwargs: those of `keras.Model`.
+    """
+
+    def __init__(self, dim: int = EMBEDDING_DIM, **kwargs):
         super().__init__(**kwargs)
         self.query = keras.Sequential([keras.layers.Embedding(USERS, dim), keras.layers.Dense(dim)], name="query")
         self.candidate = keras.Sequential([keras.layers.Embedding(ITEMS, dim),
                                            keras.layers.Dense(dim, use_bias=False)], name="candidate")
 
     def call(self, inputs):
+        """`{"query": ..., "candidate": ...}` embeddings of `inputs`' user and item ids."""
         return {"query": self.query(tf.reshape(inputs[USER_KEY], [-1])),
                 "candidate": self.candidate(tf.reshape(inputs[ITEM_KEY], [-1]))}
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        """The in-batch softmax of `y_pred`'s embeddings (Keras' `compute_loss` arguments)."""
         return contrastive.in_batch_softmax(y_pred["query"], y_pred["candidate"])
 
 
 def build_model(hp: keras_tuner.HyperParameters) -> keras.Model:
-    """The two-tower model wrapped in `GradientCache` (accum_steps set by the Trainer
-    or the tuner), compiled with a plain optimizer."""
+    """The two-tower model wrapped in `GradientCache`, compiled with a plain optimizer.
+
+    Args:
+        hp: unused: accum_steps and the effective batch are the Trainer's (or
+            the tuner's, through `AccumulatingHyperModel`).
+
+    Returns:
+        `GradientCache(two_tower, accum_steps=1)`; the Trainer or the tuner
+        sets its accum_steps.
+    """
     del hp    # accum_steps and the effective batch are the Trainer's (or the tuner's)
     keras.utils.set_random_seed(0)
     two_tower = TwoTower()
@@ -68,6 +73,7 @@ def build_model(hp: keras_tuner.HyperParameters) -> keras.Model:
 
 
 def _hyperparameters(fn_args) -> keras_tuner.HyperParameters:
+    """The Tuner's best hyperparameters, or empty ones without a Tuner."""
     if fn_args.hyperparameters:
         return keras_tuner.HyperParameters.from_config(fn_args.hyperparameters)
     return keras_tuner.HyperParameters()
@@ -84,7 +90,12 @@ def _export(two_tower: TwoTower, directory: str) -> None:
 
 
 def run_fn(fn_args: tfx.components.FnArgs) -> None:
-    """Trains the model; the Trainer decides the steps, the batch and the accum_steps."""
+    """Trains the model; the Trainer decides the steps, the batch and the accum_steps.
+
+    Args:
+        fn_args: the Trainer's `FnArgs` (files, steps, the serving and run
+            folders, `data_accessor`).
+    """
     train = input_fn(fn_args.train_files, fn_args.data_accessor, BATCH_SIZE)
     evaluation = input_fn(fn_args.eval_files, fn_args.data_accessor, EVAL_BATCH_SIZE, shuffle=False)
     model = build_model(_hyperparameters(fn_args))
@@ -104,6 +115,13 @@ def tuner_fn(fn_args: tfx.components.FnArgs) -> tfx.components.TunerFnResult:
 
     Validation batches stay at `EVAL_BATCH_SIZE` in every trial, so the
     objective, the validation loss, scores every trial against the same negatives.
+
+    Args:
+        fn_args: the Tuner's `FnArgs`; `custom_config["max_trials"]` (default 2)
+            bounds the search.
+
+    Returns:
+        The KerasTuner random search and `fit`'s arguments for its trials.
     """
     custom_config = fn_args.custom_config or {}
     tuner = keras_tuner.RandomSearch(

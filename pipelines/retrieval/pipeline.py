@@ -1,21 +1,9 @@
 """The retrieval pipeline: ExampleGen → statistics → schema → Tuner → AccumulatingTrainer(gradient_cache=True).
 
-A two-tower model trained with in-batch negatives (`pipelines/retrieval/model.py`)
-on synthetic interactions with known clusters (`pipelines/retrieval/data.py`).
-The Tuner searches `accum_steps` and the effective batch with
-`AccumulatingHyperModel(..., gradient_cache=True)`; the Trainer trains the
-best with `GradientCache`: batches of the effective batch (all of it the
-negatives), one micro-batch's activations at a time. No Evaluator: TFMA has no
-metric for ranking against every item, so `pipelines/retrieval/evaluate.py`
-measures held-out recall@k from the exported model after the run
-(`pipelines/run_local.py --pipeline=retrieval` prints it).
-
-Two module files train the same two-tower model: `model.py` with Keras 3
-(`model="keras"`, the default) and `tfrs_model.py` with TensorFlow Recommenders
-on Keras 2 (`model="tfrs"`). The TFRS one has no Tuner (KerasTuner builds only
-Keras 3 models: keras-team/keras-tuner#1039), so `max_trials` must be 0 with it;
-and the process running the pipeline needs `TF_USE_LEGACY_KERAS=1` from its start
-(`tfrs_model.py` says why).
+A two-tower model trained with in-batch negatives on synthetic interactions
+with known clusters; no Evaluator (`evaluate.py` measures held-out recall@k).
+`model="keras"` (Keras 3, tuned) or `model="tfrs"` (TensorFlow Recommenders on
+Keras 2, no Tuner; the process needs `TF_USE_LEGACY_KERAS=1` from its start).
 """
 
 import os
@@ -47,11 +35,36 @@ def create_pipeline(
     model: str = "keras",
     module_file: Optional[str] = None,
 ) -> tfx.dsl.Pipeline:
-    """Builds the pipeline. `accum_steps`/`effective_batch_size` are the Trainer's
-    defaults; the Tuner's best values replace them. `max_trials=0` leaves the
-    Tuner out (the Trainer then trains with the defaults). `model` picks the
-    module file: "keras" (Keras 3, tunable) or "tfrs" (TensorFlow Recommenders,
-    `max_trials=0` only); `module_file` replaces it."""
+    """Builds the retrieval pipeline.
+
+    Args:
+        pipeline_name: the pipeline's name in ML Metadata.
+        pipeline_root: where the components' artifacts go.
+        data_root: the folder holding `interactions.csv`.
+        metadata_path: a SQLite ML Metadata file; None: the orchestrator's store.
+        train_updates: the Trainer's optimizer updates (`TrainArgs.num_steps`).
+        tuner_updates: each tuning trial's optimizer updates.
+        eval_steps: evaluation steps of the Tuner and the Trainer.
+        max_trials: tuning trials; 0 leaves the Tuner out (the Trainer then
+            trains with the defaults).
+        accum_steps: the Trainer's default; the Tuner's best value replaces it.
+        effective_batch_size: the Trainer's default; the Tuner's best value
+            replaces it.
+        strategy: the Trainer's `strategy` ("auto" reads the environment).
+        beam_pipeline_args: Beam's arguments; None: the direct runner in
+            memory, one worker.
+        model: which module file: "keras" (Keras 3, tunable) or "tfrs"
+            (TensorFlow Recommenders on Keras 2, `max_trials=0` only).
+        module_file: a module file of your own instead of `model`'s.
+
+    Returns:
+        The `tfx.dsl.Pipeline`: ExampleGen, StatisticsGen, SchemaGen, the
+        Tuner (unless `max_trials=0`), `AccumulatingTrainer(gradient_cache=True)`.
+
+    Raises:
+        ValueError: `model` is not "keras" or "tfrs", or `max_trials` is not 0
+            with a model that has no Tuner.
+    """
     if model not in MODULE_FILES:
         raise ValueError(f"model={model!r}: one of {', '.join(map(repr, MODULE_FILES))}")
     if max_trials and model not in MODELS_WITH_TUNER:

@@ -1,28 +1,9 @@
 """Module file of the retrieval pipeline written with TensorFlow Recommenders (Keras 2).
 
-The same two-tower model as `pipelines/retrieval/model.py`, as a TFRS user writes
-it: a `tfrs.Model` whose `compute_loss` runs a query tower over user ids and a
-candidate tower over item ids and ends in a `tfrs.tasks.Retrieval` (each query's
-softmax over every candidate of its batch), with `FactorizedTopK` over every
-item measured on the validation batches only. The batch is the set of
-negatives, so `run_fn` wraps the model in `GradientCache(model, accum_steps=1)`,
-unchanged (`accumulator.task_cache` runs its task once on the whole batch), and
-`AccumulatingTrainer(gradient_cache=True)` sets the accum_steps and batches the
-training data at the effective batch.
-
-TFRS needs `tf.keras` to be Keras 2: `TF_USE_LEGACY_KERAS=1` before TensorFlow
-first resolves `tf.keras` (in a TFX executor, importing `tensorflow_transform`
-sets it; in a process running the whole pipeline, TFX's own imports resolve
-`tf.keras` before that, so the variable must be set when the process starts:
-`run_local --retrieval_model=tfrs` does it). Keras 2 is imported here as
-`tf_keras`, which is what `tf.keras` then is.
-
-No `tuner_fn`: KerasTuner builds Keras 3 models only, so this module trains with
-the Trainer's `accum_steps` and effective batch. The export has the same `query`
-and `candidate` signatures as the Keras 3 module's (int64 ids of shape [None]),
-so `pipelines/retrieval/evaluate.py` scores either. `run_fn` also writes what it
-trained (`TRAINED_FILE` in the model run directory): the model's classes and
-Keras, and the settings that must match the Keras 3 module's.
+The same two-tower model as `model.py`, as a TFRS user writes it (a `tfrs.Model`
+ending in a `Retrieval` task), wrapped in `GradientCache`. No `tuner_fn`
+(KerasTuner builds Keras 3 models only). TFRS needs `tf.keras` to be Keras 2:
+`TF_USE_LEGACY_KERAS=1` before TensorFlow first resolves it.
 """
 
 import json
@@ -58,9 +39,12 @@ class TwoTowerModel(tfrs.Model):
     val_loss compare and neither depends on the batch size (with a sum,
     gradients and losses grow with the effective batch; Adam's update is nearly
     scale-free, so a sum would train alike, but its logged losses would not).
+
+    Args:
+        dim: the embeddings' size.
     """
 
-    def __init__(self, dim=EMBEDDING_DIM):
+    def __init__(self, dim: int = EMBEDDING_DIM):
         super().__init__()
         self.query_model = tf_keras.Sequential(
             [tf_keras.layers.Embedding(USERS, dim), tf_keras.layers.Dense(dim)], name="query")
@@ -77,6 +61,7 @@ class TwoTowerModel(tfrs.Model):
         )
 
     def compute_loss(self, features, training=False):
+        """The Retrieval task's loss on `features`' user and item ids (TFRS's `compute_loss`)."""
         query_embeddings = self.query_model(tf.reshape(features[USER_KEY], [-1]))
         candidate_embeddings = self.candidate_model(tf.reshape(features[ITEM_KEY], [-1]))
         # Top-k over every item on validation batches only: training needs the loss.
@@ -101,8 +86,12 @@ class _Embeddings(tf.Module):
 
 
 def build_model() -> GradientCache:
-    """The TFRS model wrapped in `GradientCache` (accum_steps set by the Trainer),
-    compiled with a plain Keras 2 optimizer."""
+    """The TFRS model wrapped in `GradientCache`, compiled with a plain Keras 2 optimizer.
+
+    Returns:
+        `GradientCache(TwoTowerModel(), accum_steps=1)` (the Keras 2 class);
+        the Trainer sets its accum_steps.
+    """
     tf_keras.utils.set_random_seed(0)
     model = GradientCache(TwoTowerModel(), accum_steps=1)
     model.compile(optimizer=tf_keras.optimizers.AdamW(LEARNING_RATE, weight_decay=WEIGHT_DECAY))
@@ -137,7 +126,14 @@ def _write_trained(model: GradientCache, directory: str) -> None:
 
 
 def run_fn(fn_args: tfx.components.FnArgs) -> None:
-    """Trains the model; the Trainer decides the steps, the batch and the accum_steps."""
+    """Trains the model; the Trainer decides the steps, the batch and the accum_steps.
+
+    Also writes what it trained (`TRAINED_FILE` in the model run folder).
+
+    Args:
+        fn_args: the Trainer's `FnArgs` (files, steps, the serving and run
+            folders, `data_accessor`).
+    """
     train = input_fn(fn_args.train_files, fn_args.data_accessor, BATCH_SIZE)
     evaluation = input_fn(fn_args.eval_files, fn_args.data_accessor, EVAL_BATCH_SIZE, shuffle=False)
     model = build_model()
