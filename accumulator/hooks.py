@@ -31,17 +31,8 @@ exactly as without the library (tested).
    `strategy_scopes_map_onto` maps every strategy's scope onto it; given a
    `TrainingBackup`, `fits_backed_up` makes `keras.Model.fit` back up and
    resume (`accumulator.backup`; Keras 2's `fit` too). All are
-   restored when the context closes.
-2b. **While the TFX executor runs the user's run_fn**, `strategies_made_map_onto`
-   makes every `MirroredStrategy`, `OneDeviceStrategy` and
-   `MultiWorkerMirroredStrategy` the run_fn constructs the executor's strategy
-   (the `__init__` of each class is swapped: the new object takes the executor's
-   strategy's class and state, and its scope is that strategy's), so a module
-   written for the stock Trainer (TFX's penguin example constructs
-   `MirroredStrategy()`) trains under the strategy the run was sized for, and
-   never builds a second strategy beside a `MultiWorkerMirroredStrategy` (TF
-   2.16 segfaults). Strategies of other kinds are refused when constructed.
-   Restored when the context closes.
+   restored when the context closes. (The TFX Trainer's own changes while it
+   runs a run_fn are `components.run_fn_swaps`.)
 3. **While a window's update is traced under a strategy**, the inner optimizer
    *instance* does not all-reduce the gradients it is handed
    (`accumulator.seam.gradients_already_reduced`: a private name).
@@ -209,7 +200,7 @@ def strategy_scopes_map_onto(strategy):
 
     def make(original):
         def scope(self):
-            if self is not strategy and not is_stand_in(self, strategy):
+            if self is not strategy:
                 logger.warning(
                     "run_fn opened the scope of its own %s; it trains under the "
                     "executor's %s (%d replicas) instead.",
@@ -220,69 +211,3 @@ def strategy_scopes_map_onto(strategy):
         return scope
 
     return swapped(tf.distribute.Strategy, "scope", make)
-
-
-# The strategies a run_fn may construct, as `tf.distribute` names them: each becomes
-# the executor's (synchronous replicas, as these are); the refused ones would train
-# differently (parameter servers, a central copy of the variables, TPUs).
-MAPPED_STRATEGIES = ("MirroredStrategy", "OneDeviceStrategy", "MultiWorkerMirroredStrategy",
-                     "experimental.MultiWorkerMirroredStrategy")
-REFUSED_STRATEGIES = ("experimental.CentralStorageStrategy", "experimental.ParameterServerStrategy",
-                      "TPUStrategy", "experimental.TPUStrategy")
-
-
-def _strategy_classes(names):
-    found = {}
-    for name in names:
-        owner = tf.distribute
-        for part in name.split("."):
-            owner = getattr(owner, part, None)
-        if isinstance(owner, type) and owner not in found.values():
-            found[name] = owner
-    return found
-
-
-def is_stand_in(candidate, strategy):
-    """Whether `candidate` is a strategy made inside `strategies_made_map_onto(strategy)`."""
-    return candidate is not strategy and getattr(candidate, "__dict__", None) is strategy.__dict__
-
-
-@contextlib.contextmanager
-def strategies_made_map_onto(strategy):
-    """Context: a `MirroredStrategy`, `OneDeviceStrategy` or `MultiWorkerMirroredStrategy`
-    constructed inside it stands in for `strategy` (its class, its state, its scope);
-    one of `REFUSED_STRATEGIES` raises a ValueError that names it."""
-    described = f"{type(strategy).__name__} ({strategy.num_replicas_in_sync} replica(s))"
-
-    def stand_in(original, name):
-        def __init__(self, *args, **kwargs):
-            logger.warning("run_fn constructed tf.distribute.%s; it trains under the executor's %s instead.",
-                           name, described)
-            self.__class__ = type(strategy)
-            self.__dict__ = strategy.__dict__
-
-        return __init__
-
-    def refuse(original, name):
-        def __init__(self, *args, **kwargs):
-            raise ValueError(
-                f"run_fn constructed tf.distribute.{name}, which AccumulatingTrainer cannot honour: it trains "
-                f"every run_fn under its own synchronous strategy, here {described}, which a MirroredStrategy, "
-                "OneDeviceStrategy or MultiWorkerMirroredStrategy made in the run_fn becomes. Remove the "
-                "strategy from the run_fn (the executor picks one from TF_CONFIG and the devices; its "
-                f"`strategy` parameter chooses one of those kinds), or train this module with the stock Trainer.")
-
-        return __init__
-
-    def scope(original):
-        def scope(self):
-            return original(strategy if is_stand_in(self, strategy) else self)
-
-        return scope
-
-    with contextlib.ExitStack() as stack:
-        for make, names in ((stand_in, MAPPED_STRATEGIES), (refuse, REFUSED_STRATEGIES)):
-            for name, cls in _strategy_classes(names).items():
-                stack.enter_context(swapped(cls, "__init__", functools.partial(make, name=name)))
-        stack.enter_context(swapped(tf.distribute.Strategy, "scope", scope))
-        yield

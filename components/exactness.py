@@ -28,7 +28,6 @@ in the message. Not checked: `gradient_cache=True` (no window to compare) and
 `accum_steps=1` (nothing accumulates).
 """
 
-import contextlib
 import copy
 import dataclasses
 import tempfile
@@ -39,8 +38,9 @@ import tensorflow as tf
 from absl import logging
 from tfx.types import standard_component_specs
 
-from tfx_gradient_accumulator.accumulator import hooks, seam
+from tfx_gradient_accumulator.accumulator import seam
 from tfx_gradient_accumulator.accumulator.check import check_exact
+from tfx_gradient_accumulator.components import run_fn_swaps
 
 VERIFY_EXACTNESS_KEY = "verify_exactness"
 MODES = (False, True, "refuse")
@@ -68,23 +68,8 @@ class Verdict:
     report: object = None
 
 
-class _FitReached(Exception):
-    """Raised by the probe's `fit`: the run_fn's model and data are known, nothing trained."""
-
-    def __init__(self, model, x, y, batch_size):
-        super().__init__("fit reached")
-        self.model, self.x, self.y, self.batch_size = model, x, y, batch_size
-
-
-def _fit_that_stops(original):
-    def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
-        raise _FitReached(self, x, y, batch_size)
-
-    return fit
-
-
 def probe(run_fn, fn_args, strategy=None):
-    """Runs `run_fn` until its first `fit`; returns that `_FitReached`, or None if none came.
+    """Runs `run_fn` until its first `fit`; returns that `run_fn_swaps.FitReached`, or None if none came.
 
     It runs as training will: under `strategy` (the executor's), with the strategies
     the run_fn constructs standing in for it, so the run_fn sees the replicas it
@@ -95,35 +80,12 @@ def probe(run_fn, fn_args, strategy=None):
     fn_args = copy.copy(fn_args)
     scratch = tempfile.mkdtemp(prefix="exactness-probe-")
     fn_args.serving_model_dir, fn_args.model_run_dir = f"{scratch}/serving", f"{scratch}/run"
-    with _fits_stopped(), _as_training_runs(strategy):
+    with run_fn_swaps.fits_stopped(), run_fn_swaps.under_strategy(strategy):
         try:
             run_fn(fn_args)
-        except _FitReached as reached:
+        except run_fn_swaps.FitReached as reached:
             return reached
     return None
-
-
-@contextlib.contextmanager
-def _as_training_runs(strategy):
-    """The executor's strategy around the run_fn, as `accumulating_compile` puts it there."""
-    with contextlib.ExitStack() as stack:
-        if strategy is not None:
-            stack.enter_context(hooks.strategies_made_map_onto(strategy))
-            if strategy is not tf.distribute.get_strategy() or tf.distribute.has_strategy():
-                stack.enter_context(strategy.scope())
-                stack.enter_context(hooks.strategy_scopes_map_onto(strategy))
-        yield
-
-
-@contextlib.contextmanager
-def _fits_stopped():
-    """`Model.fit` (Keras 3's, and Keras 2's where installed) raises `_FitReached` inside."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(hooks.swapped(keras.Model, "fit", _fit_that_stops))
-        keras2 = seam.keras2_module()
-        if keras2 is not None and keras2.Model is not keras.Model:
-            stack.enter_context(hooks.swapped(keras2.Model, "fit", _fit_that_stops))
-        yield
 
 
 def _check_arguments(reached, settings):

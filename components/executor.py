@@ -28,10 +28,9 @@ from tfx.components.trainer import executor as tfx_trainer_executor
 from tfx.components.util import udf_utils
 from tfx.types import standard_component_specs
 
-from tfx_gradient_accumulator.accumulator import hooks
 from tfx_gradient_accumulator.accumulator.autowrap import accumulating_compile
 from tfx_gradient_accumulator.accumulator.distribute import strategy_from_environment
-from tfx_gradient_accumulator.components import cluster, exactness, fn_args_utils, noise_scale, preemption, settings as settings_lib
+from tfx_gradient_accumulator.components import cluster, exactness, fn_args_utils, noise_scale, preemption, run_fn_swaps, settings as settings_lib
 
 ACCUM_STEPS_KEY = "accum_steps"
 EFFECTIVE_BATCH_SIZE_KEY = "effective_batch_size"
@@ -76,7 +75,7 @@ class Executor(tfx_trainer_executor.GenericExecutor):
         logging.info("Training model. %s", _describe(settings, strategy, fn_args.train_steps, role))
         with cluster.worker_outputs(fn_args, role, backup) as outputs:
             with accumulating_compile(strategy=strategy, backup=backup, **settings.compile_arguments()) as optimizers, \
-                    hooks.strategies_made_map_onto(strategy):     # the run_fn's own MirroredStrategy(), ...
+                    run_fn_swaps.strategies_made_map_onto(strategy):     # the run_fn's own MirroredStrategy(), ...
                 run_fn(fn_args_utils.for_accumulation(outputs.fn_args, settings, role.workers))
             outputs.check_exported()
             if role.chief:

@@ -9,6 +9,8 @@ outcome, after every test (so a run cut short keeps what it measured).
 
 import os
 
+import numpy as np
+
 # {test node id: [max |Δw| of each comparison, in the order the test made them]}
 RECORDED = {}
 
@@ -18,3 +20,9 @@ def note(value):
     test = os.environ.get("PYTEST_CURRENT_TEST", "outside a test").rsplit(" (", 1)[0]
     RECORDED.setdefault(test, []).append(float(value))
     return value
+
+
+def max_abs_diff(weights_a, weights_b):
+    """The largest absolute difference between two weight lists, computed in float64, noted."""
+    return note(max(float(np.max(np.abs(np.asarray(a, "float64") - np.asarray(b, "float64"))))
+                    for a, b in zip(weights_a, weights_b)))

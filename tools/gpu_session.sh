@@ -35,8 +35,8 @@ case "$mode" in
   check)
     "$python" -m tools.gpu_probe --out="$OUT/environment.json" 2>&1 | tee "$OUT/check.log"
     # Exactness first: a run stopped by CHECK_SECONDS keeps these.
-    files=(test_exactness test_mixed_precision test_xla test_sparse test_partial_window test_weighting test_schedule
-           test_noise_scale test_batch_norm test_saving test_forwarding test_api)
+    files=(test_exactness test_mixed_precision test_xla test_sparse test_window test_weighting test_callbacks
+           test_noise_scale test_batch_norm test_saving test_optimizer test_api)
     files=("${files[@]/#/tests/accumulator/}")
     timeout "${CHECK_SECONDS:-500}" "$python" -m pytest -p no:cacheprovider -o addopts="" -q -ra --timeout=300 \
       --record-deltas="$OUT/deltas.json" "${files[@]/%/.py}" "$@" 2>&1 | tee -a "$OUT/check.log"

@@ -100,6 +100,39 @@ def test_the_hooks_leave_the_private_names_module():
     assert "tfx_gradient_accumulator.accumulator.fit_hook" not in graph["tfx_gradient_accumulator.accumulator.seam"] | graph["tfx_gradient_accumulator.accumulator.window"]
 
 
+# What the library never imports: TFX and what comes with it, and the component and pipelines
+# built on the library (the component's own changes to Keras live in components/run_fn_swaps.py).
+TFX_NAMES = ("tfx", "tfx_bsl", "ml_metadata", "tensorflow_transform", "tensorflow_model_analysis",
+             "tensorflow_data_validation", "apache_beam", "tfx_gradient_accumulator.components",
+             "tfx_gradient_accumulator.pipelines")
+
+
+def _tfx_imports(source):
+    """The imports of TFX (or of the component) in `source`, anywhere in it: one name per import statement."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found += [n for n in names if any(n == t or n.startswith(t + ".") for t in TFX_NAMES)][:1]
+    return found
+
+
+def test_the_library_never_imports_tfx():
+    found = {name: _tfx_imports(path.read_text()) for name, path in _sources(("accumulator",)).items()}
+    assert not {name: imports for name, imports in found.items() if imports}
+
+
+def test_the_tfx_import_finder_finds_one():
+    assert _tfx_imports("import tfx") == ["tfx"]
+    assert _tfx_imports("def f():\n    from tfx.types import standard_component_specs") == ["tfx.types"]
+    assert _tfx_imports("from tfx_gradient_accumulator import components") == ["tfx_gradient_accumulator.components"]
+    assert _tfx_imports("import tfx_gradient_accumulator.accumulator\nimport tensorflow") == []
+
+
 def _functions(packages=PACKAGES):
     for name, path in _sources(packages).items():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

@@ -2,18 +2,10 @@
 
 import numpy as np
 import keras
-import pytest
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import GradientAccumulator
 from tests.accumulator import reference as ref
-
-
-@pytest.fixture
-def mixed_policy():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    yield
-    keras.mixed_precision.set_global_policy("float32")
 
 
 def _fit(model, optimizer, x, y, batch_size):

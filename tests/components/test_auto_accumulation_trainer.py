@@ -109,3 +109,22 @@ def test_auto_ignores_a_tuned_accum_steps_and_measures_the_noise_scale():
     assert (settings.accum_steps, settings.micro_batch, settings.measure_noise_scale) == (2, 4, True)
     assert settings.compile_arguments()["auto"] == {"micro_batch_size": 4, "max_effective_batch_size": 32}
     assert settings.sources["accum_steps"] == "auto"
+
+
+def test_tuned_auto_hyperparameters_make_the_trainers_run_auto():
+    # What KerasTuner's best trial hands the Trainer (the search itself: tests/accumulator/test_tuning.py).
+    import keras
+    import keras_tuner
+    from tfx_gradient_accumulator.accumulator.tuning import AccumulatingHyperModel
+
+    def build(hp):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    best = keras_tuner.HyperParameters()
+    AccumulatingHyperModel(build, accum_steps="auto", effective_batch_sizes=(4, 8), max_effective_batch_size=32).build(best)
+    assert (best.get("accum_steps"), best.get("max_effective_batch_size")) == ("auto", 32)
+    settings = settings_lib.resolve(best.get_config(), None, None, 1)
+    assert settings.auto and settings.max_effective_batch_size == 32
+    assert settings.micro_batch == best.get("effective_batch_size") // 2

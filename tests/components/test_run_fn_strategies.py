@@ -2,12 +2,14 @@
 (TFX's penguin example: `MirroredStrategy()` and its scope), trains under the
 executor's strategy: one process here; 2 processes in test_cluster.py."""
 
+import contextlib
 import os
 
 import pytest
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import hooks
+from tfx_gradient_accumulator.components import run_fn_swaps
 from tests.accumulator.reference import max_abs_diff
 from tests.components import fixtures
 
@@ -35,10 +37,10 @@ def test_a_strategy_made_inside_the_context_is_the_executors_and_one_made_after_
                tf.distribute.MultiWorkerMirroredStrategy, tf.distribute.experimental.MultiWorkerMirroredStrategy,
                tf.distribute.experimental.CentralStorageStrategy, tf.distribute.Strategy)
     before = [dict(vars(cls)) for cls in classes]
-    with hooks.strategies_made_map_onto(executors):
+    with run_fn_swaps.strategies_made_map_onto(executors):
         for name, make_one in MADE.items():
             made = make_one()
-            assert type(made) is tf.distribute.MirroredStrategy and hooks.is_stand_in(made, executors), name
+            assert type(made) is tf.distribute.MirroredStrategy and run_fn_swaps.is_stand_in(made, executors), name
             assert made.num_replicas_in_sync == 2
             with made.scope():
                 assert tf.distribute.get_strategy() is executors
@@ -49,8 +51,27 @@ def test_a_strategy_made_inside_the_context_is_the_executors_and_one_made_after_
     # The control: outside the context, each is made as TensorFlow makes it.
     own = tf.distribute.OneDeviceStrategy("/cpu:0")
     assert type(own) is tf.distribute.OneDeviceStrategy and own.num_replicas_in_sync == 1
-    assert not hooks.is_stand_in(own, executors)
+    assert not run_fn_swaps.is_stand_in(own, executors)
     assert [dict(vars(cls)) for cls in classes] == before
+
+
+def test_a_stand_ins_scope_reaches_the_librarys_mapping_as_the_executors_strategy(caplog):
+    # The executor's order (`accumulating_compile(strategy=...)`, then the stand-ins) and the probe's
+    # (`run_fn_swaps.under_strategy`): the library's mapping warns of a scope the run_fn opened on a
+    # strategy of its own, never of a stand-in, which already warned when it was made.
+    executors = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
+                                               cross_device_ops=tf.distribute.ReductionToOneDevice())
+    for entered in (lambda: [hooks.strategy_scopes_map_onto(executors), run_fn_swaps.strategies_made_map_onto(executors)],
+                    lambda: [run_fn_swaps.under_strategy(executors)]):
+        caplog.clear()
+        with contextlib.ExitStack() as stack:
+            for context in entered():
+                stack.enter_context(context)
+            with tf.distribute.MirroredStrategy().scope():
+                assert tf.distribute.get_strategy() is executors
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("run_fn constructed tf.distribute.MirroredStrategy" in m for m in messages), messages
+        assert not any("opened the scope of its own" in m for m in messages), messages
 
 
 @pytest.mark.parametrize("own, strategy", [("mirrored", "auto"), ("one_device", "auto"), ("multi_worker", "auto"),

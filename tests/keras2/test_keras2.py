@@ -43,11 +43,6 @@ def mlp(seed=0, dtype=None):
     ])
 
 
-def max_diff(a, b):
-    return deltas.note(max(float(np.max(np.abs(np.asarray(p, "float64") - np.asarray(q, "float64"))))
-                           for p, q in zip(a, b)))
-
-
 def fit_pair(make_inner, accum=4, micro=8, samples=64, epochs=2, loss="mse", sample_weight=None,
              jit_compile=None, **fit):
     """(accumulated model, large-batch model), trained from the same start."""
@@ -117,7 +112,7 @@ INNERS = {
 def test_fit_matches_the_large_batch(name):
     accumulated, large = fit_pair(INNERS[name])
     assert int(accumulated.optimizer.iterations.numpy()) == int(large.optimizer.iterations.numpy()) == 4
-    assert max_diff(accumulated.get_weights(), large.get_weights()) < 1e-5
+    assert deltas.max_abs_diff(accumulated.get_weights(), large.get_weights()) < 1e-5
 
 
 def test_uneven_micro_batches_and_sample_weights_are_weighted_exactly():
@@ -125,7 +120,7 @@ def test_uneven_micro_batches_and_sample_weights_are_weighted_exactly():
     weights = np.random.default_rng(1).uniform(0.2, 2.0, size=60).astype("float32")
     accumulated, large = fit_pair(lambda: k2.optimizers.SGD(0.1), samples=60, epochs=1, sample_weight=weights)
     assert int(accumulated.optimizer.iterations.numpy()) == 2
-    assert max_diff(accumulated.get_weights(), large.get_weights()) < 1e-5
+    assert deltas.max_abs_diff(accumulated.get_weights(), large.get_weights()) < 1e-5
 
 
 @pytest.mark.parametrize("name", ["adam_schedule", "adamw_weight_decay"])
@@ -135,7 +130,7 @@ def test_xla_compiled_fit_matches_the_compiled_large_batch(name):
     accumulated, large = fit_pair(INNERS[name], samples=60, jit_compile=True)
     assert accumulated.jit_compile is True
     assert int(accumulated.optimizer.iterations.numpy()) == 4
-    assert max_diff(accumulated.get_weights(), large.get_weights()) < 1e-5
+    assert deltas.max_abs_diff(accumulated.get_weights(), large.get_weights()) < 1e-5
 
 
 def test_partial_window_drop_discards_and_carry_holds():
@@ -173,7 +168,7 @@ def test_custom_tape_loop_matches_a_hand_written_large_batch_loop():
         micro_step(x[start:start + 4], y[start:start + 4])
     _tape_reference(reference, k2.optimizers.Adam(0.01), x, y, 16)
     assert int(optimizer.iterations.numpy()) == 4
-    assert max_diff(model.get_weights(), reference.get_weights()) < 1e-5
+    assert deltas.max_abs_diff(model.get_weights(), reference.get_weights()) < 1e-5
 
 
 def test_none_and_sparse_gradients():
@@ -211,7 +206,7 @@ def test_none_and_sparse_gradients():
             # not a dense buffer of the table (a one-row stand-in).
             assert int(tf.size(optimizer.accumulators[0])) == 4
             assert int(tf.shape(optimizer.window_rows[0].values)[0]) == 3 * micro * accum
-    assert max_diff(*results) < 1e-5
+    assert deltas.max_abs_diff(*results) < 1e-5
 
 
 # ------------------------------------------------------------ mixed precision
@@ -233,7 +228,7 @@ def test_mixed_float16_keeps_loss_scaling_inside_the_window():
         k2.mixed_precision.set_global_policy("float32")
     assert isinstance(runs[0].optimizer, k2.mixed_precision.LossScaleOptimizer)
     assert int(runs[0].optimizer.iterations.numpy()) == 2
-    assert max_diff(runs[0].get_weights(), runs[1].get_weights()) < 2e-3
+    assert deltas.max_abs_diff(runs[0].get_weights(), runs[1].get_weights()) < 2e-3
 
 
 def test_a_non_finite_micro_batch_skips_its_whole_window_once():
@@ -249,7 +244,7 @@ def test_a_non_finite_micro_batch_skips_its_whole_window_once():
             scaled = optimizer.get_scaled_loss(loss * (np.inf if poison else 1.0))
         grads = optimizer.get_unscaled_gradients(tape.gradient(scaled, variables))
         optimizer.apply_gradients(zip(grads, variables))
-    assert max_diff(before, [v.numpy() for v in variables]) == 0.0
+    assert deltas.max_abs_diff(before, [v.numpy() for v in variables]) == 0.0
     assert float(optimizer.loss_scale.numpy()) == 512.0       # halved once, for the window
     assert int(optimizer.micro_step.numpy()) == 0
 
@@ -271,7 +266,7 @@ def test_mirrored_fit_matches_one_device_with_one_reduction_per_window():
     reference.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 2
     assert int(counter.count.numpy()) == 2          # one batched all-reduce per window
-    assert max_diff(model.get_weights(), reference.get_weights()) < 1e-5
+    assert deltas.max_abs_diff(model.get_weights(), reference.get_weights()) < 1e-5
 
 
 def test_mirrored_fit_of_an_embedding_with_repeated_ids_matches_keras_2s_large_batch():
@@ -302,8 +297,8 @@ def test_mirrored_fit_of_an_embedding_with_repeated_ids_matches_keras_2s_large_b
     adam = lambda: k2.optimizers.Adam(0.01)
     accumulated = fit(lambda: GradientAccumulator(adam(), accum_steps=4), 8)
     large = fit(adam, 32)
-    assert max_diff(large, initial) > 1e-2                        # control: it trained
-    assert max_diff(accumulated, large) < 1e-5
+    assert deltas.max_abs_diff(large, initial) > 1e-2                        # control: it trained
+    assert deltas.max_abs_diff(accumulated, large) < 1e-5
 
 
 # ------------------------------------------------------------------- saving
@@ -325,7 +320,7 @@ def test_saved_models_load_without_custom_objects(tmp_path, fmt):
     model.save(path)
     loaded = k2.models.load_model(path)
     assert isinstance(loaded.optimizer, AccumulationWindow) and loaded.optimizer.accum_steps == 4
-    assert max_diff(model.get_weights(), loaded.get_weights()) == 0.0
+    assert deltas.max_abs_diff(model.get_weights(), loaded.get_weights()) == 0.0
     x, y = data(16)
     assert np.allclose(model.predict(x, verbose=0), loaded.predict(x, verbose=0))
 
@@ -338,7 +333,7 @@ def test_set_weights_carries_the_open_window_and_the_inner_state():
     fresh.optimizer.build(fresh.trainable_variables)
     fresh.optimizer.set_weights(trained.optimizer.get_weights())
     assert int(fresh.optimizer.micro_step.numpy()) == 2 and int(fresh.optimizer.iterations.numpy()) == 1
-    assert max_diff(fresh.optimizer.get_weights(), trained.optimizer.get_weights()) == 0.0
+    assert deltas.max_abs_diff(fresh.optimizer.get_weights(), trained.optimizer.get_weights()) == 0.0
     with pytest.raises(ValueError, match="must hold"):
         fresh.optimizer.set_weights(trained.optimizer.get_weights()[:-1])
 
@@ -357,7 +352,7 @@ def test_checkpoint_resumes_mid_window_exactly(tmp_path):
     assert int(resumed.optimizer.micro_step.numpy()) == 2
     resumed.fit(x[48:64], y[48:64], batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert int(resumed.optimizer.iterations.numpy()) == 2
-    assert max_diff(uninterrupted.get_weights(), resumed.get_weights()) < 1e-6
+    assert deltas.max_abs_diff(uninterrupted.get_weights(), resumed.get_weights()) < 1e-6
 
 
 # -------------------------------------------------------------- noise scale
@@ -390,13 +385,13 @@ def test_schedule_by_update_with_sqrt_lr_scaling_equals_keras_fits_chained():
     expected.fit(x[48:], y[48:], batch_size=32, shuffle=False, verbose=0)
     assert history.history["lr_multiplier"] == [pytest.approx(2 ** 0.5)]
     assert int(optimizer.iterations.numpy()) == 5
-    assert max_diff(model.get_weights(), expected.get_weights()) <= 1e-6
+    assert deltas.max_abs_diff(model.get_weights(), expected.get_weights()) <= 1e-6
     scaled.multiplier.assign(1.0)                        # control: unscaled from the start
     control = mlp()
     control.compile(k2.optimizers.Adam(scaled), "mse")
     control.fit(x[:48], y[:48], batch_size=16, shuffle=False, verbose=0)
     control.fit(x[48:], y[48:], batch_size=32, shuffle=False, verbose=0)
-    assert max_diff(control.get_weights(), expected.get_weights()) > 1e-4
+    assert deltas.max_abs_diff(control.get_weights(), expected.get_weights()) > 1e-4
 
 
 def test_accum_steps_auto_grows_a_keras_2_fit_and_its_schedule_replays_exactly():
@@ -416,7 +411,7 @@ def test_accum_steps_auto_grows_a_keras_2_fit_and_its_schedule_replays_exactly()
     replay.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[
         window_callback_classes(k2)[1](taken, by="update", lr_scaling="linear")])
     assert int(replay_optimizer.iterations.numpy()) == int(optimizer.iterations.numpy())
-    assert max_diff(replay.get_weights(), model.get_weights()) <= 1e-6
+    assert deltas.max_abs_diff(replay.get_weights(), model.get_weights()) <= 1e-6
     assert optimizer.get_config()["accum_steps"] == "auto"
 
 
@@ -450,7 +445,7 @@ def test_two_worker_fit_matches_one_device_large_batch(tmp_path):
                                       weight_decay=0.05, global_clipnorm=0.05), loss="mse")
     model.fit(x, y, batch_size=micro * accum, epochs=1, shuffle=False, verbose=0)
     assert iterations == steps // accum == int(model.optimizer.iterations.numpy())
-    assert max_diff(weights, model.get_weights()) < 1e-5
+    assert deltas.max_abs_diff(weights, model.get_weights()) < 1e-5
 
 
 # ------------------------------------------------------- saving before training
@@ -482,7 +477,7 @@ def test_a_model_saves_and_pickles_before_training(name, built, strategy, tmp_pa
         assert type(loaded.optimizer.inner_optimizer) is type(model.optimizer.inner_optimizer)
         if built:   # the built window's state round-trips value for value
             saved, restored = model.optimizer.get_weights(), loaded.optimizer.get_weights()
-            assert len(restored) == len(saved) > 5 and max_diff(restored, saved) == 0.0
+            assert len(restored) == len(saved) > 5 and deltas.max_abs_diff(restored, saved) == 0.0
         # pickle: as Keras 2 pickles the inner optimizer alone (its optimizers refuse:
         # they hold weak references), never the window's own error.
         outcomes = []
@@ -503,8 +498,8 @@ def test_a_model_saved_before_training_in_the_older_formats_trains_as_the_origin
     for m in (model, loaded):
         m.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert int(loaded.optimizer.iterations.numpy()) == 4
-    assert max_diff(model.get_weights(), initial) > 1e-3          # control: it trained
-    assert max_diff(loaded.get_weights(), model.get_weights()) <= 1e-6
+    assert deltas.max_abs_diff(model.get_weights(), initial) > 1e-3          # control: it trained
+    assert deltas.max_abs_diff(loaded.get_weights(), model.get_weights()) <= 1e-6
 
 # ------------------------------------------------------------ TrainingBackup
 class _Preempted(Exception):
@@ -563,8 +558,8 @@ def test_training_backup_resumes_a_keras_2_fit_mid_window_exactly(tmp_path):
     assert began == {"window": 3, "updates": 2}                     # mid-window, as backed up
     assert type(resumed.optimizer).__module__ == "tfx_gradient_accumulator.accumulator.keras2"
     assert int(resumed.optimizer.iterations.numpy()) == int(uninterrupted.optimizer.iterations.numpy()) == 4
-    assert max_diff(resumed.get_weights(), uninterrupted.get_weights()) == 0.0
-    assert max_diff(resumed.optimizer.get_weights(), uninterrupted.optimizer.get_weights()) == 0.0
+    assert deltas.max_abs_diff(resumed.get_weights(), uninterrupted.get_weights()) == 0.0
+    assert deltas.max_abs_diff(resumed.optimizer.get_weights(), uninterrupted.optimizer.get_weights()) == 0.0
 
 
 # ------------------------------------------------- one encoder called twice (a sentence pair)
@@ -600,7 +595,7 @@ def test_one_encoder_called_twice_keeps_its_token_type_rows_apart(make_inner):
         model.compile(optimizer=optimizer, loss="mse")
         model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
         runs.append(model)
-    assert max_diff(runs[1].get_weights(), _pair_model().get_weights()) > 1e-3
-    assert max_diff(runs[0].get_weights(), runs[1].get_weights()) < 1e-5
+    assert deltas.max_abs_diff(runs[1].get_weights(), _pair_model().get_weights()) > 1e-3
+    assert deltas.max_abs_diff(runs[0].get_weights(), runs[1].get_weights()) < 1e-5
     kinds = runs[0].optimizer.gradient_kinds
     assert sorted(kinds[table] for table in kinds if "rows" in kinds[table]) == ["rows", "rows"], kinds

@@ -18,10 +18,6 @@ pytestmark = pytest.mark.skipif(k2 is None, reason="no Keras 2 here (tf_keras no
 MAXLEN, VOCAB = 6, 30
 
 
-def _max_diff(a, b):
-    return deltas.note(max(float(np.max(np.abs(p - q))) for p, q in zip(a, b)))
-
-
 def _text_model():
     class TokenAndPositionEmbedding(k2.layers.Layer):     # keras.io's, in tf.keras
         def __init__(self, maxlen, vocab_size, embed_dim):
@@ -51,8 +47,8 @@ def _fit(model, optimizer, batch, loss="mse"):
 def test_position_lookup_matches_keras2_large_batch():
     expected = _fit(_text_model(), k2.optimizers.Adam(1e-2), 32)
     trained = _fit(_text_model(), GradientAccumulator(k2.optimizers.Adam(1e-2), 4), 8)
-    assert _max_diff(expected, [w * 0 for w in expected]) > 1e-3
-    assert _max_diff(trained, expected) <= 1e-5
+    assert deltas.max_abs_diff(expected, [w * 0 for w in expected]) > 1e-3
+    assert deltas.max_abs_diff(trained, expected) <= 1e-5
 
 
 @pytest.mark.parametrize("reduction", ["sum", "sum_over_batch_size"])
@@ -60,7 +56,7 @@ def test_every_loss_reduction_matches_keras2_large_batch(reduction):
     loss = lambda: k2.losses.MeanSquaredError(reduction=reduction)
     expected = _fit(_text_model(), k2.optimizers.SGD(1e-3), 32, loss())
     trained = _fit(_text_model(), GradientAccumulator(k2.optimizers.SGD(1e-3), 4), 8, loss())
-    assert _max_diff(trained, expected) <= 1e-5
+    assert deltas.max_abs_diff(trained, expected) <= 1e-5
     if reduction == "sum":      # control: the mean of the micro-batches' sums
         mean = _fit(_text_model(), GradientAccumulator(k2.optimizers.SGD(1e-3), 4, loss_reduction="mean"), 8, loss())
-        assert _max_diff(mean, expected) > 1e-4
+        assert deltas.max_abs_diff(mean, expected) > 1e-4

@@ -58,11 +58,6 @@ def built(seed=0, **kwargs):
     return model
 
 
-def max_diff(a, b):
-    return deltas.note(max(float(np.max(np.abs(np.asarray(p, "float64") - np.asarray(q, "float64"))))
-                           for p, q in zip(a, b)))
-
-
 def large_batch(make_optimizer, data, epochs=2, make=built, **compile_kwargs):
     model = make()
     model.compile(optimizer=make_optimizer(), **compile_kwargs)
@@ -90,10 +85,10 @@ def assert_exact_and_control_is_not(make_optimizer, data, make=built, **compile_
     expected = large_batch(make_optimizer, data, make=make, **compile_kwargs)
     inner = cached(make_optimizer, data, make=make, **compile_kwargs)
     assert isinstance(inner, k2.Model)
-    assert max_diff(inner.get_weights(), expected.get_weights()) <= TOLERANCE
+    assert deltas.max_abs_diff(inner.get_weights(), expected.get_weights()) <= TOLERANCE
     control = accumulated(make_optimizer, data, make=make, **compile_kwargs)
-    assert max_diff(control.get_weights(), expected.get_weights()) > 1e-3
-    assert max_diff(expected.get_weights(), make().get_weights()) > 1e-2     # it trained
+    assert deltas.max_abs_diff(control.get_weights(), expected.get_weights()) > 1e-3
+    assert deltas.max_abs_diff(expected.get_weights(), make().get_weights()) > 1e-2     # it trained
 
 
 def test_the_one_name_gives_the_keras2_class():
@@ -153,11 +148,11 @@ def test_the_compiled_loss_when_the_model_has_no_compute_loss():
     expected_loss = fit(expected, BATCH, k2.optimizers.Adam(1e-2))
     inner = _scores_model()
     loss = fit(GradientCache(inner, N), BATCH, k2.optimizers.Adam(1e-2))
-    assert max_diff(inner.get_weights(), expected.get_weights()) <= TOLERANCE
+    assert deltas.max_abs_diff(inner.get_weights(), expected.get_weights()) <= TOLERANCE
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
     control = _scores_model()
     fit(control, BATCH // N, GradientAccumulator(k2.optimizers.Adam(1e-2), N))
-    assert max_diff(control.get_weights(), expected.get_weights()) > 1e-3
+    assert deltas.max_abs_diff(control.get_weights(), expected.get_weights()) > 1e-3
 
 
 def test_mixed_float16_scales_the_loss_as_keras2_does():
@@ -170,12 +165,12 @@ def test_mixed_float16_scales_the_loss_as_keras2_does():
         expected = large_batch(make, interactions())
         inner = cached(make, interactions())
         assert inner.query.layers[1].compute_dtype == "float16"
-        assert max_diff(inner.get_weights(), expected.get_weights()) <= TOLERANCE
+        assert deltas.max_abs_diff(inner.get_weights(), expected.get_weights()) <= TOLERANCE
         wrapper = GradientCache(built(), N)
         wrapper.compile(optimizer=make())
         assert isinstance(wrapper.optimizer, k2.mixed_precision.LossScaleOptimizer)
         control = accumulated(lambda: k2.mixed_precision.LossScaleOptimizer(make()), interactions())
-        assert max_diff(control.get_weights(), expected.get_weights()) > 1e-3
+        assert deltas.max_abs_diff(control.get_weights(), expected.get_weights()) > 1e-3
     finally:
         k2.mixed_precision.set_global_policy("float32")
 
@@ -193,10 +188,10 @@ def test_two_mirrored_replicas_train_like_keras2_large_batch_under_the_same_stra
 
     expected = under_strategy(large_batch)
     inner = under_strategy(cached)
-    assert max_diff(inner.get_weights(), expected.get_weights()) <= TOLERANCE
+    assert deltas.max_abs_diff(inner.get_weights(), expected.get_weights()) <= TOLERANCE
     # Control: one device, whose loss sees all 64 negatives where each replica sees its 32.
     control = large_batch(lambda: k2.optimizers.SGD(0.5), data)
-    assert max_diff(control.get_weights(), expected.get_weights()) > 1e-3
+    assert deltas.max_abs_diff(control.get_weights(), expected.get_weights()) > 1e-3
 
 
 def test_saved_and_loaded_it_resumes_like_the_uninterrupted_large_batch(tmp_path):
@@ -210,12 +205,12 @@ def test_saved_and_loaded_it_resumes_like_the_uninterrupted_large_batch(tmp_path
     loaded = k2.models.load_model(path, custom_objects={"TwoTower": TwoTower})
     assert type(loaded) is type(model) and loaded.accum_steps == N
     loaded.fit(data, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    assert max_diff(loaded.model.get_weights(), expected.get_weights()) <= TOLERANCE
+    assert deltas.max_abs_diff(loaded.model.get_weights(), expected.get_weights()) <= TOLERANCE
     # Control: a fresh optimizer (Adam's moments lost) resumes elsewhere.
     fresh = k2.models.load_model(path, custom_objects={"TwoTower": TwoTower}, compile=False)
     fresh.compile(optimizer=k2.optimizers.Adam(1e-2))
     fresh.fit(data, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    assert max_diff(fresh.model.get_weights(), expected.get_weights()) > 1e-3
+    assert deltas.max_abs_diff(fresh.model.get_weights(), expected.get_weights()) > 1e-3
 
 
 def _functional(*middle, add_loss=False):
@@ -243,7 +238,7 @@ def test_refuses_what_would_not_be_exact_before_training(model, message):
     x = np.random.RandomState(0).normal(size=(16, 4)).astype("float32")
     with pytest.raises(ValueError, match=message):
         wrapper.fit(x, x, batch_size=16, verbose=0)
-    assert max_diff(inner.get_weights(), before) == 0.0
+    assert deltas.max_abs_diff(inner.get_weights(), before) == 0.0
 
 
 def test_the_private_keras2_name_it_needs_exists():

@@ -153,13 +153,6 @@ def test_multi_processing_gives_the_data_components_the_default_runners_outputs(
     assert len(_schema(multi["Schema"]).feature) == 65
 
 
-@pytest.fixture
-def command_line():
-    """Parses a command line into absl's flags for the test; restores them after."""
-    yield lambda *arguments: flags.FLAGS(["run_local", *arguments])
-    flags.FLAGS.unparse_flags()
-
-
 @pytest.mark.parametrize("arguments, expected", [
     ((), ["--direct_running_mode=in_memory", "--direct_num_workers=1"]),
     (("--beam_running_mode=multi_processing", "--beam_workers=2"),

@@ -9,22 +9,12 @@ recall code is checked too), chance reaches 10 / ITEMS = 0.05.
 
 import ml_metadata as mlmd
 import pytest
-from absl import app, flags
+from absl import app
 from ml_metadata.proto import metadata_store_pb2
 from tfx import v1 as tfx
 
 from tfx_gradient_accumulator.pipelines import run_local
 from tfx_gradient_accumulator.pipelines.retrieval import data
-
-
-@pytest.fixture
-def command_line():
-    """Parses a command line into absl's flags for the test; restores them after."""
-    def parse(*arguments):
-        flags.FLAGS(["run_local", *arguments])
-
-    yield parse
-    flags.FLAGS.unparse_flags()
 
 
 def test_retrieval_pipeline_runs_end_to_end_and_reuses_its_cache(tmp_path, command_line, capsys):

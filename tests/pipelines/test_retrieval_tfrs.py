@@ -28,7 +28,7 @@ from pathlib import Path
 import ml_metadata as mlmd
 import pytest
 import tensorflow as tf
-from absl import app, flags
+from absl import app
 from ml_metadata.proto import metadata_store_pb2
 from tfx import v1 as tfx
 
@@ -44,13 +44,6 @@ ROOT = Path(__file__).resolve().parents[2]
 UPDATES = 120
 TOLERANCE = 0.05
 TFRS_TIMEOUT = 400
-
-
-@pytest.fixture
-def command_line():
-    """Parses a command line into absl's flags for the test; restores them after."""
-    yield lambda *arguments: flags.FLAGS(["run_local", *arguments])
-    flags.FLAGS.unparse_flags()
 
 
 def run_tfrs_in_a_fresh_process(output_dir):

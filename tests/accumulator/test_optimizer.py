@@ -146,13 +146,6 @@ def test_keras_own_gradient_accumulation_inside_is_refused():
             keras.optimizers.SGD(gradient_accumulation_steps=2)), 2)
 
 
-@pytest.fixture
-def mixed_policy():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    yield
-    keras.mixed_precision.set_global_policy("float32")
-
-
 @pytest.mark.parametrize("inner", ["lso", "plain"])
 def test_a_loss_scale_optimizer_keras_puts_outside_is_refused_before_training(mixed_policy, inner):
     x, y = ref.regression_data(64)

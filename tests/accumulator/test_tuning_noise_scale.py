@@ -10,14 +10,14 @@ checked by brute force (the log-nearest multiple) and by handing them to
 
 import math
 
-import keras
-import keras_tuner
-import numpy as np
 import pytest
-import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import GradientAccumulator
-from tfx_gradient_accumulator.accumulator.tuning import (
+keras_tuner = pytest.importorskip("keras_tuner")     # not in the oldest environment
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tfx_gradient_accumulator.accumulator import GradientAccumulator  # noqa: E402
+from tfx_gradient_accumulator.accumulator.tuning import (  # noqa: E402
     AccumulatingHyperModel,
     NoiseScaleProbe,
     accum_steps_for_noise_scale,
@@ -26,8 +26,8 @@ from tfx_gradient_accumulator.accumulator.tuning import (
     effective_batch_sizes_around,
     probe_noise_scale,
 )
-from tests.accumulator import reference as ref
-from tests.accumulator import test_noise_scale as fit_tests
+from tests.accumulator import reference as ref  # noqa: E402
+from tests.accumulator import test_noise_scale as fit_tests  # noqa: E402
 from tests.accumulator import test_noise_scale_estimator as est
 
 

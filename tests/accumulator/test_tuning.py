@@ -1,16 +1,16 @@
 """KerasTuner: each trial trains with its own accum_steps and micro-batch (or, with
 `gradient_cache`, its own GradientCache accum_steps and effective batch)."""
 
-import keras
-import keras_tuner
-import numpy as np
 import pytest
-import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import GradientAccumulator, GradientCache
-from tfx_gradient_accumulator.accumulator.tuning import AccumulatingHyperModel, declare_accumulation
-from tests.accumulator import contrastive_models as cm
-from tests.accumulator import reference as ref
+keras_tuner = pytest.importorskip("keras_tuner")     # not in the oldest environment
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, GradientCache  # noqa: E402
+from tfx_gradient_accumulator.accumulator.tuning import AccumulatingHyperModel, declare_accumulation  # noqa: E402
+from tests.accumulator import contrastive_models as cm  # noqa: E402
+from tests.accumulator import reference as ref  # noqa: E402
 
 
 def test_declare_refuses_choices_that_do_not_divide():
@@ -149,9 +149,8 @@ def test_gradient_cache_hypermodel_refuses_a_model_that_does_not_match():
 
 def test_auto_trials_start_from_their_effective_batch_grow_and_hand_auto_to_the_trainer(tmp_path):
     """accum_steps="auto": each trial starts at 2 micro-batches of half its effective batch
-    and grows with the noise scale; the best hyperparameters make the Trainer's run auto."""
-    from tfx_gradient_accumulator.components import settings as settings_lib
-
+    and grows with the noise scale; the best hyperparameters say "auto" and the limit, which
+    the Trainer's settings read (tests/components/test_auto_accumulation_trainer.py)."""
     x, y = ref.regression_data(512)
     seen = []
 
@@ -179,9 +178,6 @@ def test_auto_trials_start_from_their_effective_batch_grow_and_hand_auto_to_the_
     assert min(updates for _, _, _, updates in seen) < 40
     best = tuner.get_best_hyperparameters()[0]
     assert (best.get("accum_steps"), best.get("max_effective_batch_size")) == ("auto", 32)
-    settings = settings_lib.resolve(best.get_config(), None, None, 1)
-    assert settings.auto and settings.max_effective_batch_size == 32
-    assert settings.micro_batch == best.get("effective_batch_size") // 2
 
 
 @pytest.mark.parametrize("kwargs, message", [
