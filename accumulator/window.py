@@ -280,15 +280,189 @@ class WindowState:
         """Whether `build` made the variables."""
         return self.accum_steps is not None
 
+    def build(self, var_list, new_variable, accum_steps, passthrough, noise_smoothing):
+        """Makes the variables for `var_list` (the model's trainable variables).
 
-class AccumulationWindow:
+        Args:
+            var_list: the variables the window is for, in order.
+            new_variable: the optimizer's `_new_variable(shape, dtype, initial, name)`.
+            accum_steps: the window's length to start with.
+            passthrough: a pass-through never accumulates: it gets no buffers.
+            noise_smoothing: the noise-scale estimate's smoothing, or None when not measuring.
+        """
+        first_replica = tf.VariableAggregation.ONLY_FIRST_REPLICA
+
+        def local(shape, dtype, name, initial=0.0, per_replica=False):
+            # Replica-local, summed over the replicas when read across them (replica 0's
+            # if `per_replica`). `None` in `shape`: a buffer that changes size along that
+            # axis, made with one row (an empty tensor would reach collective reads,
+            # which crash on it under MultiWorkerMirroredStrategy).
+            with seam.variables_created_as(
+                    synchronization=tf.VariableSynchronization.ON_READ, shape=shape if None in shape else None,
+                    aggregation=first_replica if per_replica else tf.VariableAggregation.SUM):
+                return new_variable(shape, dtype, initial, name)
+
+        var_list = list(var_list)
+        with seam.variables_created_as(aggregation=first_replica):
+            self.micro_step = new_variable((), tf.int64, 0, "micro_step")
+            steps = new_variable((), tf.int64, accum_steps, "accum_steps")
+        self.weight_sum = local((), tf.float32, "weight_sum")
+        overwrite = frozenset(i for i, v in enumerate(var_list) if _overwrites_with_gradient(v))
+        # Scalars and overwrite-with-gradient variables get their buffer now; the
+        # others a one-row stand-in, filled on their first dense gradient, and row
+        # buffers for sparse gradients, which only gathers produce.
+        accumulators, rows = [], []
+        for i, v in ([] if passthrough else enumerate(var_list)):
+            dtype = _accumulator_dtype(v)
+            if i in overwrite or not v.shape.rank:
+                accumulators.append(local(tuple(v.shape), dtype, f"accumulator_{i}",
+                                          initial=float("-inf") if i in overwrite else 0.0))
+                rows.append(None)
+                continue
+            rest = tuple(v.shape)[1:]
+            accumulators.append(local((None,) + rest, dtype, f"accumulator_{i}"))
+            # Replica 0's when read across replicas (checkpoints): summing rows of
+            # different replicas would mean nothing; `window_saving` saves every replica's.
+            rows.append(WindowRows(*[
+                local(shape, dt, f"rows_{i}_{part}", per_replica=True)
+                for shape, dt, part in (((None,) + rest, dtype, "values"), ((None,), tf.int64, "indices"),
+                                        ((), tf.int64, "count"))]))
+        if noise_smoothing is not None:
+            self.noise_sums = [local((), tf.float32, f"noise_scale_{name}")
+                               for name in ("micro_sq_norm_sum", "inv_size_sum", "micro_count")]
+            with seam.variables_created_as(aggregation=first_replica):
+                self.noise_estimate = NoiseScaleEstimate(
+                    lambda name, dtype: new_variable((), dtype, 0, f"noise_scale_{name}"), smoothing=noise_smoothing)
+        self.variables, self.index_by_id = var_list, {id(v): i for i, v in enumerate(var_list)}
+        self.accumulators, self.rows, self.overwrite_indices = accumulators, rows, overwrite
+        self.strategy, self.accum_steps = tf.distribute.get_strategy(), steps
+
+    def index_of(self, variable):
+        """`variable`'s index in `variables`; raises for a variable the window was not built for."""
+        index = self.index_by_id.get(id(variable))
+        if index is None:
+            raise ValueError(
+                f"Unknown variable {getattr(variable, 'path', None) or variable.name}: this "
+                "GradientAccumulator was built for other variables (one optimizer per model; "
+                "call `build` with all the variables it will update)."
+            )
+        return index
+
+    def gradient_kinds(self):
+        """{variable path: how the window holds its gradients} (`AccumulationWindow.gradient_kinds`)."""
+        kinds = {}
+        for i in sorted(self.with_grads):
+            if i in self.overwrite_indices:
+                kind = "maximum"
+            elif i in self.rows_seen:
+                kind = lookups.ONCE_PER_BATCH if i in self.once_per_batch else lookups.PER_SAMPLE
+                kind = "dense + " + kind if i in self.dense_seen else kind
+            else:
+                kind = "dense"
+            kinds[getattr(self.variables[i], "path", None) or self.variables[i].name] = kind
+        return kinds
+
+
+class WindowReadings:
+    """What an `AccumulationWindow` shows of its state (`self._state`, a `WindowState`)."""
+
+    def _untracked(self, **attributes):
+        # Plain Python state, set past TensorFlow's attribute tracking: the
+        # variables are tracked by `add_variable`, the listening layers are
+        # saved with their model, not with the optimizer.
+        for name, value in attributes.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def is_passthrough(self):
+        """True for `accum_steps=1` without `schedulable`: no buffers, no windows."""
+        return self._passthrough
+
+    @property
+    def accum_steps(self):
+        """Micro-batches per window. Once built, the variable's value: what a
+        schedule set, and what a restored checkpoint or loaded model holds."""
+        if self._window_built() and tf.executing_eagerly():
+            return int(self._state.accum_steps.numpy())
+        return self._accum_steps
+
+    def _window_built(self):
+        state = getattr(self, "_state", None)
+        return state is not None and state.built()
+
+    @property
+    def micro_step(self):
+        """Micro-batches in the open window (0 right after an update)."""
+        return self._state.micro_step
+
+    @property
+    def accumulators(self):
+        """The dense gradient buffers, one per variable (a one-row stand-in until a dense
+        gradient comes: `tf.shape(buffer)`, not Keras' `shape`, tells which)."""
+        return list(self._state.accumulators)
+
+    @property
+    def window_rows(self):
+        """Per variable, the `WindowRows` of its sparse gradients (None for scalars)."""
+        return list(self._state.rows)
+
+    @property
+    def gradient_kinds(self):
+        """{variable path: how the window holds its gradients}, for the variables that
+        got one in a step so far: "dense" (a sum), "rows" (a sparse gradient's rows,
+        kept apart as the large batch keeps them), "once-per-batch rows" (a lookup
+        whose ids do not depend on the sample: one row per id position, the
+        micro-batches summed into it; see `accumulator.lookups`), "dense + rows",
+        or "maximum" (`overwrite_with_gradient` variables)."""
+        return self._state.gradient_kinds()
+
+    @property
+    def held_micro_batches(self):
+        """Micro-batches in the open window, as an int (0 before the optimizer is built)."""
+        if not self._window_built() or self._passthrough:
+            return 0
+        return int(self._state.micro_step.numpy())
+
+    @property
+    def noise_scale_estimate(self):
+        """The `NoiseScaleEstimate` (smoothed |G|^2, tr Sigma, B_simple as tensors);
+        None before the optimizer is built. Needs `measure_noise_scale=True`."""
+        self._check_measures_noise_scale()
+        return self._state.noise_estimate
+
+    @property
+    def noise_scale(self):
+        """B_simple, the gradient noise scale, as a Python float, in the units of
+        the micro-batch weights (samples in `fit`); NaN before the first window of
+        at least two micro-batches. Needs `measure_noise_scale=True`."""
+        self._check_measures_noise_scale()
+        if self._state.noise_estimate is None:
+            return float("nan")
+        return self._state.noise_estimate.noise_scale_value()
+
+    def _check_measures_noise_scale(self):
+        if not self.measure_noise_scale:
+            raise AttributeError(
+                "This GradientAccumulator does not measure the gradient noise scale; "
+                "construct it with `measure_noise_scale=True` (and accum_steps >= 2)."
+            )
+
+    def add_window_listener(self, layer):
+        """Makes `layer` (an `AccumBatchNormalization`) follow the windows: closed with
+        partial windows, given every new `accum_steps`. Once per layer."""
+        if not any(layer is known for known in self._state.listeners):
+            self._state.listeners.append(layer)
+
+
+class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
     """The window's update rule, on the state `WindowState` declares; mixed into each Keras' optimizer.
 
     Subclasses call `_init_window(...)` in their constructor and
     `_build_window(var_list)` in their `build`, route each micro-batch through
     `_apply_micro_batch` (which runs `_update`, the whole flow), and supply the
     four methods listed in the module docstring. The state is `self._state`
-    (`WindowState`); the options are attributes (`partial_window`, ...).
+    (`WindowState`); the options are attributes (`partial_window`, ...). What it
+    shows is `WindowReadings`; saving, `window_saving.WindowSaving`.
     ``fit_callback`` (set by `accumulating_compile`) makes the window callback
     every `fit` uses; None: a plain `EpochWindows`.
     """
@@ -342,182 +516,10 @@ class AccumulationWindow:
         return (accum_steps, partial_window, schedulable, measure_noise_scale, noise_scale_smoothing,
                 merge_duplicate_rows, loss_reduction, auto)
 
-    def _untracked(self, **attributes):
-        # Plain Python state, set past TensorFlow's attribute tracking: the
-        # variables are tracked by `add_variable`, the listening layers are
-        # saved with their model, not with the optimizer.
-        for name, value in attributes.items():
-            object.__setattr__(self, name, value)
-
     def _build_window(self, var_list):
         """Creates the window's variables for `var_list` (the model's trainable variables)."""
-        s = self._state
-        var_list = list(var_list)
-        first_replica = tf.VariableAggregation.ONLY_FIRST_REPLICA
-        with seam.variables_created_as(aggregation=first_replica):
-            s.micro_step = self._new_variable((), tf.int64, 0, "micro_step")
-            accum_steps = self._new_variable((), tf.int64, self._accum_steps, "accum_steps")
-        s.weight_sum = self._new_local_variable((), tf.float32, "weight_sum")
-        overwrite = frozenset(i for i, v in enumerate(var_list) if _overwrites_with_gradient(v))
-        # A pass-through never accumulates: it holds no buffers. Scalars and
-        # overwrite-with-gradient variables get their buffer now; the others a
-        # one-row stand-in, filled on their first dense gradient (`_accumulate`),
-        # and row buffers for sparse gradients, which only gathers produce.
-        accumulators, rows = [], []
-        for i, v in ([] if self._passthrough else enumerate(var_list)):
-            dtype = _accumulator_dtype(v)
-            if i in overwrite or not v.shape.rank:
-                accumulators.append(self._new_local_variable(
-                    tuple(v.shape), dtype, f"accumulator_{i}", initial=float("-inf") if i in overwrite else 0.0))
-                rows.append(None)
-                continue
-            rest = tuple(v.shape)[1:]
-            accumulators.append(self._new_local_variable((None,) + rest, dtype, f"accumulator_{i}"))
-            # Replica 0's when read across replicas (checkpoints): summing rows
-            # of different replicas would mean nothing. `window_state` saves
-            # every replica's rows (Keras 3's saving calls it).
-            rows.append(WindowRows(*[
-                self._new_local_variable(shape, dt, f"rows_{i}_{part}", per_replica=True)
-                for shape, dt, part in (((None,) + rest, dtype, "values"), ((None,), tf.int64, "indices"),
-                                        ((), tf.int64, "count"))]))
-        if self.measure_noise_scale:
-            # Per replica, next to the accumulators, reduced with them once per window.
-            s.noise_sums = [self._new_local_variable((), tf.float32, f"noise_scale_{name}")
-                            for name in ("micro_sq_norm_sum", "inv_size_sum", "micro_count")]
-            # The smoothed estimate: mirrored, updated after the window's reduction.
-            with seam.variables_created_as(aggregation=first_replica):
-                s.noise_estimate = NoiseScaleEstimate(
-                    lambda name, dtype: self._new_variable((), dtype, 0, f"noise_scale_{name}"),
-                    smoothing=self.noise_scale_smoothing)
-        s.variables, s.index_by_id = var_list, {id(v): i for i, v in enumerate(var_list)}
-        s.accumulators, s.rows, s.overwrite_indices = accumulators, rows, overwrite
-        s.strategy, s.accum_steps = tf.distribute.get_strategy(), accum_steps
-
-    def _new_local_variable(self, shape, dtype, name, initial=0.0, per_replica=False):
-        """A replica-local variable, summed over the replicas when read across them
-        (replica 0's value if `per_replica`). `None` in `shape`: a buffer that
-        changes size along that axis, made with one row (an empty tensor would
-        reach collective reads, which crash on it under MultiWorkerMirroredStrategy)."""
-        aggregation = (tf.VariableAggregation.ONLY_FIRST_REPLICA if per_replica
-                       else tf.VariableAggregation.SUM)
-        with seam.variables_created_as(
-            synchronization=tf.VariableSynchronization.ON_READ, aggregation=aggregation,
-            shape=shape if None in shape else None,
-        ):
-            return self._new_variable(shape, dtype, initial, name)
-
-    # ------------------------------------------------------------- the state
-    @property
-    def is_passthrough(self):
-        """True for `accum_steps=1` without `schedulable`: no buffers, no windows."""
-        return self._passthrough
-
-    @property
-    def accum_steps(self):
-        """Micro-batches per window. Once built, the variable's value: what a
-        schedule set, and what a restored checkpoint or loaded model holds."""
-        if self._window_built() and tf.executing_eagerly():
-            return int(self._state.accum_steps.numpy())
-        return self._accum_steps
-
-    def _window_built(self):
-        state = getattr(self, "_state", None)
-        return state is not None and state.built()
-
-    @property
-    def micro_step(self):
-        """Micro-batches in the open window (0 right after an update)."""
-        return self._state.micro_step
-
-    @property
-    def accumulators(self):
-        """The dense gradient buffers, one per variable (a one-row stand-in until a dense
-        gradient comes: `tf.shape(buffer)`, not Keras' `shape`, tells which)."""
-        return list(self._state.accumulators)
-
-    @property
-    def window_rows(self):
-        """Per variable, the `WindowRows` of its sparse gradients (None for scalars)."""
-        return list(self._state.rows)
-
-    @property
-    def gradient_kinds(self):
-        """{variable path: how the window holds its gradients}, for the variables that
-        got one in a step so far: "dense" (a sum), "rows" (a sparse gradient's rows,
-        kept apart as the large batch keeps them), "once-per-batch rows" (a lookup
-        whose ids do not depend on the sample: one row per id position, the
-        micro-batches summed into it; see `accumulator.lookups`), "dense + rows",
-        or "maximum" (`overwrite_with_gradient` variables)."""
-        s, kinds = self._state, {}
-        for i in sorted(s.with_grads):
-            variable = s.variables[i]
-            if i in s.overwrite_indices:
-                kind = "maximum"
-            elif i in s.rows_seen:
-                kind = lookups.ONCE_PER_BATCH if i in s.once_per_batch else lookups.PER_SAMPLE
-                kind = "dense + " + kind if i in s.dense_seen else kind
-            else:
-                kind = "dense"
-            kinds[getattr(variable, "path", None) or variable.name] = kind
-        return kinds
-
-    @property
-    def held_micro_batches(self):
-        """Micro-batches in the open window, as an int (0 before the optimizer is built)."""
-        if not self._window_built() or self._passthrough:
-            return 0
-        return int(self._state.micro_step.numpy())
-
-    @property
-    def noise_scale_estimate(self):
-        """The `NoiseScaleEstimate` (smoothed |G|^2, tr Sigma, B_simple as tensors);
-        None before the optimizer is built. Needs `measure_noise_scale=True`."""
-        self._check_measures_noise_scale()
-        return self._state.noise_estimate
-
-    @property
-    def noise_scale(self):
-        """B_simple, the gradient noise scale, as a Python float, in the units of
-        the micro-batch weights (samples in `fit`); NaN before the first window of
-        at least two micro-batches. Needs `measure_noise_scale=True`."""
-        self._check_measures_noise_scale()
-        if self._state.noise_estimate is None:
-            return float("nan")
-        return self._state.noise_estimate.noise_scale_value()
-
-    def _check_measures_noise_scale(self):
-        if not self.measure_noise_scale:
-            raise AttributeError(
-                "This GradientAccumulator does not measure the gradient noise scale; "
-                "construct it with `measure_noise_scale=True` (and accum_steps >= 2)."
-            )
-
-    def add_window_listener(self, layer):
-        """Makes `layer` (an `AccumBatchNormalization`) follow the windows: closed with
-        partial windows, given every new `accum_steps`. Once per layer."""
-        if not any(layer is known for known in self._state.listeners):
-            self._state.listeners.append(layer)
-
-    # ------------------------------------------- saving (accumulator.window_saving)
-    def set_weights(self, weights):
-        """Sets the wrapper's and the inner optimizers' state, in `variables` order."""
-        if not (self._window_built() or getattr(self, "built", False)):
-            raise ValueError("Build the optimizer (or train one step) before `set_weights()`.")
-        window_saving.check_weights(self.variables, weights)
-        self.restore_window_state(weights)
-
-    def get_weights(self):
-        """The wrapper's and the inner optimizers' state as NumPy arrays, in `variables` order."""
-        return self.window_state()
-
-    def window_state(self):
-        """Every variable's value as NumPy arrays, in `variables` order, for saving: the
-        window as one device holds it, every replica's rows (`window_saving.saved`)."""
-        return window_saving.saved(self.variables, self._state)
-
-    def restore_window_state(self, state):
-        """Assigns `state` (as `window_state` returns it) to `variables`; rows go to replica 0."""
-        window_saving.restore(self.variables, self._state, state)
+        self._state.build(var_list, self._new_variable, self._accum_steps, self._passthrough,
+                          self.noise_scale_smoothing if self.measure_noise_scale else None)
 
     # ------------------------------------------------------- between windows
     def close_partial_window(self, mode=None):
@@ -604,7 +606,7 @@ class AccumulationWindow:
         """One micro-batch of `grads` for `variables` (built optimizer), weighed by
         `micro_batch_weight` or else by what the `compute_loss` hook handed over."""
         noted = self._state.noted_weight.take()
-        indices = [self._variable_index(v) for v in variables]
+        indices = [self._state.index_of(v) for v in variables]
         if not grads:
             return
         if self._passthrough:
@@ -678,16 +680,6 @@ class AccumulationWindow:
             replicas.in_cross_replica_context(count_and_close)
         else:
             count_and_close(None)
-
-    def _variable_index(self, variable):
-        index = self._state.index_by_id.get(id(variable))
-        if index is None:
-            raise ValueError(
-                f"Unknown variable {getattr(variable, 'path', None) or variable.name}: this "
-                "GradientAccumulator was built for other variables (one optimizer per model; "
-                "call `build` with all the variables it will update)."
-            )
-        return index
 
     def _accumulate(self, grads, indices, weight=1.0, divisor=1.0):
         """Replica-local: adds `weight * grad` into the window's buffers, and `divisor`

@@ -16,6 +16,34 @@ from tfx_gradient_accumulator.accumulator._tf import backing_variable, filled, l
 from tfx_gradient_accumulator.accumulator.window_rows import read_rows
 
 
+class WindowSaving:
+    """The saving API of an `AccumulationWindow` (both Keras' optimizers).
+
+    Keras 3's `save_own_variables` / `load_own_variables` call `window_state` /
+    `restore_window_state`; `get_weights` / `set_weights` too.
+    """
+
+    def set_weights(self, weights):
+        """Sets the wrapper's and the inner optimizers' state, in `variables` order."""
+        if not (self._window_built() or getattr(self, "built", False)):
+            raise ValueError("Build the optimizer (or train one step) before `set_weights()`.")
+        check_weights(self.variables, weights)
+        self.restore_window_state(weights)
+
+    def get_weights(self):
+        """The wrapper's and the inner optimizers' state as NumPy arrays, in `variables` order."""
+        return self.window_state()
+
+    def window_state(self):
+        """Every variable's value as NumPy arrays, in `variables` order, for saving: the
+        window as one device holds it, every replica's rows (`saved`)."""
+        return saved(self.variables, self._state)
+
+    def restore_window_state(self, state):
+        """Assigns `state` (as `window_state` returns it) to `variables`; rows go to replica 0."""
+        restore(self.variables, self._state, state)
+
+
 def check_weights(variables, weights):
     """Raises unless `weights` (arrays) fit `variables`, one each, in order (`set_weights`)."""
     if len(weights) != len(variables):
