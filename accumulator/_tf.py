@@ -109,11 +109,11 @@ def fill_one_after_another(variables, values, after=()):
     The new contents are made by `Empty`, which TensorFlow marks stateful so
     that Grappler never folds it: a `tf.fill` of constants is folded into a
     graph constant, and a graph constant stays allocated for as long as the
-    traced function lives (see DEVELOPERS.md, "Grappler folds a tf.fill"). Each refill allocates the new
-    buffer before the old one is released; chained, at most one variable's
-    worth of overlap exists at a time. `after` (reads of the variables the
-    update wrote) holds the refills until the inner optimizer has used the
-    window's means, whose buffers they replace.
+    traced function lives (DEVELOPERS.md, "Grappler folds a tf.fill"). Each
+    refill allocates the new buffer before the old one is released; chained,
+    at most one variable's worth of overlap exists at a time. `after` (reads
+    of the variables the update wrote) holds the refills until the inner
+    optimizer has used the window's means, whose buffers they replace.
     """
     previous = [a for a in after if a is not None]
     for variable, value in zip(variables, values):
