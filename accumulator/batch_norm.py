@@ -12,7 +12,7 @@ import logging
 import keras
 from keras import ops
 
-from tfx_gradient_accumulator.accumulator import _tf, seam
+from tfx_gradient_accumulator.accumulator import replicas, seam
 from tfx_gradient_accumulator.accumulator.window import validate_accum_steps
 
 logger = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
 def _pool_over_replicas(count, mean, variance):
     """The (count, mean, variance) of all replicas' micro-batches together."""
     channels = mean.shape[0]
-    rows = _tf.stack_over_replicas(ops.concatenate([ops.reshape(count, (1,)), mean, variance * count]))
+    rows = replicas.stack_over_replicas(ops.concatenate([ops.reshape(count, (1,)), mean, variance * count]))
     if rows is None:
         return count, mean, variance
     counts, means, m2s = rows[:, :1], rows[:, 1:1 + channels], rows[:, 1 + channels:]
@@ -235,8 +235,8 @@ def configure_batch_norm(model: keras.Model, accum_steps: int, optimizer=None) -
             )
         layer.set_accum_steps(accum_steps)
     if optimizer is not None:
-        listeners = optimizer._window_listeners
-        listeners.extend(layer for layer in layers if not any(layer is known for known in listeners))
+        for layer in layers:
+            optimizer.add_window_listener(layer)
     return layers
 
 

@@ -28,7 +28,7 @@ callback classes.
 import keras
 
 from tfx_gradient_accumulator.accumulator import seam, weighting
-from tfx_gradient_accumulator.accumulator._tf import NO_MERGE_CALL_MESSAGE
+from tfx_gradient_accumulator.accumulator.replicas import NO_MERGE_CALL_MESSAGE
 from tfx_gradient_accumulator.accumulator.auto_batch import auto_accumulation_class, auto_rule_of
 from tfx_gradient_accumulator.accumulator.callbacks import window_callback_classes
 from tfx_gradient_accumulator.accumulator.window import SUMMED_NOISE_SCALE_MESSAGE, AccumulationWindow

@@ -1,7 +1,7 @@
 """`GradientAccumulator` for Keras 2: `tf_keras` (TF >= 2.16) or `tf.keras` on TF <= 2.15.
 
 The same window, update rule and distribution mechanics as the Keras 3 class
-(`accumulator.window`, `accumulator._tf`); this module holds only what Keras 2
+(`accumulator.window`, `accumulator.replicas`); this module holds only what Keras 2
 does differently:
 
 * the base class is Keras 2's optimizer (the one of TF 2.11+,
@@ -35,7 +35,7 @@ import copy
 import numpy as np
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import _tf, seam, weighting
+from tfx_gradient_accumulator.accumulator import _tf, replicas, seam
 from tfx_gradient_accumulator.accumulator.callbacks import window_callback_classes
 from tfx_gradient_accumulator.accumulator.noise_scale import DEFAULT_SMOOTHING
 from tfx_gradient_accumulator.accumulator.window import (
@@ -199,15 +199,14 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
         if not grads_and_vars:
             return self.iterations
         grads, variables = (list(part) for part in zip(*grads_and_vars))
-        if aggregated and not self._passthrough and _tf.replicas_in_sync() > 1:
+        if aggregated and not self._passthrough and replicas.replicas_in_sync() > 1:
             raise ValueError(
                 "GradientAccumulator reduces gradients across replicas itself, once per "
                 "window; pass the replicas' own gradients (skip_gradients_aggregation=False)."
             )
         with tf.init_scope():
             self.build(variables)
-        noted = weighting.take_noted_weight()
-        self._apply_micro_batch(grads, variables, micro_batch_weight, noted)
+        self._apply_micro_batch(grads, variables, micro_batch_weight)
         return self.iterations
 
     def apply(self, grads, trainable_variables=None, micro_batch_weight=None):
@@ -215,7 +214,7 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
         if trainable_variables is None:
             if not self._window_built():
                 raise ValueError("Build the optimizer before `apply(grads)` without variables.")
-            trainable_variables = self._vars
+            trainable_variables = self._state.variables
         return self.apply_gradients(zip(grads, trainable_variables), micro_batch_weight=micro_batch_weight)
 
     def finalize_variable_values(self, var_list):

@@ -3,7 +3,7 @@
 The window's state and update rule are `accumulator.window.AccumulationWindow`,
 shared with the Keras 2 class (`accumulator.keras2`); the distribution
 mechanics (replica-local sums, one batched all-reduce when a window closes, the
-boundary decided in cross-replica context) are `accumulator._tf`. This module
+boundary decided in cross-replica context) are `accumulator.replicas`. This module
 holds what is Keras 3's: the optimizer base class, `LossScaleOptimizer`, the
 forwarding of the inner optimizer's API, and serialization.
 
@@ -18,7 +18,7 @@ import logging
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import _tf, seam, weighting
+from tfx_gradient_accumulator.accumulator import seam
 from tfx_gradient_accumulator.accumulator.noise_scale import DEFAULT_SMOOTHING
 from tfx_gradient_accumulator.accumulator.window import (  # noqa: F401  (validators re-exported: the public names)
     PARTIAL_WINDOW_MODES, AccumulationWindow, optimizer_chain, refuse_nested_accumulation,
@@ -341,7 +341,7 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
                     "optimizer must be built first: call "
                     "`optimizer.build(model.trainable_variables)`."
                 )
-            trainable_variables = self._vars
+            trainable_variables = self._state.variables
         trainable_variables = list(trainable_variables)
         if len(grads) != len(trainable_variables):
             raise ValueError(
@@ -351,8 +351,7 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
         if not self.built:
             self.build(trainable_variables)
             self.built = True
-        noted = weighting.take_noted_weight()
-        self._apply_micro_batch(grads, trainable_variables, micro_batch_weight, noted)
+        self._apply_micro_batch(grads, trainable_variables, micro_batch_weight)
 
     # ------------------------------------------------------------ serializing
     def get_config(self):

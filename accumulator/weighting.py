@@ -14,8 +14,9 @@ In `fit`, D_k comes through a public seam: Keras' train step calls
 `Model.compute_loss(x, y, y_pred, sample_weight)` with the batch and the
 predictions, and the hook `import accumulator` installs there
 (`accumulator.hooks`) hands them to `note_batch`, which evaluates the compiled
-loss's own reduction on ones (`loss_denominator`, public Keras API only). The
-accumulator's `apply` then takes the note (`take_noted_weight`). A model whose
+loss's own reduction on ones (`loss_denominator`, public Keras API only) and
+hands D to the optimizer (`note_micro_batch_weight`; kept in its `WindowState`
+until its `apply` takes it, per thread and graph). A model whose
 own `train_step` calls `self.compute_loss(...)` is weighed the same way; one
 that computes its loss without it (or overrides `compute_loss` without calling
 `super()`) weighs every micro-batch 1, as does a custom loop that passes no
@@ -25,32 +26,19 @@ that computes its loss without it (or overrides `compute_loss` without calling
 
 import functools
 import logging
-import threading
 
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import lookups, seam
+from tfx_gradient_accumulator.accumulator._tf import current_graph
 from tfx_gradient_accumulator.accumulator.window import SUMMED_LOSS, AccumulationWindow
 
 logger = logging.getLogger(__name__)
 
 
-class _Notes(threading.local):
-    # Per thread: MirroredStrategy traces each replica's step in its own thread.
-    def __init__(self):
-        self.graph = None
-        self.weight = None
-
-
-_notes = _Notes()
-
-
-def _current_graph():
-    return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-
-
 def note_batch(model, x, y, y_pred, sample_weight):
-    """Called by the `compute_loss` hook on training batches: notes D of the batch.
+    """Called by the `compute_loss` hook on training batches: hands D of the batch to
+    the model's optimizer (`AccumulationWindow.note_micro_batch_weight`).
 
     Only for models compiled with an accumulating `GradientAccumulator`; under
     `tf.function` it runs when the step is traced, so it costs nothing per step.
@@ -58,18 +46,8 @@ def note_batch(model, x, y, y_pred, sample_weight):
     optimizer = getattr(model, "optimizer", None)
     if not isinstance(optimizer, AccumulationWindow) or optimizer.is_passthrough:
         return
-    _notes.graph = _current_graph()
-    _notes.weight = loss_denominator(model, x, y, y_pred, sample_weight)
-    lookups.note_batch_size(_static_batch_size(x), _notes.graph)
-
-
-def take_noted_weight():
-    """D noted for the batch whose gradients are being applied (in this thread and graph), or None."""
-    weight, graph = _notes.weight, _notes.graph
-    _notes.weight = _notes.graph = None
-    if weight is None or graph is not _current_graph():
-        return None
-    return weight
+    optimizer.note_micro_batch_weight(loss_denominator(model, x, y, y_pred, sample_weight))
+    lookups.note_batch_size(_static_batch_size(x), current_graph())
 
 
 def _static_batch_size(x):

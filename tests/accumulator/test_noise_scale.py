@@ -201,7 +201,7 @@ def test_the_sums_reset_with_every_window(mode, counted):
     model.compile(optimizer, "mse")
     model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
     assert int(optimizer.noise_scale_estimate.window_count) == counted
-    assert [float(v.numpy()) for v in optimizer._noise_sums] == [0.0, 0.0, 0.0]
+    assert [float(v.numpy()) for v in optimizer._state.noise_sums] == [0.0, 0.0, 0.0]
     first = optimizer.noise_scale
     # The same 4 micro-batches alone give the same estimate: nothing of the
     # fifth leaked into it, nor into the next window.
