@@ -34,7 +34,7 @@ SUMMED_NOISE_SCALE_MESSAGE = (
 
 __all__ = [
     "AUTO", "AUTO_START_ACCUM_STEPS", "CacheOptions", "DEFAULT_SMOOTHING", "LOSS_REDUCTIONS",
-    "LR_SCALINGS", "PARTIAL_WINDOW_MODES", "SUMMED_NOISE_SCALE_MESSAGE", "WindowOptions",
+    "LR_SCALINGS", "PARTIAL_WINDOW_MODES", "SUMMED_NOISE_SCALE_MESSAGE", "WindowOptions", "integer_at_least",
     "refuse_unknown_arguments", "validate_accum_steps", "validate_auto", "validate_bool",
     "validate_loss_reduction", "validate_lr_scaling", "validate_measure_noise_scale",
     "validate_merge_duplicate_rows", "validate_partial_window", "validate_schedule",

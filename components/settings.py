@@ -22,13 +22,12 @@ the run_fn sees with each:
 import dataclasses
 from typing import Any, Dict, Optional
 
-from tfx_gradient_accumulator.accumulator import validate_accum_steps
-from tfx_gradient_accumulator.accumulator.callbacks import accum_steps_at, validate_schedule
-from tfx_gradient_accumulator.accumulator.lr_scaling import validate_lr_scaling
-from tfx_gradient_accumulator.accumulator.noise_scale import DEFAULT_SMOOTHING, validate_smoothing
-from tfx_gradient_accumulator.accumulator.optimizer import validate_measure_noise_scale, validate_partial_window
-from tfx_gradient_accumulator.accumulator.window import validate_merge_duplicate_rows
-from tfx_gradient_accumulator.accumulator.validation import integer_at_least
+from tfx_gradient_accumulator.accumulator.callbacks import accum_steps_at
+from tfx_gradient_accumulator.accumulator.options import (
+    AUTO, AUTO_START_ACCUM_STEPS, DEFAULT_SMOOTHING, WindowOptions, integer_at_least, validate_accum_steps,
+    validate_bool, validate_lr_scaling, validate_measure_noise_scale, validate_partial_window, validate_schedule,
+    validate_schedule_by, validate_smoothing,
+)
 
 ACCUM_STEPS = "accum_steps"
 EFFECTIVE_BATCH_SIZE = "effective_batch_size"
@@ -37,13 +36,15 @@ NOISE_SCALE_SMOOTHING = "noise_scale_smoothing"
 GRADIENT_CACHE = "gradient_cache"
 GATHER_ACROSS_REPLICAS = "gather_across_replicas"
 MAX_EFFECTIVE_BATCH_SIZE = "max_effective_batch_size"
-AUTO = "auto"
-AUTO_START_ACCUM_STEPS = 2     # the smallest window that measures the noise scale
 
 
 @dataclasses.dataclass(frozen=True)
 class AccumulationSettings:
-    """accum_steps, effective batch and replicas of one run, and what follows."""
+    """accum_steps, effective batch and replicas of one run, and what follows.
+
+    The Trainer's settings: the wrappers' `WindowOptions` (`window_options`) and
+    what only the Trainer has (the effective batch, replicas, the schedule,
+    `gradient_cache`, where each value came from)."""
 
     accum_steps: int
     effective_batch_size: Optional[int]
@@ -88,15 +89,19 @@ class AccumulationSettings:
     def micro_batch_per_replica(self) -> Optional[int]:
         return None if self.micro_batch is None else self.micro_batch // self.replicas
 
+    @property
+    def window_options(self) -> WindowOptions:
+        """The options of the run's `GradientAccumulator`s (schedulable with a schedule or "auto")."""
+        return WindowOptions(
+            accum_steps=self.accum_steps, partial_window=self.partial_window,
+            schedulable=self.schedule is not None or self.auto, measure_noise_scale=self.measure_noise_scale,
+            noise_scale_smoothing=self.noise_scale_smoothing, merge_duplicate_rows=self.merge_duplicate_rows)
+
     def compile_arguments(self) -> Dict[str, Any]:
         """The arguments of `accumulator.autowrap.accumulating_compile` for this run."""
         return {
-            "accum_steps": self.accum_steps,
+            "options": self.window_options,
             "schedule": self.schedule,
-            "partial_window": self.partial_window,
-            "measure_noise_scale": self.measure_noise_scale,
-            "noise_scale_smoothing": self.noise_scale_smoothing,
-            "merge_duplicate_rows": self.merge_duplicate_rows,
             "gradient_cache": self.gradient_cache,
             "gather_across_replicas": self.gather_across_replicas,
             "schedule_by": self.schedule_by,
@@ -171,9 +176,7 @@ def resolve(
     partial_window = validate_partial_window(partial_window or "apply")
     cache = boolean_parameter(gradient_cache, GRADIENT_CACHE)
     gather = gather_setting(gather_across_replicas, cache)
-    schedule_by = schedule_by or "epoch"
-    if schedule_by not in ("epoch", "update"):
-        raise ValueError(f"`accum_schedule_by` must be 'epoch' or 'update'; received {schedule_by!r}.")
+    schedule_by = validate_schedule_by(schedule_by or "epoch", "accum_schedule_by")
     lr_scaling = validate_lr_scaling(lr_scaling or "none")
     values = hyperparameter_values(hyperparameters)
     sources = {}
@@ -279,7 +282,7 @@ def boolean_parameter(value, name):
     """A component's True/False parameter: stored as an int (0/1) by the pipeline, as
     SchemaGen's `infer_feature_shape`; unset (None) means False."""
     value = False if value is None else value
-    return validate_merge_duplicate_rows(bool(value) if value in (0, 1) else value, name=name)
+    return validate_bool(bool(value) if value in (0, 1) else value, name)
 
 
 def refuse_with_gradient_cache(schedule, partial_window, measure_noise_scale, merge_duplicate_rows,
