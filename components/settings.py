@@ -242,7 +242,8 @@ def resolve(
         pick(NOISE_SCALE_SMOOTHING, noise_scale_smoothing, DEFAULT_SMOOTHING), name=NOISE_SCALE_SMOOTHING)
     merge = boolean_parameter(merge_duplicate_rows, "merge_duplicate_rows")
     if cache:
-        refuse_with_gradient_cache(schedule, partial_window, measure, merge, sources.get(MEASURE_NOISE_SCALE))
+        refuse_with_gradient_cache(schedule, {"partial_window": partial_window, MEASURE_NOISE_SCALE: measure,
+                                              "merge_duplicate_rows": merge}, sources.get(MEASURE_NOISE_SCALE))
     if measure:
         refuse_measuring_without_windows(schedule, accum, sources)
     return AccumulationSettings(accum, effective, replicas, schedule, partial_window, sources,
@@ -285,9 +286,10 @@ def boolean_parameter(value, name):
     return validate_bool(bool(value) if value in (0, 1) else value, name)
 
 
-def refuse_with_gradient_cache(schedule, partial_window, measure_noise_scale, merge_duplicate_rows,
-                               measure_source=None):
-    """Raises, naming the parameter, for what `gradient_cache=True` cannot honour.
+def refuse_with_gradient_cache(schedule, window, measure_source=None):
+    """Raises, naming the parameter, for what `gradient_cache=True` cannot honour: a
+    `schedule`, or the `window` options ({"partial_window", "measure_noise_scale",
+    "merge_duplicate_rows"}) set.
 
     `GradientCache` makes one update of every batch `fit` gives it and holds
     nothing between steps, so the options of `GradientAccumulator`'s windows
@@ -296,7 +298,8 @@ def refuse_with_gradient_cache(schedule, partial_window, measure_noise_scale, me
     def refuse(what, why):
         raise ValueError(f"{what} is not supported with `{GRADIENT_CACHE}=True`: {why}")
 
-    if measure_noise_scale:
+    partial_window = window.get("partial_window", "apply")
+    if window.get(MEASURE_NOISE_SCALE):
         refuse(f"`{MEASURE_NOISE_SCALE}=True`" + (f" (from {measure_source})" if measure_source else ""),
                "the noise scale compares each micro-batch's gradient, an independent estimate of "
                "the gradient, with its window's; under GradientCache a micro-batch's gradient is "
@@ -311,7 +314,7 @@ def refuse_with_gradient_cache(schedule, partial_window, measure_noise_scale, me
         refuse(f"`partial_window={partial_window!r}`",
                "nothing is held between steps (every batch is one whole update), so there is no "
                "open window to carry or drop. Leave `partial_window` at 'apply'.")
-    if merge_duplicate_rows:
+    if window.get("merge_duplicate_rows"):
         refuse("`merge_duplicate_rows=True`",
                "it is an option of GradientAccumulator's windows; GradientCache hands the "
                "optimizer the large batch's gradient as Keras' own large batch would (sparse "
