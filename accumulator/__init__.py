@@ -26,7 +26,8 @@ from tfx_gradient_accumulator.accumulator import hooks, seam
 from tfx_gradient_accumulator.accumulator import noise_scale  # noqa: F401  (accumulator.noise_scale.* after `import accumulator`)
 from tfx_gradient_accumulator.accumulator.distribute import strategy_from_environment
 from tfx_gradient_accumulator.accumulator.noise_scale import NoiseScaleEstimate
-from tfx_gradient_accumulator.accumulator.window import AccumulationWindow, validate_accum_steps
+from tfx_gradient_accumulator.accumulator.options import WindowOptions, validate_accum_steps
+from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
 
 if seam.keras_is_3():
     from tfx_gradient_accumulator.accumulator import callbacks  # noqa: F401  (accumulator.callbacks.* after `import accumulator`)
@@ -66,6 +67,7 @@ __all__ = [
     "check_exact",
     "noise_scale",
     "strategy_from_environment",
+    "WindowOptions",
     "validate_accum_steps",
 ]
 if seam.keras_is_3():

@@ -31,7 +31,9 @@ Everything is restored when the context closes.
 """
 
 import contextlib
+import dataclasses
 import logging
+from typing import Any, Dict, Optional
 
 import keras
 import tensorflow as tf
@@ -39,22 +41,36 @@ import tensorflow as tf
 from tfx_gradient_accumulator.accumulator import hooks, seam
 from tfx_gradient_accumulator.accumulator.batch_norm import configure_batch_norm
 from tfx_gradient_accumulator.accumulator.auto_batch import auto_accumulation_class
-from tfx_gradient_accumulator.accumulator.callbacks import accum_steps_at, validate_schedule, window_callback_classes
-from tfx_gradient_accumulator.accumulator.lr_scaling import validate_lr_scaling
+from tfx_gradient_accumulator.accumulator.callbacks import accum_steps_at, window_callback_classes
 from tfx_gradient_accumulator.accumulator.gradient_cache import is_gradient_cache, validate_gather_across_replicas
-from tfx_gradient_accumulator.accumulator.noise_scale import DEFAULT_SMOOTHING
 from tfx_gradient_accumulator.accumulator.optimizer import GradientAccumulator
-from tfx_gradient_accumulator.accumulator.window import (AccumulationWindow, validate_accum_steps,
-                                                         validate_merge_duplicate_rows)
+from tfx_gradient_accumulator.accumulator.options import (
+    DEFAULT_SMOOTHING, WindowOptions, validate_accum_steps, validate_bool, validate_lr_scaling, validate_schedule,
+    validate_schedule_by,
+)
+from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
 
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What `accumulating_compile` was asked for, checked once: the wrappers' options
+    and what every `fit` of theirs follows."""
+
+    options: WindowOptions
+    schedule: Optional[Dict[int, int]] = None
+    schedule_by: str = "epoch"
+    lr_scaling: str = "none"
+    auto: Optional[Dict[str, Any]] = None
+
+
 @contextlib.contextmanager
-def accumulating_compile(accum_steps, schedule=None, partial_window="apply", strategy=None,
+def accumulating_compile(accum_steps=None, schedule=None, partial_window="apply", strategy=None,
                          measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING,
                          merge_duplicate_rows=False, gradient_cache=False, backup=None,
-                         schedule_by="epoch", lr_scaling="none", auto=None, gather_across_replicas=False):
+                         schedule_by="epoch", lr_scaling="none", auto=None, gather_across_replicas=False,
+                         options: Optional[WindowOptions] = None):
     """Wraps the optimizers `keras.Model.compile` is given; yields the wrappers made
     (with `gradient_cache`: the optimizers of the `GradientCache` models compiled).
 
@@ -64,7 +80,8 @@ def accumulating_compile(accum_steps, schedule=None, partial_window="apply", str
     the body runs under it, and strategy scopes opened inside map onto it.
     `measure_noise_scale`, `noise_scale_smoothing`, `merge_duplicate_rows`: the
     wrappers' (see `GradientAccumulator`; measuring needs `accum_steps >= 2` or a
-    `schedule`). `gradient_cache`: see the module docstring; the wrappers'
+    `schedule`). `options`: a `WindowOptions` instead of `accum_steps` and those
+    four (not both). `gradient_cache`: see the module docstring; the wrappers'
     options (`schedule`, `partial_window`, `measure_noise_scale`,
     `merge_duplicate_rows`) are then refused, as GradientCache has no windows.
     `backup`: a `TrainingBackup` that every `fit` inside runs through.
@@ -76,32 +93,23 @@ def accumulating_compile(accum_steps, schedule=None, partial_window="apply", str
     back as `wrapper.auto_accumulation`). `gather_across_replicas` (with
     `gradient_cache` only): every compiled `GradientCache` scores the global batch
     on every replica (see `GradientCache`), or (False) each replica's share.
+    Every argument is checked before the body runs.
     """
-    validate_merge_duplicate_rows(gather_across_replicas, name="gather_across_replicas")   # a bool
+    window_arguments = dict(partial_window=partial_window, measure_noise_scale=measure_noise_scale,
+                            noise_scale_smoothing=noise_scale_smoothing, merge_duplicate_rows=merge_duplicate_rows)
+    validate_bool(gather_across_replicas, "gather_across_replicas")
     if gather_across_replicas and not gradient_cache:
         raise ValueError("accumulating_compile(gather_across_replicas=True) needs gradient_cache=True: "
                          "only GradientCache scores a loss over the whole batch.")
     if gradient_cache:
-        _refuse_window_options(schedule, partial_window, measure_noise_scale, merge_duplicate_rows)
+        _refuse_window_options(schedule, window_arguments if options is None else options.get_config())
         if auto is not None:
             raise ValueError("accumulating_compile(gradient_cache=True) does not support `auto`: "
                              "GradientCache has no windows and measures no noise scale.")
-    validate_lr_scaling(lr_scaling)
-    if schedule_by not in ("epoch", "update"):
-        raise ValueError(f"`schedule_by` must be 'epoch' or 'update'; received {schedule_by!r}.")
-    if auto is not None:
-        if schedule is not None:
-            raise ValueError("accumulating_compile: `auto` and `schedule` exclude each other "
-                             "(auto makes the schedule).")
-        accum_steps = validate_accum_steps(accum_steps)
-        if accum_steps < 2:
-            raise ValueError(f"accumulating_compile(auto=...) needs `accum_steps` >= 2 to start from "
-                             f"(the noise scale is measured over windows of several micro-batches); "
-                             f"received {accum_steps}.")
-        auto_accumulation_class(keras)(start_accum_steps=accum_steps, lr_scaling=lr_scaling, **auto)
-    if schedule is not None:
-        schedule = validate_schedule(schedule)
-        accum_steps = accum_steps_at(schedule, 0)
+    if options is not None:
+        options = WindowOptions.from_arguments(options, **window_arguments)    # not both
+    plan = _plan(accum_steps, schedule, schedule_by, lr_scaling, auto, options, window_arguments)
+    accum_steps = plan.options.accum_steps
     made = []
 
     def wrapping_compile(original):
@@ -139,14 +147,9 @@ def accumulating_compile(accum_steps, schedule=None, partial_window="apply", str
                 not isinstance(inner, keras.optimizers.LossScaleOptimizer):
             inner = keras.optimizers.LossScaleOptimizer(inner)
             kwargs["auto_scale_loss"] = False
-        wrapper = GradientAccumulator(
-            inner, accum_steps, partial_window=partial_window,
-            schedulable=schedule is not None or auto is not None,
-            measure_noise_scale=measure_noise_scale or auto is not None,
-            noise_scale_smoothing=noise_scale_smoothing, merge_duplicate_rows=merge_duplicate_rows,
-        )
-        wrapper.fit_callback = _fit_callback(package, accum_steps, schedule, schedule_by, lr_scaling, auto)
-        wrapper.auto_accumulation = wrapper.fit_callback() if auto is not None else None
+        wrapper = GradientAccumulator(inner, options=plan.options)
+        wrapper.fit_callback = _fit_callback(package, plan)
+        wrapper.auto_accumulation = wrapper.fit_callback() if plan.auto is not None else None
         if not keras2:
             configure_batch_norm(model, accum_steps, wrapper)
         logger.info("Wrapped %s in GradientAccumulator(accum_steps=%d).", type(inner).__name__, accum_steps)
@@ -165,17 +168,50 @@ def accumulating_compile(accum_steps, schedule=None, partial_window="apply", str
         yield made
 
 
-def _fit_callback(package, accum_steps, schedule, schedule_by, lr_scaling, auto):
+def _plan(accum_steps, schedule, schedule_by, lr_scaling, auto, options, window_arguments) -> _Plan:
+    """Checks what `accumulating_compile` was given (`options`, or `accum_steps` and the
+    `window_arguments`), once; the wrappers are schedulable with a schedule or `auto`,
+    and measure the noise scale with `auto`."""
+    validate_lr_scaling(lr_scaling)
+    validate_schedule_by(schedule_by)
+    if options is not None and accum_steps is None:
+        accum_steps = options.accum_steps
+    if auto is not None:
+        if schedule is not None:
+            raise ValueError("accumulating_compile: `auto` and `schedule` exclude each other "
+                             "(auto makes the schedule).")
+        accum_steps = validate_accum_steps(accum_steps)
+        if accum_steps < 2:
+            raise ValueError(f"accumulating_compile(auto=...) needs `accum_steps` >= 2 to start from "
+                             f"(the noise scale is measured over windows of several micro-batches); "
+                             f"received {accum_steps}.")
+        auto_accumulation_class(keras)(start_accum_steps=accum_steps, lr_scaling=lr_scaling, **auto)
+    if schedule is not None:
+        schedule = validate_schedule(schedule)
+        accum_steps = accum_steps_at(schedule, 0)
+    changing = schedule is not None or auto is not None
+    if options is None:
+        measure = window_arguments["measure_noise_scale"] or auto is not None
+        options = WindowOptions(**dict(window_arguments, accum_steps=accum_steps, schedulable=changing,
+                                       measure_noise_scale=measure))
+    else:
+        options = dataclasses.replace(options, accum_steps=accum_steps, schedulable=options.schedulable or changing,
+                                      measure_noise_scale=options.measure_noise_scale or auto is not None)
+    return _Plan(options, schedule, schedule_by, lr_scaling, auto)
+
+
+def _fit_callback(package, plan):
     """What makes the window callback of each `fit` of a wrapper: a new
     `AccumulationSchedule` per `fit`, or the wrapper's one `AutoAccumulation`
     (its decisions carry on into a later `fit`); None for a plain `EpochWindows`."""
-    if auto is not None:
-        rule = auto_accumulation_class(package)(start_accum_steps=accum_steps, lr_scaling=lr_scaling, **auto)
+    if plan.auto is not None:
+        rule = auto_accumulation_class(package)(start_accum_steps=plan.options.accum_steps,
+                                                lr_scaling=plan.lr_scaling, **plan.auto)
         return lambda: rule
-    if schedule is None:
+    if plan.schedule is None:
         return None
     schedule_class = window_callback_classes(package)[1]
-    return lambda: schedule_class(schedule, by=schedule_by, lr_scaling=lr_scaling)
+    return lambda: schedule_class(plan.schedule, by=plan.schedule_by, lr_scaling=plan.lr_scaling)
 
 
 def _set_up_gradient_cache(model, optimizer, accum_steps, gradient_cache, gather_across_replicas=False):
@@ -228,11 +264,12 @@ def _set_gathering(model, gather_across_replicas):
     model.gather_across_replicas = gather_across_replicas
 
 
-def _refuse_window_options(schedule, partial_window, measure_noise_scale, merge_duplicate_rows):
+def _refuse_window_options(schedule, window_arguments):
     """GradientCache makes one update of each batch and holds nothing between steps."""
-    given = {"schedule": schedule is not None, "partial_window": partial_window != "apply",
-             "measure_noise_scale": bool(measure_noise_scale),
-             "merge_duplicate_rows": bool(merge_duplicate_rows)}
+    given = {"schedule": schedule is not None,
+             "partial_window": window_arguments.get("partial_window", "apply") != "apply",
+             "measure_noise_scale": bool(window_arguments.get("measure_noise_scale")),
+             "merge_duplicate_rows": bool(window_arguments.get("merge_duplicate_rows"))}
     named = [name for name, set_ in given.items() if set_]
     if named:
         raise ValueError(

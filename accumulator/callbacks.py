@@ -22,27 +22,10 @@ import keras
 
 from tfx_gradient_accumulator.accumulator import seam
 from tfx_gradient_accumulator.accumulator.lr_scaling import LearningRateScaler, lr_multiplier
-from tfx_gradient_accumulator.accumulator.window import AccumulationWindow, validate_accum_steps, validate_partial_window
+from tfx_gradient_accumulator.accumulator.options import validate_partial_window, validate_schedule
+from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
 
 logger = logging.getLogger(__name__)
-
-
-def validate_schedule(schedule):
-    """Returns {int epoch: int accum_steps}, sorted, or raises naming the problem."""
-    if not isinstance(schedule, dict) or not schedule:
-        raise ValueError(
-            f"`schedule` must be a non-empty dict {{epoch: accum_steps}}; received {schedule!r}."
-        )
-    result = {}
-    for epoch, steps in schedule.items():
-        try:
-            epoch_int = int(epoch)
-        except (TypeError, ValueError):
-            raise ValueError(f"`schedule` keys must be epochs (ints >= 0); received {epoch!r}.") from None
-        if epoch_int < 0 or str(epoch_int) != str(epoch).strip():
-            raise ValueError(f"`schedule` keys must be epochs (ints >= 0); received {epoch!r}.")
-        result[epoch_int] = validate_accum_steps(steps, name=f"schedule[{epoch!r}]")
-    return dict(sorted(result.items()))
 
 
 def accum_steps_at(schedule, epoch):

@@ -48,7 +48,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import seam
-from tfx_gradient_accumulator.accumulator.validation import integer_at_least
+from tfx_gradient_accumulator.accumulator.options import WindowOptions, integer_at_least
 
 if seam.keras_is_3():
     from tfx_gradient_accumulator.accumulator.optimizer import GradientAccumulator
@@ -341,7 +341,7 @@ class _Runs:
     batch_size: int
     seed: int
     accum_steps: int
-    accumulator_options: Dict[str, Any]
+    options: WindowOptions
 
 
 def _train(model_fn, initial, optimizer, compile_kwargs, arrays, batch_size, seed, first=None):
@@ -683,7 +683,7 @@ def _float64_runs(runs, initial, progress, earlier=()):
                          "float64" if accumulate else f"Keras' fit at batch {runs.large} in float64 (the arbiter)")
                 optimizer = runs.new_optimizer()
                 if accumulate:
-                    optimizer = GradientAccumulator(optimizer, runs.accum_steps, **runs.accumulator_options)
+                    optimizer = GradientAccumulator(optimizer, options=runs.options)
                 trained.append(_train(runs.model_fn, initial64, optimizer, dict(runs.compile_kwargs, loss=loss),
                                       arrays64, runs.batch_size if accumulate else runs.large, runs.seed, model))
             except Exception as err:                  # noqa: BLE001 (any failure is the arbiter's answer)
@@ -800,7 +800,8 @@ def check_exact(model_fn: Callable[[], Any], data, optimizer_fn: Optional[Callab
             `jit_compile`, ...). Default `jit_compile=False` (a sparse gradient needs
             `merge_duplicate_rows=True` under XLA).
         accumulator_options: keyword arguments of `GradientAccumulator`
-            (`merge_duplicate_rows`, ...).
+            (`merge_duplicate_rows`, ...), the fields of `WindowOptions` but
+            `accum_steps`; checked before any training.
         tolerance: the absolute |Δw| always accepted (default 1e-5).
         floor_factor: a variable is exact when its Δ is at most
             `max(tolerance, floor_factor * floor)` (default 10).
@@ -823,6 +824,8 @@ def check_exact(model_fn: Callable[[], Any], data, optimizer_fn: Optional[Callab
     """
     accum_steps, updates, batch_size = _validate_numbers(accum_steps, updates, batch_size, tolerance, floor_factor)
     arbiter, arbiter_factor = _validate_arbiter(arbiter, arbiter_factor)
+    accumulator_options = dict(accumulator_options or {})
+    options = WindowOptions(accum_steps=accum_steps, **accumulator_options)       # checked before training
     if not callable(model_fn):
         raise TypeError(f"`model_fn` must be a function returning a Keras model; received {model_fn!r}.")
     x, y, weights, dataset_batch = _split_data(data, batch_size, accum_steps, updates)
@@ -834,10 +837,8 @@ def check_exact(model_fn: Callable[[], Any], data, optimizer_fn: Optional[Callab
     initial = first.get_weights()
     new_optimizer = _optimizer_factory(optimizer_fn, first)
     compile_kwargs = {"jit_compile": False, **(compile_kwargs or {}), "loss": _loss_of(first, loss)}
-    accumulator_options = dict(accumulator_options or {})
     large = accum_steps * batch_size
-    runs = _Runs(model_fn, new_optimizer, compile_kwargs, arrays, large, batch_size, seed, accum_steps,
-                 accumulator_options)
+    runs = _Runs(model_fn, new_optimizer, compile_kwargs, arrays, large, batch_size, seed, accum_steps, options)
     progress = _Progress(verbose, 5 if arbiter is True else 3)
 
     progress(f"Keras' fit at batch {large}, {updates} updates (the reference)")
@@ -847,7 +848,7 @@ def check_exact(model_fn: Callable[[], Any], data, optimizer_fn: Optional[Callab
                          large, seed)
     progress(f"GradientAccumulator(accum_steps={accum_steps}) at batch {batch_size}")
     inner = new_optimizer()
-    optimizer = GradientAccumulator(inner, accum_steps, **accumulator_options)
+    optimizer = GradientAccumulator(inner, options=options)
     accumulated = _train(model_fn, initial, optimizer, compile_kwargs, arrays, batch_size, seed)
 
     random_layers = _random_layers(reference)

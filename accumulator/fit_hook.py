@@ -31,7 +31,8 @@ from tfx_gradient_accumulator.accumulator import seam, weighting
 from tfx_gradient_accumulator.accumulator.replicas import NO_MERGE_CALL_MESSAGE
 from tfx_gradient_accumulator.accumulator.auto_batch import auto_accumulation_class, auto_rule_of
 from tfx_gradient_accumulator.accumulator.callbacks import window_callback_classes
-from tfx_gradient_accumulator.accumulator.window import SUMMED_NOISE_SCALE_MESSAGE, AccumulationWindow
+from tfx_gradient_accumulator.accumulator.options import SUMMED_NOISE_SCALE_MESSAGE
+from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
 
 
 def before_fit(model, callbacks, fit_arguments=None):

@@ -50,15 +50,13 @@ import keras
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import across_replicas, cache_passes, seam
-from tfx_gradient_accumulator.accumulator.window import validate_accum_steps
+from tfx_gradient_accumulator.accumulator.options import CacheOptions
 
 
 def validate_gather_across_replicas(model, gather_across_replicas):
     """Returns `gather_across_replicas` if the Keras 3 `model` can be scored over the
     global batch, or raises: gathering needs the model's own `compute_loss`."""
-    if not isinstance(gather_across_replicas, bool):
-        raise TypeError("GradientCache: `gather_across_replicas` must be True or False; "
-                        f"received {gather_across_replicas!r}.")
+    CacheOptions(gather_across_replicas=gather_across_replicas)      # a bool
     if gather_across_replicas and type(model).compute_loss is keras.Model.compute_loss:
         raise ValueError(
             "GradientCache(gather_across_replicas=True) needs the model's own `compute_loss` "
@@ -112,11 +110,12 @@ class GradientCache(keras.Model):
 
     def __init__(self, model, accum_steps, gather_across_replicas=False, **kwargs):
         super().__init__(**kwargs)
-        self.accum_steps = validate_accum_steps(accum_steps)
+        options = CacheOptions(accum_steps, gather_across_replicas)
+        self.accum_steps = options.accum_steps
         if not isinstance(model, keras.Model) or seam.is_keras2_object(model):
             raise TypeError(f"`model` must be a Keras 3 `keras.Model`; received {type(model).__name__}.")
         self.model = model
-        self.gather_across_replicas = validate_gather_across_replicas(model, gather_across_replicas)
+        self.gather_across_replicas = validate_gather_across_replicas(model, options.gather_across_replicas)
         # Built with the model: `fit` never calls the wrapper itself, and saving
         # and loading need it built (the optimizer is restored onto its variables).
         self.built = model.built

@@ -37,10 +37,8 @@ import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import _tf, replicas, seam
 from tfx_gradient_accumulator.accumulator.callbacks import window_callback_classes
-from tfx_gradient_accumulator.accumulator.noise_scale import DEFAULT_SMOOTHING
-from tfx_gradient_accumulator.accumulator.window import (
-    AccumulationWindow, optimizer_chain, refuse_nested_accumulation, refuse_unknown_arguments,
-)
+from tfx_gradient_accumulator.accumulator.options import DEFAULT_SMOOTHING, WindowOptions, refuse_unknown_arguments
+from tfx_gradient_accumulator.accumulator.window import AccumulationWindow, optimizer_chain, refuse_nested_accumulation
 
 keras2 = seam.keras2_module()
 if keras2 is None:
@@ -110,9 +108,9 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
             possibly inside a `mixed_precision.LossScaleOptimizer`, or the name
             of one.
         accum_steps, partial_window, schedulable, measure_noise_scale,
-        noise_scale_smoothing, merge_duplicate_rows, loss_reduction, name: as for the Keras 3
-            class. Keras 2's optimizers sum repeated rows themselves, so
-            `merge_duplicate_rows` changes nothing here.
+        noise_scale_smoothing, merge_duplicate_rows, loss_reduction, max_effective_batch_size,
+        lr_scaling, name, options: as for the Keras 3 class. Keras 2's optimizers sum
+            repeated rows themselves, so `merge_duplicate_rows` changes nothing here.
     """
 
     def __new__(cls, optimizer=None, *args, **kwargs):
@@ -123,10 +121,12 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
     def __init__(self, optimizer, accum_steps=1, partial_window="apply", schedulable=False,
                  measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING,
                  merge_duplicate_rows=False, loss_reduction="auto", max_effective_batch_size=None,
-                 lr_scaling="none", name=None, **kwargs):
-        window_args = self._validate_window_arguments(
-            accum_steps, partial_window, schedulable, measure_noise_scale, noise_scale_smoothing,
-            merge_duplicate_rows, loss_reduction, max_effective_batch_size, lr_scaling)
+                 lr_scaling="none", name=None, options=None, **kwargs):
+        options = WindowOptions.from_arguments(
+            options, accum_steps=accum_steps, partial_window=partial_window, schedulable=schedulable,
+            measure_noise_scale=measure_noise_scale, noise_scale_smoothing=noise_scale_smoothing,
+            merge_duplicate_rows=merge_duplicate_rows, loss_reduction=loss_reduction,
+            max_effective_batch_size=max_effective_batch_size, lr_scaling=lr_scaling)
         optimizer = _resolve_optimizer(optimizer)
         kwargs.pop("is_legacy_optimizer", None)     # in every Keras 2 optimizer config
         refuse_unknown_arguments(kwargs, "set clipping, weight decay and EMA on the inner optimizer.")
@@ -135,7 +135,7 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
         # optimizer's), and left out of `variables`, whose names must be unique (h5).
         self._untracked(_unused_base_variables=list(super().variables))
         self._updater = optimizer
-        self._init_window(*window_args)
+        self._init_window(options)
 
     @property
     def inner_optimizer(self):

@@ -31,7 +31,7 @@ returns this class when `model` is a Keras 2 model.
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import cache_passes, seam, task_cache
-from tfx_gradient_accumulator.accumulator.window import validate_accum_steps
+from tfx_gradient_accumulator.accumulator.options import CacheOptions
 
 keras2 = seam.keras2_module()
 if keras2 is None:
@@ -70,7 +70,8 @@ class GradientCache(keras2.Model):
         if not isinstance(model, keras2.Model):
             raise TypeError(f"`model` must be a Keras 2 `{keras2.__name__}.Model`; received "
                             f"{type(model).__name__}.")
-        if gather_across_replicas is not False:
+        options = CacheOptions(accum_steps, gather_across_replicas)
+        if options.gather_across_replicas:
             raise ValueError(
                 "GradientCache(gather_across_replicas=True) is available for Keras 3 models; "
                 "this model is a Keras 2 one, whose GradientCache scores each replica's "
@@ -79,7 +80,7 @@ class GradientCache(keras2.Model):
         # mixed_float16 model in a LossScaleOptimizer, as for the model itself.
         kwargs.setdefault("dtype", model.dtype_policy)
         super().__init__(**kwargs)
-        self.accum_steps = validate_accum_steps(accum_steps)
+        self.accum_steps = options.accum_steps
         self.model = model
         # A TensorFlow Recommenders model: its task scores the whole batch (`task_cache`).
         self._task_attribute = task_cache.find_task(model)

@@ -17,14 +17,7 @@ import keras
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import seam
-
-LR_SCALINGS = ("none", "linear", "sqrt")
-
-
-def validate_lr_scaling(rule, name="lr_scaling"):
-    if rule not in LR_SCALINGS:
-        raise ValueError(f"`{name}` must be one of {LR_SCALINGS}; received {rule!r}.")
-    return rule
+from tfx_gradient_accumulator.accumulator.options import LR_SCALINGS, validate_lr_scaling  # noqa: F401  (its names here before)
 
 
 def lr_multiplier(rule, accum_steps, start_accum_steps):

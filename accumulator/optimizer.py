@@ -19,12 +19,11 @@ import keras
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import seam
-from tfx_gradient_accumulator.accumulator.noise_scale import DEFAULT_SMOOTHING
-from tfx_gradient_accumulator.accumulator.window import (  # noqa: F401  (validators re-exported: the public names)
-    PARTIAL_WINDOW_MODES, AccumulationWindow, optimizer_chain, refuse_nested_accumulation,
-    refuse_unknown_arguments,
+from tfx_gradient_accumulator.accumulator.options import (  # noqa: F401  (validators re-exported: the public names)
+    DEFAULT_SMOOTHING, PARTIAL_WINDOW_MODES, WindowOptions, refuse_unknown_arguments,
     validate_accum_steps, validate_measure_noise_scale, validate_partial_window,
 )
+from tfx_gradient_accumulator.accumulator.window import AccumulationWindow, optimizer_chain, refuse_nested_accumulation
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +172,12 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
             over its samples (`tf.reduce_sum`), `micro_batch_weight` for a
             mean of unequal ones.
         name: optional name of the wrapper.
+        options: a `WindowOptions` holding the options above, instead of them
+            (not both); the wrapper's `options` is the one it was built with.
+
+    Raises:
+        ValueError, TypeError: an option outside its allowed values (the message
+            names it and them), before anything is built.
     """
 
     def __new__(cls, optimizer=None, *args, **kwargs):
@@ -189,10 +194,12 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
     def __init__(self, optimizer, accum_steps=1, partial_window="apply", schedulable=False,
                  measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING,
                  merge_duplicate_rows=False, loss_reduction="auto", max_effective_batch_size=None,
-                 lr_scaling="none", name=None, **kwargs):
-        window_args = self._validate_window_arguments(
-            accum_steps, partial_window, schedulable, measure_noise_scale, noise_scale_smoothing,
-            merge_duplicate_rows, loss_reduction, max_effective_batch_size, lr_scaling)
+                 lr_scaling="none", name=None, options=None, **kwargs):
+        options = WindowOptions.from_arguments(
+            options, accum_steps=accum_steps, partial_window=partial_window, schedulable=schedulable,
+            measure_noise_scale=measure_noise_scale, noise_scale_smoothing=noise_scale_smoothing,
+            merge_duplicate_rows=merge_duplicate_rows, loss_reduction=loss_reduction,
+            max_effective_batch_size=max_effective_batch_size, lr_scaling=lr_scaling)
         optimizer = _resolve_optimizer(optimizer)
         for arg_name, default in _BASE_ARG_DEFAULTS.items():
             if arg_name in kwargs and kwargs.pop(arg_name) != default:
@@ -225,7 +232,7 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
         else:
             self.loss_scale_optimizer = None
             self.inner_optimizer = optimizer
-        self._init_window(*window_args)
+        self._init_window(options)
 
     # ------------------------------------------------------------------ state
     def build(self, var_list):

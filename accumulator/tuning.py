@@ -45,8 +45,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator.autowrap import accumulating_compile
-from tfx_gradient_accumulator.accumulator.noise_scale import validate_smoothing
-from tfx_gradient_accumulator.accumulator.validation import integer_at_least
+from tfx_gradient_accumulator.accumulator.options import AUTO, AUTO_START_ACCUM_STEPS, WindowOptions, integer_at_least
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +88,6 @@ def accum_steps_that_fit(micro_batch_size, accum_steps=(1, 2, 4, 8), effective_b
 
 
 MAX_EFFECTIVE_BATCH_SIZE = "max_effective_batch_size"
-AUTO = "auto"
-AUTO_START_ACCUM_STEPS = 2      # the smallest window that measures the noise scale
 
 
 def micro_batch(hp):
@@ -430,7 +427,8 @@ def probe_noise_scale(build_model, x, y=None, *, micro_batch_size, accum_steps=8
         seed = integer_at_least(seed, "seed", minimum=0)
     if noise_scale_smoothing is None:
         noise_scale_smoothing = min(1.0 - 1.0 / updates, 0.999)
-    noise_scale_smoothing = validate_smoothing(noise_scale_smoothing, "noise_scale_smoothing")
+    options = WindowOptions(accum_steps=accum_steps, measure_noise_scale=True,
+                            noise_scale_smoothing=noise_scale_smoothing)
     data = _probe_dataset(x, y, micro_batch_size, shuffle, shuffle_buffer, seed)
     if not isinstance(x, tf.data.Dataset) and micro_batch_size * accum_steps > len(np.asarray(y)):
         logger.warning(
@@ -441,8 +439,7 @@ def probe_noise_scale(build_model, x, y=None, *, micro_batch_size, accum_steps=8
 
     if seed is not None:
         keras.utils.set_random_seed(seed)
-    with accumulating_compile(accum_steps, measure_noise_scale=True,
-                              noise_scale_smoothing=noise_scale_smoothing) as made:
+    with accumulating_compile(options=options) as made:
         model = build_model() if hyperparameters is None else build_model(hyperparameters)
     optimizer = getattr(model, "optimizer", None)
     if not made or optimizer is not made[-1]:

@@ -35,20 +35,16 @@ from typing import Any, Optional
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import _tf, lookups, replicas, seam, window_rows, window_saving
-from tfx_gradient_accumulator.accumulator.lr_scaling import validate_lr_scaling
-from tfx_gradient_accumulator.accumulator.noise_scale import (
-    DEFAULT_SMOOTHING, NoiseScaleEstimate, micro_batch_terms, squared_norm, validate_smoothing,
+from tfx_gradient_accumulator.accumulator.noise_scale import NoiseScaleEstimate, micro_batch_terms, squared_norm
+from tfx_gradient_accumulator.accumulator.options import (  # noqa: F401  (the validators' names here before options.py)
+    AUTO_START_ACCUM_STEPS, DEFAULT_SMOOTHING, LOSS_REDUCTIONS, PARTIAL_WINDOW_MODES, SUMMED_NOISE_SCALE_MESSAGE,
+    WindowOptions, refuse_unknown_arguments, validate_accum_steps, validate_auto, validate_loss_reduction,
+    validate_measure_noise_scale, validate_merge_duplicate_rows, validate_partial_window,
 )
-from tfx_gradient_accumulator.accumulator.validation import integer_at_least
 from tfx_gradient_accumulator.accumulator.window_rows import WindowRows  # noqa: F401  (also its public home)
 
 logger = logging.getLogger(__name__)
 
-PARTIAL_WINDOW_MODES = ("apply", "carry", "drop")
-# "auto": read the compiled loss's reduction in `fit` (a mean otherwise); "mean": the
-# window's gradient is the micro-batches' mean, each weighing its loss's denominator;
-# "sum": the loss sums over its samples, and so does the window (see `accumulator.weighting`).
-LOSS_REDUCTIONS = ("auto", "mean", "sum")
 # What `accumulator.weighting` notes for a loss that sums over its samples.
 SUMMED_LOSS = "sum"
 
@@ -56,48 +52,6 @@ __all__ = [
     "AccumulationWindow", "DEFAULT_SMOOTHING", "PARTIAL_WINDOW_MODES", "optimizer_chain",
     "validate_accum_steps", "validate_partial_window", "validate_measure_noise_scale",
 ]
-
-
-def validate_accum_steps(accum_steps, name="accum_steps"):
-    """Returns `accum_steps` as an int, or raises naming the parameter."""
-    return integer_at_least(accum_steps, name)
-
-
-def validate_partial_window(mode, name="partial_window"):
-    """Returns `mode` if it is one of PARTIAL_WINDOW_MODES, or raises naming the parameter."""
-    if mode not in PARTIAL_WINDOW_MODES:
-        raise ValueError(f"`{name}` must be one of {PARTIAL_WINDOW_MODES}; received {mode!r}.")
-    return mode
-
-
-def validate_measure_noise_scale(measure, name="measure_noise_scale"):
-    """Returns `measure` as a bool if it is True or False, or raises naming the parameter."""
-    if not isinstance(measure, bool):
-        raise ValueError(f"`{name}` must be True or False; received {measure!r}.")
-    return measure
-
-
-SUMMED_NOISE_SCALE_MESSAGE = (
-    "`measure_noise_scale=True` needs a loss that is a mean over its samples: the noise scale "
-    "compares micro-batch gradients that are means, each weighed by its samples (the loss's "
-    "denominator). This loss sums over its samples (reduction 'sum' or 'none', or "
-    "loss_reduction='sum'): its micro-batches carry no sample count, and the estimate would "
-    "be off by the micro-batch size. Use a mean loss (Keras' default "
-    "'sum_over_batch_size'), or leave `measure_noise_scale` off.")
-
-
-def validate_loss_reduction(reduction, name="loss_reduction"):
-    """Returns `reduction` if it is one of LOSS_REDUCTIONS, or raises naming the parameter."""
-    if reduction not in LOSS_REDUCTIONS:
-        raise ValueError(f"`{name}` must be one of {LOSS_REDUCTIONS}; received {reduction!r}.")
-    return reduction
-
-
-def validate_merge_duplicate_rows(merge, name="merge_duplicate_rows"):
-    """Returns `merge` as a bool if it is True or False, or raises naming the parameter."""
-    if not isinstance(merge, bool):
-        raise ValueError(f"`{name}` must be True or False; received {merge!r}.")
-    return merge
 
 
 def optimizer_chain(optimizer):
@@ -114,40 +68,6 @@ def optimizer_chain(optimizer):
         except AttributeError:
             pass
     return chain
-
-
-AUTO_START_ACCUM_STEPS = 2
-
-
-def validate_auto(accum_steps, max_effective_batch_size, lr_scaling):
-    """`accum_steps="auto"`'s settings ({"max_effective_batch_size", "lr_scaling"}),
-    or None for a fixed `accum_steps`; raises on settings that go only with "auto"."""
-    if isinstance(accum_steps, str) and accum_steps != "auto":
-        raise TypeError(f"`accum_steps` must be an integer >= 1 or 'auto'; received {accum_steps!r}.")
-    if accum_steps != "auto":
-        if max_effective_batch_size is not None or lr_scaling != "none":
-            raise ValueError(
-                "`max_effective_batch_size` and `lr_scaling` go with accum_steps='auto'; received "
-                f"accum_steps={accum_steps!r}. A fixed schedule takes its own "
-                "(AccumulationSchedule(schedule, lr_scaling=...)).")
-        return None
-    if max_effective_batch_size is None:
-        raise ValueError("accum_steps='auto' needs `max_effective_batch_size`: the effective batch "
-                         "(samples per update) it may grow to, an int >= 2.")
-    integer_at_least(max_effective_batch_size, "max_effective_batch_size", 2)
-    validate_lr_scaling(lr_scaling)
-    return {"max_effective_batch_size": int(max_effective_batch_size), "lr_scaling": lr_scaling}
-
-
-def refuse_unknown_arguments(kwargs, advice=""):
-    """Raises naming the constructor arguments left in `kwargs`, if any (both Keras)."""
-    if kwargs:
-        raise ValueError(
-            f"GradientAccumulator got unknown arguments: {sorted(kwargs)}. "
-            "It takes `optimizer`, `accum_steps`, `partial_window`, `schedulable`, "
-            "`measure_noise_scale`, `noise_scale_smoothing`, `merge_duplicate_rows`, `loss_reduction`, "
-            "`max_effective_batch_size`, `lr_scaling` (with accum_steps='auto') and `name`" + (f"; {advice}" if advice else ".")
-        )
 
 
 def refuse_nested_accumulation(optimizer):
@@ -468,53 +388,29 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
     """
 
     # ------------------------------------------------------------------ setup
-    def _init_window(self, accum_steps, partial_window, schedulable, measure_noise_scale,
-                     noise_scale_smoothing, merge_duplicate_rows, loss_reduction="auto", auto=None):
-        self._accum_steps = accum_steps
+    def _init_window(self, options: WindowOptions):
+        # The options, checked once (`accumulator.options`); each also an attribute
+        # of its own name (`partial_window`, `schedulable`, ...), read-only by use.
+        self._untracked(options=options)
+        self._accum_steps = options.accum_steps
         # accum_steps="auto": {"max_effective_batch_size", "lr_scaling"}; the rule
         # (`AutoAccumulation`) is made by the first `fit` (`accumulator.fit_hook`),
         # which knows the micro-batch, and kept here: its decisions carry on into a
         # later `fit` and into a `TrainingBackup`.
-        self.auto = auto
+        self.auto = options.auto_settings
         self.auto_accumulation = None
-        self.loss_reduction = loss_reduction
-        self.merge_duplicate_rows = merge_duplicate_rows
-        self.partial_window = partial_window
+        self.loss_reduction = options.loss_reduction
+        self.merge_duplicate_rows = options.merge_duplicate_rows
+        self.partial_window = options.partial_window
         # Fixed at construction: a traced train step cannot switch paths later.
-        self.schedulable = bool(schedulable)
-        self._passthrough = accum_steps == 1 and not self.schedulable
-        self.measure_noise_scale = measure_noise_scale
-        self.noise_scale_smoothing = noise_scale_smoothing
+        self.schedulable = options.schedulable
+        self._passthrough = options.is_passthrough
+        self.measure_noise_scale = options.measure_noise_scale
+        self.noise_scale_smoothing = options.noise_scale_smoothing
         # Makes the window callback `fit` puts first (set by `accumulating_compile`).
         self.fit_callback = None
         self._untracked(_state=WindowState())
 
-    @staticmethod
-    def _validate_window_arguments(accum_steps, partial_window, schedulable, measure_noise_scale,
-                                   noise_scale_smoothing, merge_duplicate_rows, loss_reduction="auto",
-                                   max_effective_batch_size=None, lr_scaling="none"):
-        auto = validate_auto(accum_steps, max_effective_batch_size, lr_scaling)
-        if auto is not None:
-            # Starts at 2 micro-batches (the noise scale needs windows of several),
-            # schedulable (the window's size changes) and measuring.
-            accum_steps, schedulable, measure_noise_scale = AUTO_START_ACCUM_STEPS, True, True
-        accum_steps = validate_accum_steps(accum_steps)
-        loss_reduction = validate_loss_reduction(loss_reduction)
-        merge_duplicate_rows = validate_merge_duplicate_rows(merge_duplicate_rows)
-        validate_partial_window(partial_window)
-        measure_noise_scale = validate_measure_noise_scale(measure_noise_scale)
-        noise_scale_smoothing = validate_smoothing(noise_scale_smoothing, "noise_scale_smoothing")
-        if measure_noise_scale and accum_steps == 1 and not schedulable:
-            raise ValueError(
-                "`measure_noise_scale=True` needs windows of several micro-batches: the "
-                "noise scale compares the micro-batches' gradients with their window's, "
-                "and `accum_steps=1` (without `schedulable=True`) makes a pass-through "
-                "with windows of 1, which give no estimate. Use accum_steps >= 2."
-            )
-        if measure_noise_scale and loss_reduction == "sum":
-            raise ValueError(SUMMED_NOISE_SCALE_MESSAGE)
-        return (accum_steps, partial_window, schedulable, measure_noise_scale, noise_scale_smoothing,
-                merge_duplicate_rows, loss_reduction, auto)
 
     def _build_window(self, var_list):
         """Creates the window's variables for `var_list` (the model's trainable variables)."""
@@ -828,19 +724,11 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
             total.assign(0.0)
 
     def _window_config(self):
-        if self.auto is not None:
-            return {"accum_steps": "auto", **self.auto, "partial_window": self.partial_window,
-                    "noise_scale_smoothing": self.noise_scale_smoothing,
-                    "merge_duplicate_rows": self.merge_duplicate_rows, "loss_reduction": self.loss_reduction}
-        return {
-            "accum_steps": self.accum_steps,
-            "partial_window": self.partial_window,
-            "schedulable": self.schedulable,
-            "measure_noise_scale": self.measure_noise_scale,
-            "noise_scale_smoothing": self.noise_scale_smoothing,
-            "merge_duplicate_rows": self.merge_duplicate_rows,
-            "loss_reduction": self.loss_reduction,
-        }
+        # The options as built, with the window's length now (a schedule may have changed it).
+        config = self.options.get_config()
+        if not self.options.auto:
+            config["accum_steps"] = self.accum_steps
+        return config
 
     # ------------------------------------------------ what each Keras supplies
     def _new_variable(self, shape, dtype, initial, name):

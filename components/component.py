@@ -24,9 +24,8 @@ from tfx.types import standard_artifacts, standard_component_specs
 from tfx.types.component_spec import ExecutionParameter
 from tfx.utils import json_utils
 
-from tfx_gradient_accumulator.accumulator.callbacks import validate_schedule
 from tfx_gradient_accumulator.accumulator.distribute import KINDS
-from tfx_gradient_accumulator.accumulator.validation import integer_at_least
+from tfx_gradient_accumulator.accumulator.options import integer_at_least, validate_schedule
 from tfx_gradient_accumulator.components import exactness, executor, settings as settings_lib
 
 STRATEGY_CHOICES = ("auto",) + KINDS

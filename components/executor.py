@@ -16,9 +16,10 @@ in the ModelRun, from which `tfx_gradient_accumulator.components.cloud.VertexExe
 the artifacts it publishes.
 """
 
+import dataclasses
 import json
 import os
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import tensorflow as tf
 from absl import logging
@@ -50,6 +51,37 @@ BACKUP_DIR_KEY = preemption.BACKUP_DIR_KEY
 BACKUP_EVERY_KEY = preemption.BACKUP_EVERY_KEY
 TENSORBOARD_SUBDIR = "accumulation"
 RECORD_FILE = "record.json"
+# `settings.resolve`'s keyword: the exec property it reads.
+_RESOLVE_KEYWORDS = {
+    "accum_steps": ACCUM_STEPS_KEY, "effective_batch_size": EFFECTIVE_BATCH_SIZE_KEY,
+    "schedule": ACCUM_SCHEDULE_KEY, "partial_window": PARTIAL_WINDOW_KEY,
+    "measure_noise_scale": MEASURE_NOISE_SCALE_KEY, "noise_scale_smoothing": NOISE_SCALE_SMOOTHING_KEY,
+    "merge_duplicate_rows": MERGE_DUPLICATE_ROWS_KEY, "gradient_cache": GRADIENT_CACHE_KEY,
+    "schedule_by": ACCUM_SCHEDULE_BY_KEY, "lr_scaling": LR_SCALING_KEY,
+    "max_effective_batch_size": MAX_EFFECTIVE_BATCH_SIZE_KEY, "gather_across_replicas": GATHER_ACROSS_REPLICAS_KEY,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What one run resolved before training: the settings, the strategy, this
+    process's role on the cluster, and the backup (or None)."""
+
+    settings: settings_lib.AccumulationSettings
+    strategy: Any
+    role: Any
+    backup: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    """What the run did: optimizer updates, micro-batches left in open windows, the
+    noise-scale reading (or None), and what "auto" decided (or None)."""
+
+    updates: int
+    open_windows: int
+    reading: Any = None
+    schedule_taken: Optional[Dict[int, int]] = None
 
 
 class Executor(tfx_trainer_executor.GenericExecutor):
@@ -72,7 +104,8 @@ class Executor(tfx_trainer_executor.GenericExecutor):
         verdict = exactness.verify(run_fn, fn_args_utils.for_accumulation(fn_args, settings, role.workers),
                                    settings, exec_properties.get(exactness.VERIFY_EXACTNESS_KEY), strategy, role)
         # Train the model: every optimizer the run_fn compiles accumulates (or every GradientCache).
-        logging.info("Training model. %s", _describe(settings, strategy, fn_args.train_steps, role))
+        run = _Run(settings, strategy, role, backup)
+        logging.info("Training model. %s", _describe(run, fn_args.train_steps))
         with cluster.worker_outputs(fn_args, role, backup) as outputs:
             with accumulating_compile(strategy=strategy, backup=backup, **settings.compile_arguments()) as optimizers, \
                     run_fn_swaps.strategies_made_map_onto(strategy):     # the run_fn's own MirroredStrategy(), ...
@@ -80,7 +113,7 @@ class Executor(tfx_trainer_executor.GenericExecutor):
             outputs.check_exported()
             if role.chief:
                 exactness.record(output_dict, verdict)
-                _record(output_dict, fn_args.model_run_dir, settings, strategy, optimizers, role, backup)
+                _record(output_dict, fn_args.model_run_dir, run, optimizers)
             outputs.publish()
         if backup is not None:
             backup.remove()
@@ -107,27 +140,17 @@ def _as_bool(value):
 
 def _resolve_settings(hyperparameters, exec_properties, replicas):
     """The run's `AccumulationSettings`: the Tuner's best over the component's parameters."""
-    schedule = exec_properties.get(ACCUM_SCHEDULE_KEY)
-    auto = _as_bool(exec_properties.get(ACCUM_STEPS_AUTO_KEY))
-    return settings_lib.resolve(
-        hyperparameters,
-        settings_lib.AUTO if auto else exec_properties.get(ACCUM_STEPS_KEY),
-        exec_properties.get(EFFECTIVE_BATCH_SIZE_KEY),
-        replicas,
-        json.loads(schedule) if schedule else None,
-        exec_properties.get(PARTIAL_WINDOW_KEY),
-        _as_bool(exec_properties.get(MEASURE_NOISE_SCALE_KEY)),
-        exec_properties.get(NOISE_SCALE_SMOOTHING_KEY),
-        exec_properties.get(MERGE_DUPLICATE_ROWS_KEY),
-        exec_properties.get(GRADIENT_CACHE_KEY),
-        exec_properties.get(ACCUM_SCHEDULE_BY_KEY),
-        exec_properties.get(LR_SCALING_KEY),
-        exec_properties.get(MAX_EFFECTIVE_BATCH_SIZE_KEY),
-        exec_properties.get(GATHER_ACROSS_REPLICAS_KEY),
-    )
+    parameters = {keyword: exec_properties.get(key) for keyword, key in _RESOLVE_KEYWORDS.items()}
+    if _as_bool(exec_properties.get(ACCUM_STEPS_AUTO_KEY)):
+        parameters["accum_steps"] = settings_lib.AUTO
+    if parameters["schedule"]:
+        parameters["schedule"] = json.loads(parameters["schedule"])
+    parameters["measure_noise_scale"] = _as_bool(parameters["measure_noise_scale"])
+    return settings_lib.resolve(hyperparameters, replicas=replicas, **parameters)
 
 
-def _describe(settings, strategy, train_steps, role):
+def _describe(run, train_steps):
+    settings, strategy, role = run.settings, run.strategy, run.role
     micro_batch = settings.micro_batch or "the run_fn's"
     if settings.gradient_cache:
         micro_steps = (f"{train_steps} optimizer updates = {train_steps} steps of GradientCache, "
@@ -150,11 +173,12 @@ def _describe(settings, strategy, train_steps, role):
     )
 
 
-def _record(output_dict, model_run_dir, settings, strategy, optimizers, role, backup):
+def _record(output_dict, model_run_dir, run, optimizers):
     """Records what the run did on the output artifacts (ML Metadata), in
     `record.json` and in TensorBoard (the chief alone calls this). Refuses a run
     that wrapped no optimizer, so no artifact claims an accumulation that did not
     happen."""
+    settings = run.settings
     if not optimizers and settings.gradient_cache:
         raise RuntimeError(
             "AccumulatingTrainer(gradient_cache=True) saw no GradientCache compiled: the run_fn "
@@ -178,8 +202,7 @@ def _record(output_dict, model_run_dir, settings, strategy, optimizers, role, ba
     if reading is not None:
         logging.info("%s", noise_scale.describe(reading, settings.effective_batch_size))
     logging.info("%d optimizer updates.", updates)
-    _write_record(output_dict, model_run_dir, settings, updates, strategy, open_windows, reading, role, backup,
-                  schedule_taken)
+    _write_record(output_dict, model_run_dir, run, _Outcome(updates, open_windows, reading, schedule_taken))
 
 
 def _schedule_taken(optimizers):
@@ -189,11 +212,12 @@ def _schedule_taken(optimizers):
     return dict(rules[0].schedule) if rules else None
 
 
-def _write_record(output_dict, model_run_dir, settings, updates, strategy, open_windows, reading, role, backup,
-                  schedule_taken=None):
-    backup_ints, backup_strings = preemption.properties(backup)
+def _write_record(output_dict, model_run_dir, run, outcome):
+    settings, strategy, updates = run.settings, run.strategy, outcome.updates
+    reading, schedule_taken = outcome.reading, outcome.schedule_taken
+    backup_ints, backup_strings = preemption.properties(run.backup)
     properties = {**settings.as_properties(), "optimizer_updates": updates,
-                  "unapplied_micro_batches": open_windows, "workers": role.workers, **backup_ints}
+                  "unapplied_micro_batches": outcome.open_windows, "workers": run.role.workers, **backup_ints}
     strings = {"distribution_strategy": type(strategy).__name__, "partial_window": settings.partial_window,
                "accum_schedule_by": settings.schedule_by, "lr_scaling": settings.lr_scaling, **backup_strings}
     if schedule_taken is not None:

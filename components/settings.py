@@ -22,13 +22,12 @@ the run_fn sees with each:
 import dataclasses
 from typing import Any, Dict, Optional
 
-from tfx_gradient_accumulator.accumulator import validate_accum_steps
-from tfx_gradient_accumulator.accumulator.callbacks import accum_steps_at, validate_schedule
-from tfx_gradient_accumulator.accumulator.lr_scaling import validate_lr_scaling
-from tfx_gradient_accumulator.accumulator.noise_scale import DEFAULT_SMOOTHING, validate_smoothing
-from tfx_gradient_accumulator.accumulator.optimizer import validate_measure_noise_scale, validate_partial_window
-from tfx_gradient_accumulator.accumulator.window import validate_merge_duplicate_rows
-from tfx_gradient_accumulator.accumulator.validation import integer_at_least
+from tfx_gradient_accumulator.accumulator.callbacks import accum_steps_at
+from tfx_gradient_accumulator.accumulator.options import (
+    AUTO, AUTO_START_ACCUM_STEPS, DEFAULT_SMOOTHING, WindowOptions, integer_at_least, validate_accum_steps,
+    validate_bool, validate_lr_scaling, validate_measure_noise_scale, validate_partial_window, validate_schedule,
+    validate_schedule_by, validate_smoothing,
+)
 
 ACCUM_STEPS = "accum_steps"
 EFFECTIVE_BATCH_SIZE = "effective_batch_size"
@@ -37,13 +36,15 @@ NOISE_SCALE_SMOOTHING = "noise_scale_smoothing"
 GRADIENT_CACHE = "gradient_cache"
 GATHER_ACROSS_REPLICAS = "gather_across_replicas"
 MAX_EFFECTIVE_BATCH_SIZE = "max_effective_batch_size"
-AUTO = "auto"
-AUTO_START_ACCUM_STEPS = 2     # the smallest window that measures the noise scale
 
 
 @dataclasses.dataclass(frozen=True)
 class AccumulationSettings:
-    """accum_steps, effective batch and replicas of one run, and what follows."""
+    """accum_steps, effective batch and replicas of one run, and what follows.
+
+    The Trainer's settings: the wrappers' `WindowOptions` (`window_options`) and
+    what only the Trainer has (the effective batch, replicas, the schedule,
+    `gradient_cache`, where each value came from)."""
 
     accum_steps: int
     effective_batch_size: Optional[int]
@@ -88,15 +89,19 @@ class AccumulationSettings:
     def micro_batch_per_replica(self) -> Optional[int]:
         return None if self.micro_batch is None else self.micro_batch // self.replicas
 
+    @property
+    def window_options(self) -> WindowOptions:
+        """The options of the run's `GradientAccumulator`s (schedulable with a schedule or "auto")."""
+        return WindowOptions(
+            accum_steps=self.accum_steps, partial_window=self.partial_window,
+            schedulable=self.schedule is not None or self.auto, measure_noise_scale=self.measure_noise_scale,
+            noise_scale_smoothing=self.noise_scale_smoothing, merge_duplicate_rows=self.merge_duplicate_rows)
+
     def compile_arguments(self) -> Dict[str, Any]:
         """The arguments of `accumulator.autowrap.accumulating_compile` for this run."""
         return {
-            "accum_steps": self.accum_steps,
+            "options": self.window_options,
             "schedule": self.schedule,
-            "partial_window": self.partial_window,
-            "measure_noise_scale": self.measure_noise_scale,
-            "noise_scale_smoothing": self.noise_scale_smoothing,
-            "merge_duplicate_rows": self.merge_duplicate_rows,
             "gradient_cache": self.gradient_cache,
             "gather_across_replicas": self.gather_across_replicas,
             "schedule_by": self.schedule_by,
@@ -171,9 +176,7 @@ def resolve(
     partial_window = validate_partial_window(partial_window or "apply")
     cache = boolean_parameter(gradient_cache, GRADIENT_CACHE)
     gather = gather_setting(gather_across_replicas, cache)
-    schedule_by = schedule_by or "epoch"
-    if schedule_by not in ("epoch", "update"):
-        raise ValueError(f"`accum_schedule_by` must be 'epoch' or 'update'; received {schedule_by!r}.")
+    schedule_by = validate_schedule_by(schedule_by or "epoch", "accum_schedule_by")
     lr_scaling = validate_lr_scaling(lr_scaling or "none")
     values = hyperparameter_values(hyperparameters)
     sources = {}
@@ -239,7 +242,8 @@ def resolve(
         pick(NOISE_SCALE_SMOOTHING, noise_scale_smoothing, DEFAULT_SMOOTHING), name=NOISE_SCALE_SMOOTHING)
     merge = boolean_parameter(merge_duplicate_rows, "merge_duplicate_rows")
     if cache:
-        refuse_with_gradient_cache(schedule, partial_window, measure, merge, sources.get(MEASURE_NOISE_SCALE))
+        refuse_with_gradient_cache(schedule, {"partial_window": partial_window, MEASURE_NOISE_SCALE: measure,
+                                              "merge_duplicate_rows": merge}, sources.get(MEASURE_NOISE_SCALE))
     if measure:
         refuse_measuring_without_windows(schedule, accum, sources)
     return AccumulationSettings(accum, effective, replicas, schedule, partial_window, sources,
@@ -279,12 +283,13 @@ def boolean_parameter(value, name):
     """A component's True/False parameter: stored as an int (0/1) by the pipeline, as
     SchemaGen's `infer_feature_shape`; unset (None) means False."""
     value = False if value is None else value
-    return validate_merge_duplicate_rows(bool(value) if value in (0, 1) else value, name=name)
+    return validate_bool(bool(value) if value in (0, 1) else value, name)
 
 
-def refuse_with_gradient_cache(schedule, partial_window, measure_noise_scale, merge_duplicate_rows,
-                               measure_source=None):
-    """Raises, naming the parameter, for what `gradient_cache=True` cannot honour.
+def refuse_with_gradient_cache(schedule, window, measure_source=None):
+    """Raises, naming the parameter, for what `gradient_cache=True` cannot honour: a
+    `schedule`, or the `window` options ({"partial_window", "measure_noise_scale",
+    "merge_duplicate_rows"}) set.
 
     `GradientCache` makes one update of every batch `fit` gives it and holds
     nothing between steps, so the options of `GradientAccumulator`'s windows
@@ -293,7 +298,8 @@ def refuse_with_gradient_cache(schedule, partial_window, measure_noise_scale, me
     def refuse(what, why):
         raise ValueError(f"{what} is not supported with `{GRADIENT_CACHE}=True`: {why}")
 
-    if measure_noise_scale:
+    partial_window = window.get("partial_window", "apply")
+    if window.get(MEASURE_NOISE_SCALE):
         refuse(f"`{MEASURE_NOISE_SCALE}=True`" + (f" (from {measure_source})" if measure_source else ""),
                "the noise scale compares each micro-batch's gradient, an independent estimate of "
                "the gradient, with its window's; under GradientCache a micro-batch's gradient is "
@@ -308,7 +314,7 @@ def refuse_with_gradient_cache(schedule, partial_window, measure_noise_scale, me
         refuse(f"`partial_window={partial_window!r}`",
                "nothing is held between steps (every batch is one whole update), so there is no "
                "open window to carry or drop. Leave `partial_window` at 'apply'.")
-    if merge_duplicate_rows:
+    if window.get("merge_duplicate_rows"):
         refuse("`merge_duplicate_rows=True`",
                "it is an option of GradientAccumulator's windows; GradientCache hands the "
                "optimizer the large batch's gradient as Keras' own large batch would (sparse "

@@ -1,0 +1,321 @@
+"""The accumulation options, checked once: `WindowOptions` and `CacheOptions`.
+
+Every option of `GradientAccumulator` (both Keras), `accumulating_compile`, the
+TFX Trainer's settings, `check_exact` and the tuning helpers is validated here,
+and nowhere else: each error names the parameter and the values it allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Mapping, Optional, Union
+
+from tfx_gradient_accumulator.accumulator.noise_scale import DEFAULT_SMOOTHING, validate_smoothing
+from tfx_gradient_accumulator.accumulator.validation import integer_at_least
+
+PARTIAL_WINDOW_MODES = ("apply", "carry", "drop")
+# "auto": read the compiled loss's reduction in `fit` (a mean otherwise); "mean": the
+# window's gradient is the micro-batches' mean, each weighing its loss's denominator;
+# "sum": the loss sums over its samples, and so does the window (see `accumulator.weighting`).
+LOSS_REDUCTIONS = ("auto", "mean", "sum")
+LR_SCALINGS = ("none", "linear", "sqrt")
+SCHEDULE_UNITS = ("epoch", "update")
+AUTO = "auto"
+# accum_steps="auto" starts at the smallest window that measures the noise scale.
+AUTO_START_ACCUM_STEPS = 2
+
+SUMMED_NOISE_SCALE_MESSAGE = (
+    "`measure_noise_scale=True` needs a loss that is a mean over its samples: the noise scale "
+    "compares micro-batch gradients that are means, each weighed by its samples (the loss's "
+    "denominator). This loss sums over its samples (reduction 'sum' or 'none', or "
+    "loss_reduction='sum'): its micro-batches carry no sample count, and the estimate would "
+    "be off by the micro-batch size. Use a mean loss (Keras' default "
+    "'sum_over_batch_size'), or leave `measure_noise_scale` off.")
+
+__all__ = [
+    "AUTO", "AUTO_START_ACCUM_STEPS", "CacheOptions", "DEFAULT_SMOOTHING", "LOSS_REDUCTIONS",
+    "LR_SCALINGS", "PARTIAL_WINDOW_MODES", "SUMMED_NOISE_SCALE_MESSAGE", "WindowOptions", "integer_at_least",
+    "refuse_unknown_arguments", "validate_accum_steps", "validate_auto", "validate_bool",
+    "validate_loss_reduction", "validate_lr_scaling", "validate_measure_noise_scale",
+    "validate_merge_duplicate_rows", "validate_partial_window", "validate_schedule",
+    "validate_schedule_by", "validate_smoothing",
+]
+
+
+# ------------------------------------------------------------------ one option each
+def validate_accum_steps(accum_steps: Any, name: str = "accum_steps") -> int:
+    """Returns `accum_steps` as an int, or raises naming the parameter.
+
+    Raises:
+        TypeError: not an integer (2.5, "4", True).
+        ValueError: below 1.
+    """
+    return integer_at_least(accum_steps, name)
+
+
+def _one_of(value: Any, allowed: tuple, name: str) -> Any:
+    if value not in allowed:
+        raise ValueError(f"`{name}` must be one of {allowed}; received {value!r}.")
+    return value
+
+
+def validate_partial_window(mode: Any, name: str = "partial_window") -> str:
+    """Returns `mode` if it is one of PARTIAL_WINDOW_MODES, or raises ValueError naming the parameter."""
+    return _one_of(mode, PARTIAL_WINDOW_MODES, name)
+
+
+def validate_loss_reduction(reduction: Any, name: str = "loss_reduction") -> str:
+    """Returns `reduction` if it is one of LOSS_REDUCTIONS, or raises ValueError naming the parameter."""
+    return _one_of(reduction, LOSS_REDUCTIONS, name)
+
+
+def validate_lr_scaling(rule: Any, name: str = "lr_scaling") -> str:
+    """Returns `rule` if it is one of LR_SCALINGS, or raises ValueError naming the parameter."""
+    return _one_of(rule, LR_SCALINGS, name)
+
+
+def validate_bool(value: Any, name: str) -> bool:
+    """Returns `value` if it is True or False, or raises ValueError naming the parameter."""
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False; received {value!r}.")
+    return value
+
+
+def validate_measure_noise_scale(measure: Any, name: str = "measure_noise_scale") -> bool:
+    """Returns `measure` if it is True or False, or raises ValueError naming the parameter."""
+    return validate_bool(measure, name)
+
+
+def validate_merge_duplicate_rows(merge: Any, name: str = "merge_duplicate_rows") -> bool:
+    """Returns `merge` if it is True or False, or raises ValueError naming the parameter."""
+    return validate_bool(merge, name)
+
+
+def validate_schedule_by(unit: Any, name: str = "schedule_by") -> str:
+    """Returns `unit` if it is "epoch" or "update", or raises ValueError naming the parameter."""
+    if unit not in SCHEDULE_UNITS:
+        raise ValueError(f"`{name}` must be 'epoch' or 'update'; received {unit!r}.")
+    return unit
+
+
+def validate_schedule(schedule: Any) -> Dict[int, int]:
+    """Returns {int epoch: int accum_steps}, sorted, or raises ValueError naming the problem."""
+    if not isinstance(schedule, dict) or not schedule:
+        raise ValueError(
+            f"`schedule` must be a non-empty dict {{epoch: accum_steps}}; received {schedule!r}."
+        )
+    result = {}
+    for epoch, steps in schedule.items():
+        try:
+            epoch_int = int(epoch)
+        except (TypeError, ValueError):
+            raise ValueError(f"`schedule` keys must be epochs (ints >= 0); received {epoch!r}.") from None
+        if epoch_int < 0 or str(epoch_int) != str(epoch).strip():
+            raise ValueError(f"`schedule` keys must be epochs (ints >= 0); received {epoch!r}.")
+        result[epoch_int] = validate_accum_steps(steps, name=f"schedule[{epoch!r}]")
+    return dict(sorted(result.items()))
+
+
+def validate_auto(accum_steps: Any, max_effective_batch_size: Any,
+                  lr_scaling: Any) -> Optional[Dict[str, Any]]:
+    """`accum_steps="auto"`'s settings ({"max_effective_batch_size", "lr_scaling"}),
+    or None for a fixed `accum_steps`; raises on settings that go only with "auto"."""
+    if isinstance(accum_steps, str) and accum_steps != AUTO:
+        raise TypeError(f"`accum_steps` must be an integer >= 1 or 'auto'; received {accum_steps!r}.")
+    if accum_steps != AUTO:
+        if max_effective_batch_size is not None or lr_scaling != "none":
+            raise ValueError(
+                "`max_effective_batch_size` and `lr_scaling` go with accum_steps='auto'; received "
+                f"accum_steps={accum_steps!r}. A fixed schedule takes its own "
+                "(AccumulationSchedule(schedule, lr_scaling=...)).")
+        return None
+    if max_effective_batch_size is None:
+        raise ValueError("accum_steps='auto' needs `max_effective_batch_size`: the effective batch "
+                         "(samples per update) it may grow to, an int >= 2.")
+    integer_at_least(max_effective_batch_size, "max_effective_batch_size", 2)
+    validate_lr_scaling(lr_scaling)
+    return {"max_effective_batch_size": int(max_effective_batch_size), "lr_scaling": lr_scaling}
+
+
+def refuse_unknown_arguments(kwargs: Mapping[str, Any], advice: str = "") -> None:
+    """Raises naming the constructor arguments left in `kwargs`, if any (both Keras)."""
+    if kwargs:
+        raise ValueError(
+            f"GradientAccumulator got unknown arguments: {sorted(kwargs)}. "
+            "It takes `optimizer`, `accum_steps`, `partial_window`, `schedulable`, "
+            "`measure_noise_scale`, `noise_scale_smoothing`, `merge_duplicate_rows`, `loss_reduction`, "
+            "`max_effective_batch_size`, `lr_scaling` (with accum_steps='auto') and `name`"
+            + (f"; {advice}" if advice else ".")
+        )
+
+
+# ------------------------------------------------------------------ the options
+@dataclasses.dataclass(frozen=True)
+class WindowOptions:
+    """Every option of a `GradientAccumulator`'s windows, checked once, frozen.
+
+    `GradientAccumulator(optimizer, options=WindowOptions(accum_steps=4))` is
+    `GradientAccumulator(optimizer, accum_steps=4)`; the wrapper's `options` is the
+    object it was built with. Building one raises, naming the parameter and the
+    values it allows, for any value the accumulator would refuse.
+
+    `accum_steps="auto"` is resolved here: the fields then say what it trains
+    with (`accum_steps=2`, `schedulable=True`, `measure_noise_scale=True`), and
+    `auto` is True; `get_config()` still writes `"accum_steps": "auto"`, so a
+    saved model loads as it was made.
+
+    Attributes:
+        accum_steps: micro-batches per window, an int >= 1 (1 without
+            `schedulable`: a pass-through), or "auto" when building (resolved to
+            2, the window `fit` then grows with the measured noise scale).
+        partial_window: what epoch ends and the end of `fit` do with an open
+            window: "apply" (one update from what it holds), "carry" (keep it
+            open) or "drop" (discard it).
+        schedulable: True or False: keep the accumulating path at
+            `accum_steps=1`, so a schedule can change it.
+        measure_noise_scale: True or False: estimate the gradient noise scale
+            from each window's micro-batches (needs windows of two or more
+            micro-batches, and a loss that is a mean).
+        noise_scale_smoothing: the decay of the noise scale's moving averages,
+            a float in [0, 1) (0.99: about 100 windows).
+        merge_duplicate_rows: True or False: sum a sparse gradient's rows per
+            index before the inner optimizer (False: one row per lookup, as
+            Keras' large batch).
+        loss_reduction: "auto", "mean" or "sum": how the loss reduces over its
+            samples.
+        max_effective_batch_size: with accum_steps="auto" only (and needed
+            then): the effective batch, in samples per update, it may grow to,
+            an int >= 2; None otherwise.
+        lr_scaling: with accum_steps="auto" only: "none", "linear" or "sqrt",
+            the learning-rate rule as the effective batch grows.
+        auto: True when built with accum_steps="auto" (set by it; a copy made
+            by `dataclasses.replace` keeps it).
+    """
+
+    accum_steps: Union[int, str] = 1
+    partial_window: str = "apply"
+    schedulable: bool = False
+    measure_noise_scale: bool = False
+    noise_scale_smoothing: float = DEFAULT_SMOOTHING
+    merge_duplicate_rows: bool = False
+    loss_reduction: str = "auto"
+    max_effective_batch_size: Optional[int] = None
+    lr_scaling: str = "none"
+    auto: bool = False
+
+    def __post_init__(self):
+        given = AUTO if self._resolved_auto() else self.accum_steps
+        auto = validate_auto(given, self.max_effective_batch_size, self.lr_scaling)
+        if auto is not None:
+            # Starts at 2 micro-batches (the noise scale needs windows of several),
+            # schedulable (the window's size changes) and measuring.
+            self._set(accum_steps=AUTO_START_ACCUM_STEPS, schedulable=True, measure_noise_scale=True,
+                      auto=True, max_effective_batch_size=auto["max_effective_batch_size"])
+        self._set(accum_steps=validate_accum_steps(self.accum_steps),
+                  loss_reduction=validate_loss_reduction(self.loss_reduction),
+                  merge_duplicate_rows=validate_merge_duplicate_rows(self.merge_duplicate_rows),
+                  partial_window=validate_partial_window(self.partial_window),
+                  measure_noise_scale=validate_measure_noise_scale(self.measure_noise_scale),
+                  noise_scale_smoothing=validate_smoothing(self.noise_scale_smoothing, "noise_scale_smoothing"),
+                  schedulable=bool(self.schedulable))
+        self._check_consistent()
+
+    def _resolved_auto(self) -> bool:
+        # `auto=True` comes from a resolved "auto" (a `dataclasses.replace` copy): take it as "auto" again.
+        if not self.auto:
+            return False
+        if self.accum_steps not in (AUTO, AUTO_START_ACCUM_STEPS):
+            raise ValueError("`auto` is set by accum_steps='auto' (which starts at "
+                             f"{AUTO_START_ACCUM_STEPS}); received auto=True with accum_steps={self.accum_steps!r}. "
+                             "Pass accum_steps='auto' instead.")
+        return True
+
+    def _set(self, **values):
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    def _check_consistent(self):
+        if self.measure_noise_scale and self.accum_steps == 1 and not self.schedulable:
+            raise ValueError(
+                "`measure_noise_scale=True` needs windows of several micro-batches: the "
+                "noise scale compares the micro-batches' gradients with their window's, "
+                "and `accum_steps=1` (without `schedulable=True`) makes a pass-through "
+                "with windows of 1, which give no estimate. Use accum_steps >= 2."
+            )
+        if self.measure_noise_scale and self.loss_reduction == "sum":
+            raise ValueError(SUMMED_NOISE_SCALE_MESSAGE)
+
+    @property
+    def is_passthrough(self) -> bool:
+        """`accum_steps=1` without `schedulable`: no buffers, no windows."""
+        return self.accum_steps == 1 and not self.schedulable
+
+    @property
+    def auto_settings(self) -> Optional[Dict[str, Any]]:
+        """{"max_effective_batch_size", "lr_scaling"} with accum_steps="auto", else None."""
+        if not self.auto:
+            return None
+        return {"max_effective_batch_size": self.max_effective_batch_size, "lr_scaling": self.lr_scaling}
+
+    def get_config(self) -> Dict[str, Any]:
+        """The keyword arguments that rebuild these options (what a saved optimizer holds)."""
+        if self.auto:
+            return {"accum_steps": AUTO, **self.auto_settings, "partial_window": self.partial_window,
+                    "noise_scale_smoothing": self.noise_scale_smoothing,
+                    "merge_duplicate_rows": self.merge_duplicate_rows, "loss_reduction": self.loss_reduction}
+        return {
+            "accum_steps": self.accum_steps,
+            "partial_window": self.partial_window,
+            "schedulable": self.schedulable,
+            "measure_noise_scale": self.measure_noise_scale,
+            "noise_scale_smoothing": self.noise_scale_smoothing,
+            "merge_duplicate_rows": self.merge_duplicate_rows,
+            "loss_reduction": self.loss_reduction,
+        }
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> "WindowOptions":
+        """The options `get_config()` wrote (or any of their keyword arguments)."""
+        return cls(**config)
+
+    @classmethod
+    def from_arguments(cls, options: Optional["WindowOptions"] = None, **arguments: Any) -> "WindowOptions":
+        """`options`, or the options `arguments` (the accumulator's keywords) make; not both.
+
+        Raises:
+            TypeError: `options` is not a `WindowOptions`.
+            ValueError: `options` given with keywords that differ from their defaults.
+        """
+        if options is None:
+            return cls(**arguments)
+        if not isinstance(options, WindowOptions):
+            raise TypeError(f"`options` must be a WindowOptions; received {options!r} of type "
+                            f"{type(options).__name__}.")
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        given = sorted(name for name, value in arguments.items()
+                       if type(value) is not type(defaults[name]) or value != defaults[name])
+        if given:
+            raise ValueError(f"Pass the window's options as `options` or as keywords, not both; received "
+                             f"`options` and {given}.")
+        return options
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheOptions:
+    """The options of a `GradientCache`, checked once, frozen.
+
+    Attributes:
+        accum_steps: micro-batches per batch, an int >= 1.
+        gather_across_replicas: True or False: under a strategy, score the whole
+            global batch on every replica (Keras 3 models with their own
+            `compute_loss` only; the model is checked by `GradientCache`).
+    """
+
+    accum_steps: int = 1
+    gather_across_replicas: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "accum_steps", validate_accum_steps(self.accum_steps))
+        if not isinstance(self.gather_across_replicas, bool):
+            raise TypeError("GradientCache: `gather_across_replicas` must be True or False; "
+                            f"received {self.gather_across_replicas!r}.")
