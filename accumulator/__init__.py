@@ -22,13 +22,13 @@ if __name__ != "tfx_gradient_accumulator.accumulator":   # `import accumulator` 
     raise ImportError(f"`import {__name__}` would load the library a second time under another name; "
                       "import tfx_gradient_accumulator.accumulator instead.")
 
-from tfx_gradient_accumulator.accumulator import hooks, seam
+from tfx_gradient_accumulator.accumulator import flavours, hooks
 from tfx_gradient_accumulator.accumulator import noise_scale  # noqa: F401  (accumulator.noise_scale.* after `import accumulator`)
 from tfx_gradient_accumulator.accumulator.distribute import strategy_from_environment
 from tfx_gradient_accumulator.accumulator.noise_scale import NoiseScaleEstimate
 from tfx_gradient_accumulator.accumulator.window import AccumulationWindow, validate_accum_steps
 
-if seam.keras_is_3():
+if flavours.keras_is_3():
     from tfx_gradient_accumulator.accumulator import callbacks  # noqa: F401  (accumulator.callbacks.* after `import accumulator`)
     from tfx_gradient_accumulator.accumulator.batch_norm import AccumBatchNormalization, use_accumulated_batch_norm
     from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation
@@ -68,6 +68,6 @@ __all__ = [
     "strategy_from_environment",
     "validate_accum_steps",
 ]
-if seam.keras_is_3():
+if flavours.keras_is_3():
     __all__ += ["AccumBatchNormalization", "use_accumulated_batch_norm"]
 __version__ = "0.3.0"

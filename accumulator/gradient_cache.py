@@ -43,13 +43,13 @@ but not the numbers the large batch would draw.
 
 The passes themselves are `accumulator.cache_passes`, shared with the Keras 2
 class (`accumulator.keras2_gradient_cache`), which `GradientCache(model, ...)`
-returns for a Keras 2 model.
+makes for a Keras 2 model; `isinstance(x, GradientCache)` holds for both.
 """
 
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import across_replicas, cache_passes, seam
+from tfx_gradient_accumulator.accumulator import across_replicas, cache_passes, flavours, seam
 from tfx_gradient_accumulator.accumulator.window import validate_accum_steps
 
 
@@ -70,7 +70,7 @@ def validate_gather_across_replicas(model, gather_across_replicas):
 
 
 @keras.saving.register_keras_serializable(package="accumulator")
-class GradientCache(keras.Model):
+class GradientCache(keras.Model, metaclass=flavours.OneNameForBothKeras):
     """Trains `model` on each batch in `accum_steps` micro-batches with the whole
     batch's loss: exact large batches for losses that couple the batch.
 
@@ -92,7 +92,8 @@ class GradientCache(keras.Model):
             scaled per replica and refused here.
 
     A Keras 2 model (`tf_keras`, or `tf.keras` on TF 2.15) gets the Keras 2 class,
-    `accumulator.keras2_gradient_cache.GradientCache`, with the same guarantees.
+    `accumulator.keras2_gradient_cache.GradientCache`, with the same guarantees;
+    `isinstance(x, GradientCache)` holds for both (`accumulator.flavours`).
 
     ```python
     model = GradientCache(two_tower, accum_steps=8)
@@ -101,19 +102,21 @@ class GradientCache(keras.Model):
     ```
     """
 
-    def __new__(cls, model=None, *args, **kwargs):
+    @staticmethod
+    def _keras_of_arguments(model=None, *args, **kwargs):
         # One name for both Keras: a Keras 2 model gets the Keras 2 class.
-        if cls is GradientCache and seam.is_keras2_object(model):
-            from tfx_gradient_accumulator.accumulator import keras2_gradient_cache
+        return flavours.keras_package_of(model) if flavours.is_keras2_object(model) else None
 
+    @staticmethod
+    def _make_keras2_class(keras2):
+        from tfx_gradient_accumulator.accumulator import keras2_gradient_cache
 
-            return keras2_gradient_cache.GradientCache(model, *args, **kwargs)
-        return super().__new__(cls, model, *args, **kwargs)
+        return keras2_gradient_cache.GradientCache
 
     def __init__(self, model, accum_steps, gather_across_replicas=False, **kwargs):
         super().__init__(**kwargs)
         self.accum_steps = validate_accum_steps(accum_steps)
-        if not isinstance(model, keras.Model) or seam.is_keras2_object(model):
+        if not isinstance(model, keras.Model) or flavours.is_keras2_object(model):
             raise TypeError(f"`model` must be a Keras 3 `keras.Model`; received {type(model).__name__}.")
         self.model = model
         self.gather_across_replicas = validate_gather_across_replicas(model, gather_across_replicas)
@@ -216,16 +219,9 @@ class GradientCache(keras.Model):
         return cls(model, **config)
 
 
-def is_gradient_cache(model):
-    """Whether `model` is a `GradientCache` of either Keras (the Keras 2 class is
-    another class, returned by this one's constructor for a Keras 2 model)."""
-    if isinstance(model, GradientCache):
-        return True
-    if seam.is_keras2_object(model):
-        from tfx_gradient_accumulator.accumulator import keras2_gradient_cache
-
-        return isinstance(model, keras2_gradient_cache.GradientCache)
-    return False
+def is_gradient_cache(model) -> bool:
+    """Deprecated: `isinstance(model, GradientCache)`, which holds for both Keras."""
+    return isinstance(model, GradientCache)
 
 
 def _global_batch(representations, scored):

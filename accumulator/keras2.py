@@ -24,7 +24,8 @@ does differently:
   the new classes since.
 
 Use it through the one public name: `accumulator.GradientAccumulator(optimizer,
-accum_steps)` returns this class when `optimizer` is a Keras 2 optimizer.
+accum_steps)` makes this class when `optimizer` is a Keras 2 optimizer, and
+`isinstance(x, accumulator.GradientAccumulator)` holds for it (`accumulator.flavours`).
 """
 
 from __future__ import annotations
@@ -35,14 +36,13 @@ import copy
 import numpy as np
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import _tf, seam, weighting
-from tfx_gradient_accumulator.accumulator.callbacks import window_callback_classes
+from tfx_gradient_accumulator.accumulator import _tf, callbacks, flavours, weighting
 from tfx_gradient_accumulator.accumulator.noise_scale import DEFAULT_SMOOTHING
 from tfx_gradient_accumulator.accumulator.window import (
     AccumulationWindow, optimizer_chain, refuse_nested_accumulation, refuse_unknown_arguments,
 )
 
-keras2 = seam.keras2_module()
+keras2 = flavours.keras2_module()
 if keras2 is None:
     raise ImportError(
         "accumulator.keras2 needs Keras 2: `pip install tf_keras` (TensorFlow >= 2.16) "
@@ -317,4 +317,5 @@ class LossScalingGradientAccumulator(GradientAccumulator, _LossScaleOptimizer):
 
 
 # Keras 2's own callback classes for what `fit` adds by itself (`accumulator.callbacks`).
-EpochWindows, AccumulationSchedule = window_callback_classes(keras2)
+EpochWindows = callbacks.EpochWindows.for_keras(keras2)
+AccumulationSchedule = callbacks.AccumulationSchedule.for_keras(keras2)

@@ -30,10 +30,10 @@ returns this class when `model` is a Keras 2 model.
 
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import cache_passes, seam, task_cache
+from tfx_gradient_accumulator.accumulator import cache_passes, flavours, seam, task_cache
 from tfx_gradient_accumulator.accumulator.window import validate_accum_steps
 
-keras2 = seam.keras2_module()
+keras2 = flavours.keras2_module()
 if keras2 is None:
     raise ImportError(
         "accumulator.keras2_gradient_cache needs Keras 2: `pip install tf_keras` (TensorFlow "

@@ -8,7 +8,8 @@ holds what is Keras 3's: the optimizer base class, `LossScaleOptimizer`, the
 forwarding of the inner optimizer's API, and serialization.
 
 `GradientAccumulator(optimizer, ...)` given a Keras 2 optimizer (`tf_keras`, or
-`tf.keras` on TF <= 2.15) returns the Keras 2 class instead: one name for both.
+`tf.keras` on TF <= 2.15) makes the Keras 2 class instead, and `isinstance` holds
+for both: one name (`accumulator.flavours.OneNameForBothKeras`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import logging
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import _tf, seam, weighting
+from tfx_gradient_accumulator.accumulator import _tf, flavours, seam, weighting
 from tfx_gradient_accumulator.accumulator.noise_scale import DEFAULT_SMOOTHING
 from tfx_gradient_accumulator.accumulator.window import (  # noqa: F401  (validators re-exported: the public names)
     PARTIAL_WINDOW_MODES, AccumulationWindow, optimizer_chain, refuse_nested_accumulation,
@@ -63,7 +64,7 @@ def _resolve_optimizer(optimizer):
 
 
 @keras.saving.register_keras_serializable(package="accumulator")
-class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
+class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer, metaclass=flavours.OneNameForBothKeras):
     """Accumulates gradients over `accum_steps` micro-batches, then updates once.
 
     Wrap any Keras 3 optimizer; training then follows the run with a batch
@@ -175,16 +176,19 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
         name: optional name of the wrapper.
     """
 
-    def __new__(cls, optimizer=None, *args, **kwargs):
+    @staticmethod
+    def _keras_of_arguments(optimizer=None, *args, **kwargs):
         # One name for both Keras: a Keras 2 optimizer (or, where tf.keras is
         # Keras 2, an optimizer's name) gets the Keras 2 class.
-        if cls is GradientAccumulator and (
-                seam.is_keras2_object(optimizer)
-                or (isinstance(optimizer, str) and seam.tf_keras_is_keras2())):
-            from tfx_gradient_accumulator.accumulator import keras2
+        if flavours.is_keras2_object(optimizer) or (isinstance(optimizer, str) and flavours.tf_keras_is_keras2()):
+            return flavours.keras2_module()
+        return None
 
-            return keras2.GradientAccumulator(optimizer, *args, **kwargs)
-        return super().__new__(cls)
+    @staticmethod
+    def _make_keras2_class(keras2):
+        from tfx_gradient_accumulator.accumulator import keras2 as keras2_classes
+
+        return keras2_classes.GradientAccumulator
 
     def __init__(self, optimizer, accum_steps=1, partial_window="apply", schedulable=False,
                  measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING,
@@ -202,7 +206,7 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
                 )
         kwargs.pop("learning_rate", None)
         refuse_unknown_arguments(kwargs)
-        if seam.version_tuple(keras.__version__) < OLDEST_KERAS:
+        if flavours.version_tuple(keras.__version__) < OLDEST_KERAS:
             raise RuntimeError(
                 f"GradientAccumulator needs Keras >= {'.'.join(map(str, OLDEST_KERAS))} "
                 f"(with TensorFlow >= 2.16); this is Keras {keras.__version__}. Older Keras 3 "

@@ -29,7 +29,7 @@ import sys
 
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import cache_passes, seam
+from tfx_gradient_accumulator.accumulator import cache_passes, flavours
 
 _UNSUPPORTED_ARGUMENTS = ("score_mask",)
 
@@ -116,7 +116,7 @@ def train_step(cache, data, attribute):
     """One step of `cache` (a Keras 2 `GradientCache`) on a TFRS model: logs as
     `tfrs.Model.train_step` returns them."""
     model, optimizer = cache.model, cache.optimizer
-    scaling = isinstance(optimizer, seam.keras2_module().mixed_precision.LossScaleOptimizer)
+    scaling = isinstance(optimizer, flavours.keras2_module().mixed_precision.LossScaleOptimizer)
     first_pass = []
 
     def forward(part):
