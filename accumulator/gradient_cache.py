@@ -49,7 +49,7 @@ makes for a Keras 2 model; `isinstance(x, GradientCache)` holds for both.
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import across_replicas, cache_passes, flavours, seam
+from tfx_gradient_accumulator.accumulator import across_replicas, cache_passes, flavours, refusals, seam
 from tfx_gradient_accumulator.accumulator.window import validate_accum_steps
 
 
@@ -193,20 +193,12 @@ class GradientCache(keras.Model, metaclass=flavours.OneNameForBothKeras):
     def _refuse_what_would_not_be_exact(self):
         for layer in seam.flatten_layers(self.model):
             if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
-                raise ValueError(
-                    f"GradientCache: layer {layer.name!r} is a BatchNormalization, whose training "
-                    "output depends on the other samples of its batch; it would normalize with "
-                    "micro-batch statistics, not the batch's. Use LayerNormalization, or freeze "
-                    "the layer (trainable=False).")
+                raise ValueError(refusals.batch_norm_in_gradient_cache(layer.name))
 
     def _refuse_losses_added_while_running(self):
         regularized = sum(1 for v in self.trainable_variables if getattr(v, "regularizer", None) is not None)
         if len(self.losses) > regularized:
-            raise ValueError(
-                "GradientCache: the model adds losses while it runs (`add_loss`, an "
-                "activity_regularizer); they would come from one micro-batch, not the batch. "
-                "Put them into `compute_loss`, on the representations, or use weight "
-                "regularizers (kernel_regularizer), which GradientCache handles exactly.")
+            raise ValueError(refusals.LOSSES_ADDED_WHILE_RUNNING)
 
     def get_config(self):
         return {**super().get_config(), "model": keras.saving.serialize_keras_object(self.model),

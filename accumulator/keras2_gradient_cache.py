@@ -30,7 +30,7 @@ returns this class when `model` is a Keras 2 model.
 
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import cache_passes, flavours, seam, task_cache
+from tfx_gradient_accumulator.accumulator import cache_passes, flavours, refusals, seam, task_cache
 from tfx_gradient_accumulator.accumulator.window import validate_accum_steps
 
 keras2 = flavours.keras2_module()
@@ -151,11 +151,7 @@ class GradientCache(keras2.Model):
             if not isinstance(layer, keras2.layers.Layer):
                 continue
             if _is_batch_norm(layer) and layer.trainable:
-                raise ValueError(
-                    f"GradientCache: layer {layer.name!r} is a BatchNormalization, whose training "
-                    "output depends on the other samples of its batch; it would normalize with "
-                    "micro-batch statistics, not the batch's. Use LayerNormalization, or freeze "
-                    "the layer (trainable=False).")
+                raise ValueError(refusals.batch_norm_in_gradient_cache(layer.name))
             if isinstance(layer, _RANDOM_LAYERS):
                 raise ValueError(
                     f"GradientCache: layer {layer.name!r} is a {type(layer).__name__}, which draws "
@@ -171,11 +167,7 @@ class GradientCache(keras2.Model):
 
     def _refuse_losses_added_while_running(self):
         if len(self.model.losses) > seam.keras2_weight_regularization_count(self.model):
-            raise ValueError(
-                "GradientCache: the model adds losses while it runs (`add_loss`, an "
-                "activity_regularizer); they would come from one micro-batch, not the batch. "
-                "Put them into `compute_loss`, on the representations, or use weight "
-                "regularizers (kernel_regularizer), which GradientCache handles exactly.")
+            raise ValueError(refusals.LOSSES_ADDED_WHILE_RUNNING)
 
     def get_config(self):
         return {"name": self.name, "model": keras2.utils.serialize_keras_object(self.model),

@@ -19,7 +19,8 @@ import logging
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import _tf, flavours, seam, weighting
+from tfx_gradient_accumulator.accumulator import _tf, flavours, refusals, seam, weighting
+from tfx_gradient_accumulator.accumulator.forwarding import InnerOptimizerForwarding
 from tfx_gradient_accumulator.accumulator.noise_scale import DEFAULT_SMOOTHING
 from tfx_gradient_accumulator.accumulator.window import (  # noqa: F401  (validators re-exported: the public names)
     PARTIAL_WINDOW_MODES, AccumulationWindow, optimizer_chain, refuse_nested_accumulation,
@@ -50,21 +51,16 @@ def _resolve_optimizer(optimizer):
         try:
             optimizer = keras.optimizers.get(optimizer)
         except ValueError as err:
-            raise ValueError(
-                f"`optimizer` names no Keras optimizer: {optimizer!r} ({err})"
-            ) from None
+            raise ValueError(refusals.names_no_optimizer("Keras", optimizer, err)) from None
     if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(
-            "`optimizer` must be a Keras 3 optimizer instance (for example "
-            "`keras.optimizers.Adam()`) or the name of one (for example 'adam'); "
-            f"received {optimizer!r} of type {type(optimizer).__name__}."
-        )
+        raise TypeError(refusals.not_an_optimizer("Keras 3", "keras", optimizer, " (for example 'adam')"))
     refuse_nested_accumulation(optimizer)
     return optimizer
 
 
 @keras.saving.register_keras_serializable(package="accumulator")
-class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer, metaclass=flavours.OneNameForBothKeras):
+class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, keras.optimizers.Optimizer,
+                          metaclass=flavours.OneNameForBothKeras):
     """Accumulates gradients over `accum_steps` micro-batches, then updates once.
 
     Wrap any Keras 3 optimizer; training then follows the run with a batch
@@ -271,16 +267,12 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer, metacl
         return self.loss_scale_optimizer.scale_loss(1.0)
 
     # ------------------------------------------------------------ forwarding
+    # (and `iterations`, `learning_rate`, `exclude_from_weight_decay`: `InnerOptimizerForwarding`)
+    _loss_scale_optimizer_class = keras.optimizers.LossScaleOptimizer
+
     @property
     def variables(self):
         return super().variables + self._updater.variables
-
-    def exclude_from_weight_decay(self, var_list=None, var_names=None):
-        """Forwarded to the optimizers that apply weight decay (the inner ones)."""
-        targets = [o for o in optimizer_chain(self.inner_optimizer)
-                   if not isinstance(o, (GradientAccumulator, keras.optimizers.LossScaleOptimizer))]
-        for optimizer in targets:
-            optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
 
     @property
     def optimizers(self):
@@ -288,19 +280,6 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer, metacl
         if not hasattr(self.inner_optimizer, "optimizers"):
             raise AttributeError(f"{type(self.inner_optimizer).__name__} has no sub-optimizers.")
         return self.inner_optimizer.optimizers
-
-    @property
-    def iterations(self):
-        # The update-making optimizer's count.
-        return self.inner_optimizer.iterations
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
 
     def scale_loss(self, loss):
         return self._updater.scale_loss(loss)
