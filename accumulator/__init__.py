@@ -42,7 +42,7 @@ else:
     from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation
     from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule, EpochWindows
     from tfx_gradient_accumulator.accumulator.keras2 import GradientAccumulator
-    from tfx_gradient_accumulator.accumulator.keras2_gradient_cache import GradientCache
+    from tfx_gradient_accumulator.accumulator.keras2.gradient_cache import GradientCache
 
 hooks.install_unless_opted_out()
 

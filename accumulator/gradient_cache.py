@@ -109,7 +109,7 @@ class GradientCache(keras.Model, metaclass=flavours.OneNameForBothKeras):
 
     @staticmethod
     def _make_keras2_class(keras2):
-        from tfx_gradient_accumulator.accumulator import keras2_gradient_cache
+        from tfx_gradient_accumulator.accumulator.keras2 import gradient_cache as keras2_gradient_cache
 
         return keras2_gradient_cache.GradientCache
 

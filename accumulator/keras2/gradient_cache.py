@@ -30,7 +30,8 @@ returns this class when `model` is a Keras 2 model.
 
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import cache_passes, flavours, refusals, seam, task_cache
+from tfx_gradient_accumulator.accumulator import cache_passes, flavours, refusals, seam
+from tfx_gradient_accumulator.accumulator.keras2 import task_cache
 from tfx_gradient_accumulator.accumulator.window import validate_accum_steps
 
 keras2 = flavours.keras2_module()
