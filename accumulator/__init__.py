@@ -8,7 +8,7 @@ optimizer gets `accumulator.optimizer.GradientAccumulator`, a Keras 2 one
 both share one update rule (`accumulator.window`). For losses that couple the
 batch (in-batch negatives, contrastive), `GradientCache(model, accum_steps)`
 trains each batch in micro-batches exactly (`accumulator.gradient_cache`; a Keras 2
-model gets `accumulator.keras2_gradient_cache`).
+model gets `accumulator.keras2.gradient_cache`).
 
 Importing this package imports TensorFlow and Keras only (`accumulator.tuning`,
 imported on its own, needs keras-tuner; `tf_keras` is imported where it is

@@ -1,7 +1,7 @@
 """Gradient caching's three passes, for both Keras: what `GradientCache` does in a step.
 
 The Keras 3 class (`accumulator.gradient_cache`) and the Keras 2 class
-(`accumulator.keras2_gradient_cache`) differ in how they call the loss, scale
+(`accumulator.keras2.gradient_cache`) differ in how they call the loss, scale
 it and report it; the passes themselves are TensorFlow only and live here once,
 so the two cannot drift apart:
 

@@ -42,7 +42,7 @@ random layers draw the same numbers in passes 1 and 3 (their seeds are rewound),
 but not the numbers the large batch would draw.
 
 The passes themselves are `accumulator.cache_passes`, shared with the Keras 2
-class (`accumulator.keras2_gradient_cache`), which `GradientCache(model, ...)`
+class (`accumulator.keras2.gradient_cache`), which `GradientCache(model, ...)`
 makes for a Keras 2 model; `isinstance(x, GradientCache)` holds for both.
 """
 
@@ -92,7 +92,7 @@ class GradientCache(keras.Model, metaclass=flavours.OneNameForBothKeras):
             scaled per replica and refused here.
 
     A Keras 2 model (`tf_keras`, or `tf.keras` on TF 2.15) gets the Keras 2 class,
-    `accumulator.keras2_gradient_cache.GradientCache`, with the same guarantees;
+    `accumulator.keras2.gradient_cache.GradientCache`, with the same guarantees;
     `isinstance(x, GradientCache)` holds for both (`accumulator.flavours`).
 
     ```python

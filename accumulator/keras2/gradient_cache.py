@@ -22,7 +22,7 @@ activations at a time. This module holds only what Keras 2 does differently:
   gradient would belong to no forward pass (Keras 3's seed generators can be).
 
 A TensorFlow Recommenders model (`tfrs.Model`, no `call()`, its loss a task
-call) is trained by `accumulator.task_cache`: its task scores the whole batch.
+call) is trained by `accumulator.keras2.task_cache`: its task scores the whole batch.
 
 Use it through the one public name: `accumulator.GradientCache(model, accum_steps)`
 returns this class when `model` is a Keras 2 model.
@@ -37,7 +37,7 @@ from tfx_gradient_accumulator.accumulator.window import validate_accum_steps
 keras2 = flavours.keras2_module()
 if keras2 is None:
     raise ImportError(
-        "accumulator.keras2_gradient_cache needs Keras 2: `pip install tf_keras` (TensorFlow "
+        "accumulator.keras2.gradient_cache needs Keras 2: `pip install tf_keras` (TensorFlow "
         ">= 2.16) or TensorFlow <= 2.15, whose tf.keras is Keras 2."
     )
 

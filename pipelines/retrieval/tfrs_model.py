@@ -6,7 +6,7 @@ candidate tower over item ids and ends in a `tfrs.tasks.Retrieval` (each query's
 softmax over every candidate of its batch), with `FactorizedTopK` over every
 item measured on the validation batches only. The batch is the set of
 negatives, so `run_fn` wraps the model in `GradientCache(model, accum_steps=1)`,
-unchanged (`accumulator.task_cache` runs its task once on the whole batch), and
+unchanged (`accumulator.keras2.task_cache` runs its task once on the whole batch), and
 `AccumulatingTrainer(gradient_cache=True)` sets the accum_steps and batches the
 training data at the effective batch.
 
