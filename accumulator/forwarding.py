@@ -12,7 +12,7 @@ class InnerOptimizerForwarding:
     """The inner optimizer's update count, learning rate and weight-decay exclusions.
 
     The class mixing it in has `inner_optimizer` (the optimizer that makes the
-    updates) and `_loss_scale_optimizer_class` (its Keras' `LossScaleOptimizer`).
+    updates) and `_is_loss_scale_optimizer(optimizer)` (its Keras' `LossScaleOptimizer`).
     """
 
     @property
@@ -31,5 +31,5 @@ class InnerOptimizerForwarding:
     def exclude_from_weight_decay(self, var_list=None, var_names=None):
         """Forwarded to the optimizers that apply weight decay (the inner ones)."""
         for optimizer in optimizer_chain(self.inner_optimizer):
-            if not isinstance(optimizer, (AccumulationWindow, self._loss_scale_optimizer_class)):
+            if not isinstance(optimizer, AccumulationWindow) and not self._is_loss_scale_optimizer(optimizer):
                 optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)

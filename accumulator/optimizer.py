@@ -268,7 +268,9 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, keras.op
 
     # ------------------------------------------------------------ forwarding
     # (and `iterations`, `learning_rate`, `exclude_from_weight_decay`: `InnerOptimizerForwarding`)
-    _loss_scale_optimizer_class = keras.optimizers.LossScaleOptimizer
+    @staticmethod
+    def _is_loss_scale_optimizer(optimizer):
+        return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
     @property
     def variables(self):

@@ -222,7 +222,9 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, _Optimiz
 
     # ------------------------------------------------------------ forwarding
     # (and `learning_rate`, `exclude_from_weight_decay`: `InnerOptimizerForwarding`)
-    _loss_scale_optimizer_class = _LossScaleOptimizer
+    @staticmethod
+    def _is_loss_scale_optimizer(optimizer):
+        return isinstance(optimizer, _LossScaleOptimizer)
 
     @InnerOptimizerForwarding.iterations.setter
     def iterations(self, value):
