@@ -8,7 +8,7 @@ optimizer gets `accumulator.optimizer.GradientAccumulator`, a Keras 2 one
 both share one update rule (`accumulator.window`). For losses that couple the
 batch (in-batch negatives, contrastive), `GradientCache(model, accum_steps)`
 trains each batch in micro-batches exactly (`accumulator.gradient_cache`; a Keras 2
-model gets `accumulator.keras2_gradient_cache`).
+model gets `accumulator.keras2.gradient_cache`).
 
 Importing this package imports TensorFlow and Keras only (`accumulator.tuning`,
 imported on its own, needs keras-tuner; `tf_keras` is imported where it is
@@ -22,14 +22,14 @@ if __name__ != "tfx_gradient_accumulator.accumulator":   # `import accumulator` 
     raise ImportError(f"`import {__name__}` would load the library a second time under another name; "
                       "import tfx_gradient_accumulator.accumulator instead.")
 
-from tfx_gradient_accumulator.accumulator import hooks, seam
+from tfx_gradient_accumulator.accumulator import flavours, hooks
 from tfx_gradient_accumulator.accumulator import noise_scale  # noqa: F401  (accumulator.noise_scale.* after `import accumulator`)
 from tfx_gradient_accumulator.accumulator.distribute import strategy_from_environment
 from tfx_gradient_accumulator.accumulator.noise_scale import NoiseScaleEstimate
 from tfx_gradient_accumulator.accumulator.options import WindowOptions, validate_accum_steps
 from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
 
-if seam.keras_is_3():
+if flavours.keras_is_3():
     from tfx_gradient_accumulator.accumulator import callbacks  # noqa: F401  (accumulator.callbacks.* after `import accumulator`)
     from tfx_gradient_accumulator.accumulator.batch_norm import AccumBatchNormalization, use_accumulated_batch_norm
     from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation
@@ -43,7 +43,7 @@ else:
     from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation
     from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule, EpochWindows
     from tfx_gradient_accumulator.accumulator.keras2 import GradientAccumulator
-    from tfx_gradient_accumulator.accumulator.keras2_gradient_cache import GradientCache
+    from tfx_gradient_accumulator.accumulator.keras2.gradient_cache import GradientCache
 
 hooks.install_unless_opted_out()
 
@@ -70,6 +70,6 @@ __all__ = [
     "WindowOptions",
     "validate_accum_steps",
 ]
-if seam.keras_is_3():
+if flavours.keras_is_3():
     __all__ += ["AccumBatchNormalization", "use_accumulated_batch_norm"]
 __version__ = "0.3.0"

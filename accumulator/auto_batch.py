@@ -20,13 +20,12 @@ every worker reads the same value at the same window and takes the same
 decision.
 """
 
-import functools
 import math
 
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator.callbacks import EpochWindows, _AccumulationScheduleRule, window_callback_classes
+from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule, EpochWindows, _AccumulationScheduleRule
 
 
 def _positive_int(value, name):
@@ -112,15 +111,24 @@ class _AutoAccumulationRule(_AccumulationScheduleRule):
 class AutoAccumulation(_AutoAccumulationRule, EpochWindows):
     __doc__ = _AutoAccumulationRule.__doc__
 
+    @staticmethod
+    def _make_keras2_class(keras2):
+        if keras2 is keras:     # TF <= 2.15: `keras` is Keras 2, and this class is its
+            return AutoAccumulation
 
-@functools.lru_cache(maxsize=None)
+        class Keras2(_AutoAccumulationRule, AccumulationSchedule.for_keras(keras2)):
+            __doc__ = _AutoAccumulationRule.__doc__
+
+        Keras2.__name__ = Keras2.__qualname__ = "AutoAccumulation"
+        return Keras2
+
+
 def auto_accumulation_class(keras_package):
-    """`AutoAccumulation` for `keras_package` (Keras 3, or Keras 2's callbacks)."""
-    if keras_package is keras:
-        return AutoAccumulation
-    schedule = window_callback_classes(keras_package)[1]
-    return type("AutoAccumulation", (_AutoAccumulationRule, schedule), {
-        "__doc__": _AutoAccumulationRule.__doc__, "__module__": __name__})
+    """`AutoAccumulation` for `keras_package` (Keras 3, or Keras 2's callbacks).
+
+    Deprecated: `AutoAccumulation.for_keras(keras_package)`.
+    """
+    return AutoAccumulation.for_keras(keras_package)
 
 
 def auto_rule_of(optimizer, keras_package, fit_arguments):

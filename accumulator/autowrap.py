@@ -38,7 +38,7 @@ from typing import Any, Dict, Optional
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import hooks, seam
+from tfx_gradient_accumulator.accumulator import flavours, hooks
 from tfx_gradient_accumulator.accumulator.batch_norm import configure_batch_norm
 from tfx_gradient_accumulator.accumulator.auto_batch import auto_accumulation_class
 from tfx_gradient_accumulator.accumulator.callbacks import accum_steps_at, window_callback_classes
@@ -135,8 +135,8 @@ def accumulating_compile(accum_steps=None, schedule=None, partial_window="apply"
                 optimizer.accum_steps, accum_steps,
             )
             return optimizer
-        keras2 = seam.is_keras2_object(model)
-        package = seam.keras_package_of(model) if keras2 else keras
+        keras2 = flavours.is_keras2_object(model)
+        package = flavours.keras_package_of(model) if keras2 else keras
         inner = package.optimizers.get(optimizer)
         policy = getattr(model, "dtype_policy", None)
         mixed_float16 = policy is not None and policy.name == "mixed_float16"
@@ -157,7 +157,7 @@ def accumulating_compile(accum_steps=None, schedule=None, partial_window="apply"
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(hooks.swapped(keras.Model, "compile", wrapping_compile))
-        keras2 = seam.keras2_module()
+        keras2 = flavours.keras2_module()
         if keras2 is not None and keras2.Model is not keras.Model:
             stack.enter_context(hooks.swapped(keras2.Model, "compile", wrapping_compile))
         if strategy is not None and (strategy is not tf.distribute.get_strategy() or tf.distribute.has_strategy()):
@@ -249,7 +249,7 @@ def _set_up_gradient_cache(model, optimizer, accum_steps, gradient_cache, gather
 def _set_gathering(model, gather_across_replicas):
     """The component's (or tuner's) `gather_across_replicas` replaces the model's own,
     checked as `GradientCache` checks it; a change is said, as for accum_steps."""
-    if seam.is_keras2_object(model):
+    if flavours.is_keras2_object(model):
         if gather_across_replicas:
             raise ValueError(
                 "gather_across_replicas=True is available for Keras 3 models; the run_fn's GradientCache "

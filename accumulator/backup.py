@@ -15,7 +15,7 @@ import tempfile
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import seam
+from tfx_gradient_accumulator.accumulator import flavours
 from tfx_gradient_accumulator.accumulator.auto_batch import auto_rule_of
 from tfx_gradient_accumulator.accumulator.validation import integer_at_least
 
@@ -182,7 +182,7 @@ class TrainingBackup:
         optimizer = getattr(model, "optimizer", None)
         auto = getattr(optimizer, "auto_accumulation", None)
         if auto is None and getattr(optimizer, "auto", None) is not None and not saver.stateful:
-            auto = auto_rule_of(optimizer, seam.keras_package_of(model), arguments)  # accum_steps="auto"
+            auto = auto_rule_of(optimizer, flavours.keras_package_of(model), arguments)  # accum_steps="auto"
         if auto is not None and auto not in saver.stateful:     # the one accumulating_compile made
             saver.stateful.append(auto)
         history = None
@@ -237,7 +237,7 @@ def _calls(arguments, shape, progress):
 
 def _weights_file(model):
     """The backup's file name: a TensorFlow checkpoint for Keras 2, `.weights.h5` for Keras 3."""
-    return KERAS2_WEIGHTS if seam.is_keras2_object(model) else WEIGHTS
+    return KERAS2_WEIGHTS if flavours.is_keras2_object(model) else WEIGHTS
 
 
 _callback_classes = {}
@@ -245,7 +245,7 @@ _callback_classes = {}
 
 def _callback_class(model):
     """`_Backup` as a callback of the model's Keras (a Keras 3 callback does not run in Keras 2's `fit`)."""
-    package = seam.keras_package_of(model) or keras
+    package = flavours.keras_package_of(model) or keras
     if package not in _callback_classes:
         base = package.callbacks.Callback
         _callback_classes[package] = _Backup if base is keras.callbacks.Callback else \

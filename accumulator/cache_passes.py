@@ -1,7 +1,7 @@
 """Gradient caching's three passes, for both Keras: what `GradientCache` does in a step.
 
 TensorFlow only, shared by the Keras 3 class (`gradient_cache`) and the Keras 2
-one (`keras2_gradient_cache`), so the two cannot drift apart: 1. represent
+one (`keras2.gradient_cache`), so the two cannot drift apart: 1. represent
 every micro-batch without a tape; 2. score the whole batch's loss on the
 outputs under a tape; 3. send each micro-batch's slice of that gradient back
 through the model, one micro-batch's activations at a time.

@@ -15,12 +15,11 @@ new `accum_steps` holds from the first micro-batch of the epoch. The
 accumulator's step reads `accum_steps` from a variable, so nothing is retraced.
 """
 
-import functools
 import logging
 
 import keras
 
-from tfx_gradient_accumulator.accumulator import seam
+from tfx_gradient_accumulator.accumulator import flavours
 from tfx_gradient_accumulator.accumulator.lr_scaling import LearningRateScaler, lr_multiplier
 from tfx_gradient_accumulator.accumulator.options import validate_partial_window, validate_schedule
 from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
@@ -202,22 +201,39 @@ class _AccumulationScheduleRule(_EpochWindowsRule):
             logs["lr_multiplier"] = self.scaler.multiplier
 
 
-@functools.lru_cache(maxsize=None)
 def window_callback_classes(keras_package):
-    """(EpochWindows, AccumulationSchedule) for `keras_package` (Keras 3 or Keras 2)."""
-    if keras_package is keras:
-        return EpochWindows, AccumulationSchedule
-    base = keras_package.callbacks.Callback
-    epoch_windows = type("EpochWindows", (_EpochWindowsRule, base), {
-        "__doc__": _EpochWindowsRule.__doc__, "__module__": __name__})
-    schedule = type("AccumulationSchedule", (_AccumulationScheduleRule, epoch_windows), {
-        "__doc__": _AccumulationScheduleRule.__doc__, "__module__": __name__})
-    return epoch_windows, schedule
+    """(EpochWindows, AccumulationSchedule) for `keras_package` (Keras 3 or Keras 2).
+
+    Deprecated: `EpochWindows.for_keras(keras_package)`, `AccumulationSchedule.for_keras(...)`.
+    """
+    return EpochWindows.for_keras(keras_package), AccumulationSchedule.for_keras(keras_package)
 
 
-class EpochWindows(_EpochWindowsRule, keras.callbacks.Callback):
+class EpochWindows(_EpochWindowsRule, keras.callbacks.Callback, metaclass=flavours.OneNameForBothKeras):
     __doc__ = _EpochWindowsRule.__doc__
+
+    @staticmethod
+    def _make_keras2_class(keras2):
+        if keras2 is keras:     # TF <= 2.15: `keras` is Keras 2, and this class is its
+            return EpochWindows
+
+        class Keras2(_EpochWindowsRule, keras2.callbacks.Callback):
+            __doc__ = _EpochWindowsRule.__doc__
+
+        Keras2.__name__ = Keras2.__qualname__ = "EpochWindows"
+        return Keras2
 
 
 class AccumulationSchedule(_AccumulationScheduleRule, EpochWindows):
     __doc__ = _AccumulationScheduleRule.__doc__
+
+    @staticmethod
+    def _make_keras2_class(keras2):
+        if keras2 is keras:     # TF <= 2.15: `keras` is Keras 2, and this class is its
+            return AccumulationSchedule
+
+        class Keras2(_AccumulationScheduleRule, EpochWindows.for_keras(keras2)):
+            __doc__ = _AccumulationScheduleRule.__doc__
+
+        Keras2.__name__ = Keras2.__qualname__ = "AccumulationSchedule"
+        return Keras2

@@ -47,10 +47,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import seam
+from tfx_gradient_accumulator.accumulator import flavours, seam
 from tfx_gradient_accumulator.accumulator.options import WindowOptions, integer_at_least
 
-if seam.keras_is_3():
+if flavours.keras_is_3():
     from tfx_gradient_accumulator.accumulator.optimizer import GradientAccumulator
 else:
     from tfx_gradient_accumulator.accumulator.keras2 import GradientAccumulator
@@ -298,7 +298,7 @@ def _build(model_fn, x, batch_size):
 def _is_model(model):
     if isinstance(model, keras.Model):
         return True
-    return seam.is_keras2_object(model) and isinstance(model, seam.keras_package_of(model).Model)
+    return flavours.is_keras2_object(model) and isinstance(model, flavours.keras_package_of(model).Model)
 
 
 def _optimizer_factory(optimizer_fn, model):
@@ -390,7 +390,7 @@ def _layer_of_variables(model):
 
 
 def _package_layer(model, name):
-    package = seam.keras_package_of(model) if seam.is_keras2_object(model) else keras
+    package = flavours.keras_package_of(model) if flavours.is_keras2_object(model) else keras
     return getattr(package.layers, name, None)
 
 
@@ -627,7 +627,7 @@ def _floating(dtype):
 
 def _float64_unavailable(model):
     """Why the arbiter cannot retrain `model` (the first, float32 build) in float64, or None."""
-    if seam.is_keras2_object(model):
+    if flavours.is_keras2_object(model):
         return ("a Keras 2 model: the arbiter rebuilds the model under Keras 3's dtype policy, which a "
                 "Keras 2 model does not read")
     other = [f"{layer.name} ({layer.dtype_policy.name})" for layer in [model] + seam.flatten_layers(model)
@@ -876,7 +876,7 @@ def check_exact(model_fn: Callable[[], Any], data, optimizer_fn: Optional[Callab
 
 
 def _keras_version(model):
-    package = seam.keras_package_of(model) if seam.is_keras2_object(model) else keras
+    package = flavours.keras_package_of(model) if flavours.is_keras2_object(model) else keras
     return getattr(package, "__version__", "?")
 
 

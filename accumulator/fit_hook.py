@@ -27,10 +27,10 @@ callback classes.
 
 import keras
 
-from tfx_gradient_accumulator.accumulator import seam, weighting
+from tfx_gradient_accumulator.accumulator import flavours, weighting
 from tfx_gradient_accumulator.accumulator.replicas import NO_MERGE_CALL_MESSAGE
-from tfx_gradient_accumulator.accumulator.auto_batch import auto_accumulation_class, auto_rule_of
-from tfx_gradient_accumulator.accumulator.callbacks import window_callback_classes
+from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation, auto_rule_of
+from tfx_gradient_accumulator.accumulator.callbacks import EpochWindows
 from tfx_gradient_accumulator.accumulator.options import SUMMED_NOISE_SCALE_MESSAGE
 from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
 
@@ -39,7 +39,7 @@ def before_fit(model, callbacks, fit_arguments=None):
     """The checks above, then `callbacks` with the window callback first.
     `fit_arguments` ({name: value} of the `fit` call) tell an "auto" window its micro-batch."""
     optimizer = getattr(model, "optimizer", None)
-    if not seam.is_keras2_object(model) and isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and \
+    if not flavours.is_keras2_object(model) and isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and \
             isinstance(optimizer.inner_optimizer, AccumulationWindow):
         raise ValueError(
             "Keras wrapped the GradientAccumulator in its own LossScaleOptimizer "
@@ -78,26 +78,26 @@ def with_epoch_windows(model, callbacks, fit_arguments=None):
     optimizer = getattr(model, "optimizer", None)
     if not isinstance(optimizer, AccumulationWindow) or optimizer.is_passthrough:
         return callbacks
-    keras_package = seam.keras_package_of(model)
-    EpochWindows, _ = window_callback_classes(keras_package)
-    if seam.keras_is_3() and not seam.is_keras2_object(model):
+    keras_package = flavours.keras_package_of(model)
+    epoch_windows = EpochWindows.for_keras(keras_package)
+    if flavours.keras_is_3() and not flavours.is_keras2_object(model):
         from tfx_gradient_accumulator.accumulator.batch_norm import configure_batch_norm
 
         # Window-pooling layers follow the optimizer's windows.
         configure_batch_norm(model, optimizer.accum_steps, optimizer)
     as_list = isinstance(callbacks, keras_package.callbacks.CallbackList)
     items = callbacks.callbacks if as_list else list(callbacks or [])
-    ours = [c for c in items if isinstance(c, EpochWindows)]
-    if ours and optimizer.auto is not None and isinstance(ours[0], auto_accumulation_class(keras_package)):
+    ours = [c for c in items if isinstance(c, epoch_windows)]
+    if ours and optimizer.auto is not None and isinstance(ours[0], AutoAccumulation.for_keras(keras_package)):
         optimizer.auto_accumulation = ours[0]      # the user's own: kept for the next fit and backups
     if not ours and optimizer.auto is not None:
         ours = [auto_rule_of(optimizer, keras_package, fit_arguments or {})]
     if not ours:
-        ours = [EpochWindows() if optimizer.fit_callback is None else optimizer.fit_callback()]
+        ours = [epoch_windows() if optimizer.fit_callback is None else optimizer.fit_callback()]
         if as_list:     # Keras configured the others already
             ours[0].set_model(model)
             ours[0].set_params(getattr(callbacks, "params", None) or {})
-    ordered = ours + [c for c in items if not isinstance(c, EpochWindows)]
+    ordered = ours + [c for c in items if not isinstance(c, epoch_windows)]
     if as_list:
         items[:] = ordered
         return callbacks

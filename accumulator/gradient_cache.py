@@ -42,14 +42,14 @@ random layers draw the same numbers in passes 1 and 3 (their seeds are rewound),
 but not the numbers the large batch would draw.
 
 The passes themselves are `accumulator.cache_passes`, shared with the Keras 2
-class (`accumulator.keras2_gradient_cache`), which `GradientCache(model, ...)`
-returns for a Keras 2 model.
+class (`accumulator.keras2.gradient_cache`), which `GradientCache(model, ...)`
+makes for a Keras 2 model; `isinstance(x, GradientCache)` holds for both.
 """
 
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import across_replicas, cache_passes, seam
+from tfx_gradient_accumulator.accumulator import across_replicas, cache_passes, flavours, refusals, seam
 from tfx_gradient_accumulator.accumulator.options import CacheOptions
 
 
@@ -68,7 +68,7 @@ def validate_gather_across_replicas(model, gather_across_replicas):
 
 
 @keras.saving.register_keras_serializable(package="accumulator")
-class GradientCache(keras.Model):
+class GradientCache(keras.Model, metaclass=flavours.OneNameForBothKeras):
     """Trains `model` on each batch in `accum_steps` micro-batches with the whole
     batch's loss: exact large batches for losses that couple the batch.
 
@@ -90,7 +90,8 @@ class GradientCache(keras.Model):
             scaled per replica and refused here.
 
     A Keras 2 model (`tf_keras`, or `tf.keras` on TF 2.15) gets the Keras 2 class,
-    `accumulator.keras2_gradient_cache.GradientCache`, with the same guarantees.
+    `accumulator.keras2.gradient_cache.GradientCache`, with the same guarantees;
+    `isinstance(x, GradientCache)` holds for both (`accumulator.flavours`).
 
     ```python
     model = GradientCache(two_tower, accum_steps=8)
@@ -99,20 +100,22 @@ class GradientCache(keras.Model):
     ```
     """
 
-    def __new__(cls, model=None, *args, **kwargs):
+    @staticmethod
+    def _keras_of_arguments(model=None, *args, **kwargs):
         # One name for both Keras: a Keras 2 model gets the Keras 2 class.
-        if cls is GradientCache and seam.is_keras2_object(model):
-            from tfx_gradient_accumulator.accumulator import keras2_gradient_cache
+        return flavours.keras_package_of(model) if flavours.is_keras2_object(model) else None
 
+    @staticmethod
+    def _make_keras2_class(keras2):
+        from tfx_gradient_accumulator.accumulator.keras2 import gradient_cache as keras2_gradient_cache
 
-            return keras2_gradient_cache.GradientCache(model, *args, **kwargs)
-        return super().__new__(cls, model, *args, **kwargs)
+        return keras2_gradient_cache.GradientCache
 
     def __init__(self, model, accum_steps, gather_across_replicas=False, **kwargs):
         super().__init__(**kwargs)
         options = CacheOptions(accum_steps, gather_across_replicas)
         self.accum_steps = options.accum_steps
-        if not isinstance(model, keras.Model) or seam.is_keras2_object(model):
+        if not isinstance(model, keras.Model) or flavours.is_keras2_object(model):
             raise TypeError(f"`model` must be a Keras 3 `keras.Model`; received {type(model).__name__}.")
         self.model = model
         self.gather_across_replicas = validate_gather_across_replicas(model, options.gather_across_replicas)
@@ -189,20 +192,12 @@ class GradientCache(keras.Model):
     def _refuse_what_would_not_be_exact(self):
         for layer in seam.flatten_layers(self.model):
             if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
-                raise ValueError(
-                    f"GradientCache: layer {layer.name!r} is a BatchNormalization, whose training "
-                    "output depends on the other samples of its batch; it would normalize with "
-                    "micro-batch statistics, not the batch's. Use LayerNormalization, or freeze "
-                    "the layer (trainable=False).")
+                raise ValueError(refusals.batch_norm_in_gradient_cache(layer.name))
 
     def _refuse_losses_added_while_running(self):
         regularized = sum(1 for v in self.trainable_variables if getattr(v, "regularizer", None) is not None)
         if len(self.losses) > regularized:
-            raise ValueError(
-                "GradientCache: the model adds losses while it runs (`add_loss`, an "
-                "activity_regularizer); they would come from one micro-batch, not the batch. "
-                "Put them into `compute_loss`, on the representations, or use weight "
-                "regularizers (kernel_regularizer), which GradientCache handles exactly.")
+            raise ValueError(refusals.LOSSES_ADDED_WHILE_RUNNING)
 
     def get_config(self):
         return {**super().get_config(), "model": keras.saving.serialize_keras_object(self.model),
@@ -215,16 +210,9 @@ class GradientCache(keras.Model):
         return cls(model, **config)
 
 
-def is_gradient_cache(model):
-    """Whether `model` is a `GradientCache` of either Keras (the Keras 2 class is
-    another class, returned by this one's constructor for a Keras 2 model)."""
-    if isinstance(model, GradientCache):
-        return True
-    if seam.is_keras2_object(model):
-        from tfx_gradient_accumulator.accumulator import keras2_gradient_cache
-
-        return isinstance(model, keras2_gradient_cache.GradientCache)
-    return False
+def is_gradient_cache(model) -> bool:
+    """Deprecated: `isinstance(model, GradientCache)`, which holds for both Keras."""
+    return isinstance(model, GradientCache)
 
 
 def _global_batch(representations, scored):

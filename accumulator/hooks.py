@@ -47,7 +47,7 @@ import os
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import fit_hook, seam, weighting
+from tfx_gradient_accumulator.accumulator import fit_hook, flavours, seam, weighting
 
 logger = logging.getLogger(__name__)
 
@@ -99,13 +99,13 @@ def install_unless_opted_out():
 
 def _targets():
     targets = {}
-    if seam.keras_is_3():
+    if flavours.keras_is_3():
         targets.update({
             "fit": (keras.Model, "fit", _make_fit),
             "compute_loss": (keras.Model, "compute_loss", _make_compute_loss),
         })
         targets.update(seam.multiworker_fixes())
-    keras2 = seam.keras2_module()
+    keras2 = flavours.keras2_module()
     if keras2 is not None:
         targets.update({
             "keras2_fit": (keras2.Model, "fit", _make_fit),
@@ -189,7 +189,7 @@ def fits_backed_up(backup):
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(swapped(keras.Model, "fit", make))
-        keras2 = seam.keras2_module()
+        keras2 = flavours.keras2_module()
         if keras2 is not None and keras2.Model is not keras.Model:
             stack.enter_context(swapped(keras2.Model, "fit", make))
         yield

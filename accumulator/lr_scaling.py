@@ -16,7 +16,7 @@ import math
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import seam
+from tfx_gradient_accumulator.accumulator import flavours, seam
 from tfx_gradient_accumulator.accumulator.options import LR_SCALINGS, validate_lr_scaling  # noqa: F401  (its names here before)
 
 
@@ -39,14 +39,14 @@ class _ScaledScheduleRule:
         return tf.cast(value, tf.float32) * self.multiplier
 
     def get_config(self):
-        schedules = seam.keras_package_of(self).optimizers.schedules
+        schedules = flavours.keras_package_of(self).optimizers.schedules
         return {"schedule": schedules.serialize(self.schedule),
                 "multiplier": float(self.multiplier.numpy())}
 
     @classmethod
     def from_config(cls, config):
         keras_3 = issubclass(cls, keras.optimizers.schedules.LearningRateSchedule)
-        schedules = (keras if keras_3 else seam.keras2_module()).optimizers.schedules
+        schedules = (keras if keras_3 else flavours.keras2_module()).optimizers.schedules
         return cls(schedules.deserialize(config["schedule"]), config["multiplier"])
 
 
@@ -94,7 +94,7 @@ class LearningRateScaler:
             self.multiplier = float(given.multiplier.numpy())
             return False
         if callable(given) and not isinstance(given, tf.Variable) and not hasattr(given, "assign"):
-            package = seam.keras_package_of(inner_optimizer)
+            package = flavours.keras_package_of(inner_optimizer)
             self._base = scaled_schedule_class(package)(given, self.multiplier)
             inner_optimizer.learning_rate = self._base
             if package is not keras:

@@ -8,7 +8,8 @@ holds what is Keras 3's: the optimizer base class, `LossScaleOptimizer`, the
 forwarding of the inner optimizer's API, and serialization.
 
 `GradientAccumulator(optimizer, ...)` given a Keras 2 optimizer (`tf_keras`, or
-`tf.keras` on TF <= 2.15) returns the Keras 2 class instead: one name for both.
+`tf.keras` on TF <= 2.15) makes the Keras 2 class instead, and `isinstance` holds
+for both: one name (`accumulator.flavours.OneNameForBothKeras`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import logging
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import seam
+from tfx_gradient_accumulator.accumulator import flavours, refusals, seam
+from tfx_gradient_accumulator.accumulator.forwarding import InnerOptimizerForwarding
 from tfx_gradient_accumulator.accumulator.options import (  # noqa: F401  (validators re-exported: the public names)
     DEFAULT_SMOOTHING, PARTIAL_WINDOW_MODES, WindowOptions, refuse_unknown_arguments,
     validate_accum_steps, validate_measure_noise_scale, validate_partial_window,
@@ -48,21 +50,16 @@ def _resolve_optimizer(optimizer):
         try:
             optimizer = keras.optimizers.get(optimizer)
         except ValueError as err:
-            raise ValueError(
-                f"`optimizer` names no Keras optimizer: {optimizer!r} ({err})"
-            ) from None
+            raise ValueError(refusals.names_no_optimizer("Keras", optimizer, err)) from None
     if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(
-            "`optimizer` must be a Keras 3 optimizer instance (for example "
-            "`keras.optimizers.Adam()`) or the name of one (for example 'adam'); "
-            f"received {optimizer!r} of type {type(optimizer).__name__}."
-        )
+        raise TypeError(refusals.not_an_optimizer("Keras 3", "keras", optimizer, " (for example 'adam')"))
     refuse_nested_accumulation(optimizer)
     return optimizer
 
 
 @keras.saving.register_keras_serializable(package="accumulator")
-class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
+class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, keras.optimizers.Optimizer,
+                          metaclass=flavours.OneNameForBothKeras):
     """Accumulates gradients over `accum_steps` micro-batches, then updates once.
 
     Wrap any Keras 3 optimizer; training then follows the run with a batch
@@ -180,16 +177,19 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
             names it and them), before anything is built.
     """
 
-    def __new__(cls, optimizer=None, *args, **kwargs):
+    @staticmethod
+    def _keras_of_arguments(optimizer=None, *args, **kwargs):
         # One name for both Keras: a Keras 2 optimizer (or, where tf.keras is
         # Keras 2, an optimizer's name) gets the Keras 2 class.
-        if cls is GradientAccumulator and (
-                seam.is_keras2_object(optimizer)
-                or (isinstance(optimizer, str) and seam.tf_keras_is_keras2())):
-            from tfx_gradient_accumulator.accumulator import keras2
+        if flavours.is_keras2_object(optimizer) or (isinstance(optimizer, str) and flavours.tf_keras_is_keras2()):
+            return flavours.keras2_module()
+        return None
 
-            return keras2.GradientAccumulator(optimizer, *args, **kwargs)
-        return super().__new__(cls)
+    @staticmethod
+    def _make_keras2_class(keras2):
+        from tfx_gradient_accumulator.accumulator import keras2 as keras2_classes
+
+        return keras2_classes.GradientAccumulator
 
     def __init__(self, optimizer, accum_steps=1, partial_window="apply", schedulable=False,
                  measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING,
@@ -209,7 +209,7 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
                 )
         kwargs.pop("learning_rate", None)
         refuse_unknown_arguments(kwargs)
-        if seam.version_tuple(keras.__version__) < OLDEST_KERAS:
+        if flavours.version_tuple(keras.__version__) < OLDEST_KERAS:
             raise RuntimeError(
                 f"GradientAccumulator needs Keras >= {'.'.join(map(str, OLDEST_KERAS))} "
                 f"(with TensorFlow >= 2.16); this is Keras {keras.__version__}. Older Keras 3 "
@@ -274,16 +274,14 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
         return self.loss_scale_optimizer.scale_loss(1.0)
 
     # ------------------------------------------------------------ forwarding
+    # (and `iterations`, `learning_rate`, `exclude_from_weight_decay`: `InnerOptimizerForwarding`)
+    @staticmethod
+    def _is_loss_scale_optimizer(optimizer):
+        return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
     @property
     def variables(self):
         return super().variables + self._updater.variables
-
-    def exclude_from_weight_decay(self, var_list=None, var_names=None):
-        """Forwarded to the optimizers that apply weight decay (the inner ones)."""
-        targets = [o for o in optimizer_chain(self.inner_optimizer)
-                   if not isinstance(o, (GradientAccumulator, keras.optimizers.LossScaleOptimizer))]
-        for optimizer in targets:
-            optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
 
     @property
     def optimizers(self):
@@ -291,19 +289,6 @@ class GradientAccumulator(AccumulationWindow, keras.optimizers.Optimizer):
         if not hasattr(self.inner_optimizer, "optimizers"):
             raise AttributeError(f"{type(self.inner_optimizer).__name__} has no sub-optimizers.")
         return self.inner_optimizer.optimizers
-
-    @property
-    def iterations(self):
-        # The update-making optimizer's count.
-        return self.inner_optimizer.iterations
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
 
     def scale_loss(self, loss):
         return self._updater.scale_loss(loss)

@@ -73,12 +73,12 @@ check leaves the run's random numbers as it found them):
   global `SeedGenerator` (Keras' unseeded random ops and initializers draw from
   them), which `keras.backend.clear_session()` forgets.
 
-`keras2_module()` finds it; `keras_package_of()` tells which Keras an object
-belongs to (public `__module__` and `__version__` only).
+Which Keras is installed, and which an object belongs to, is public and lives in
+`accumulator.flavours` (`keras2_module()`, `keras_package_of()`, ...).
 
 This module only *reaches*: it changes nothing by being imported, and imports
-no other module of the library. What the library changes in Keras at run time,
-and when, is `accumulator.hooks` (which takes the two multi-worker fixes,
+no other module of the library but `accumulator.flavours` (a leaf). What the
+library changes in Keras at run time, and when, is `accumulator.hooks` (which takes the two multi-worker fixes,
 `multiworker_fixes()`, from here).
 """
 
@@ -88,14 +88,14 @@ import contextlib
 import dataclasses
 import functools
 import importlib
-import importlib.util
 import itertools
 import random
-import sys
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+from tfx_gradient_accumulator.accumulator import flavours
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,12 +112,12 @@ class PrivateName:
     def expected(self, version=None):
         """Whether this Keras should have it."""
         if self.keras2:
-            return keras2_module() is not None
-        return version_tuple(version or keras.__version__) >= self.since
+            return flavours.keras2_module() is not None
+        return flavours.version_tuple(version or keras.__version__) >= self.since
 
     def resolve(self):
         """The object, or AttributeError/ImportError naming what is missing."""
-        package = keras2_module() if self.keras2 else keras
+        package = flavours.keras2_module() if self.keras2 else keras
         obj = package if self.keras2 else importlib.import_module(self.module)
         if self.on_compiled_model:
             obj = package.Sequential([package.Input((1,)), package.layers.Dense(1)])
@@ -162,47 +162,6 @@ PRIVATE_NAMES = (
                 "Keras 2 GradientCache of a TFRS model: compile under a strategy before its towers build",
                 keras2=True),
 )
-
-
-def version_tuple(text):
-    """(major, minor) of a version string such as '3.15.1'."""
-    return tuple(int(part) for part in text.split(".")[:2])
-
-
-def keras_is_3():
-    """Whether `import keras` is Keras 3 (False on TF <= 2.15, whose `keras` is Keras 2)."""
-    return version_tuple(keras.__version__) >= (3, 0)
-
-
-def keras2_module():
-    """The Keras 2 package: `tf_keras` where installed (TF >= 2.16), else `keras`
-    when it is Keras 2 (TF <= 2.15); None where there is none."""
-    if not keras_is_3():
-        return keras
-    if importlib.util.find_spec("tf_keras") is None:
-        return None
-    return importlib.import_module("tf_keras")
-
-
-def keras_package_of(obj):
-    """The Keras package (`keras` or `tf_keras` module) that defines `obj`'s class, or None."""
-    for klass in type(obj).__mro__:
-        root = klass.__module__.split(".")[0]
-        if root in ("keras", "tf_keras") and root in sys.modules:
-            return sys.modules[root]
-    return None
-
-
-def is_keras2_object(obj):
-    """Whether `obj` (an optimizer, a model) belongs to Keras 2."""
-    package = keras_package_of(obj)
-    return package is not None and not package.__version__.startswith("3.")
-
-
-def tf_keras_is_keras2():
-    """Whether `tf.keras` is Keras 2 (TF <= 2.15, or TF >= 2.16 imported with
-    TF_USE_LEGACY_KERAS=1 and tf_keras installed): what TensorFlow decided at import."""
-    return not keras_is_3() or str(getattr(tf.keras, "__version__", "3")).startswith("2.")
 
 
 def missing_private_names():

@@ -29,7 +29,7 @@ import logging
 
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import lookups, seam
+from tfx_gradient_accumulator.accumulator import flavours, lookups
 from tfx_gradient_accumulator.accumulator._tf import current_graph
 from tfx_gradient_accumulator.accumulator.window import SUMMED_LOSS, AccumulationWindow
 
@@ -106,7 +106,7 @@ def summed_loss(model):
     found = _first_loss(model)
     if found is None:
         return None
-    loss = seam.keras_package_of(model).losses.get(found[0])
+    loss = flavours.keras_package_of(model).losses.get(found[0])
     return loss if getattr(loss, "reduction", "sum_over_batch_size") in (None, "none", "sum") else None
 
 
@@ -155,8 +155,8 @@ def loss_denominator(model, x, y, y_pred, sample_weight):
     found = _first_output_loss(model, y, y_pred, sample_weight)
     if found is None:
         return _batch_size(x)
-    keras_package = seam.keras_package_of(model)
-    keras2 = seam.is_keras2_object(model)
+    keras_package = flavours.keras_package_of(model)
+    keras2 = flavours.is_keras2_object(model)
     loss, y_t, y_p, weight = found
     loss = keras_package.losses.get(loss)
     reduction = getattr(loss, "reduction", "sum_over_batch_size")

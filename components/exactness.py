@@ -38,7 +38,7 @@ import tensorflow as tf
 from absl import logging
 from tfx.types import standard_component_specs
 
-from tfx_gradient_accumulator.accumulator import seam
+from tfx_gradient_accumulator.accumulator import flavours, seam
 from tfx_gradient_accumulator.accumulator.check import check_exact
 from tfx_gradient_accumulator.components import run_fn_swaps
 
@@ -93,7 +93,7 @@ def _check_arguments(reached, settings):
     if getattr(model, "optimizer", None) is None or not getattr(model, "loss", None):
         raise ValueError("the run_fn's model was not compiled with an optimizer and a loss before `fit`")
     initial = model.get_weights()
-    package = seam.keras_package_of(model) if seam.is_keras2_object(model) else keras
+    package = flavours.keras_package_of(model) if flavours.is_keras2_object(model) else keras
 
     def model_fn():
         clone = package.models.clone_model(model)
@@ -216,7 +216,7 @@ def _forget_the_check(before):
     the check seeds every generator, and the probe's run_fn drew from them."""
     policy, random_state = before
     keras.backend.clear_session()
-    keras2 = seam.keras2_module()
+    keras2 = flavours.keras2_module()
     if keras2 is not None and keras2.Model is not keras.Model:
         keras2.backend.clear_session()
     keras.config.set_dtype_policy(policy)

@@ -21,7 +21,7 @@ import logging
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import hooks, seam
+from tfx_gradient_accumulator.accumulator import flavours, hooks
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def fits_stopped():
     """Context: `Model.fit` (Keras 3's, and Keras 2's where installed) raises `FitReached`."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(hooks.swapped(keras.Model, "fit", _fit_that_stops))
-        keras2 = seam.keras2_module()
+        keras2 = flavours.keras2_module()
         if keras2 is not None and keras2.Model is not keras.Model:
             stack.enter_context(hooks.swapped(keras2.Model, "fit", _fit_that_stops))
         yield

@@ -43,7 +43,7 @@ def main():
     if args.hooks != "all":
         os.environ["ACCUMULATOR_KERAS_HOOKS"] = "0"
     import keras
-    from tfx_gradient_accumulator.accumulator import GradientAccumulator, hooks, seam
+    from tfx_gradient_accumulator.accumulator import GradientAccumulator, flavours, hooks
     if args.hooks != "all":
         hooks.install([h for h in args.hooks.split(",") if h and h != "none"])
     # The tests that show a fix is needed use a plain optimizer (accum 1, no wrapper).
@@ -58,7 +58,7 @@ def main():
         from tests.accumulator.test_lookups import text_data, text_model
         x, y = text_data(samples)
     if args.keras2:
-        keras = seam.keras2_module()
+        keras = flavours.keras2_module()
     with strategy.scope():
         if args.embedding:
             model, optimizer = ref.embedding_model(), keras.optimizers.Adam(1e-2)

@@ -11,14 +11,14 @@ import os
 import numpy as np
 import pytest
 
-from tfx_gradient_accumulator.accumulator import check_exact, seam
+from tfx_gradient_accumulator.accumulator import check_exact, flavours
 
-k2 = seam.keras2_module()
+k2 = flavours.keras2_module()
 pytestmark = [
     pytest.mark.skipif(k2 is None, reason="no Keras 2 here (tf_keras not installed)"),
     # Beside Keras 3 without TF_USE_LEGACY_KERAS (the TFX stack) tf_keras' fit takes ~80 s
     # of autograph here; the two Keras 2 environments run it in seconds.
-    pytest.mark.skipif(seam.keras_is_3() and os.environ.get("TF_USE_LEGACY_KERAS") != "1",
+    pytest.mark.skipif(flavours.keras_is_3() and os.environ.get("TF_USE_LEGACY_KERAS") != "1",
                        reason="run in the Keras 2 environments (TF 2.15, TF_USE_LEGACY_KERAS=1)"),
 ]
 

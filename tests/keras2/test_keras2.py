@@ -17,11 +17,11 @@ import pytest
 import tensorflow as tf
 
 from tfx_gradient_accumulator import accumulator
-from tfx_gradient_accumulator.accumulator import GradientAccumulator, hooks, seam
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, flavours, hooks
 from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
 from tests import deltas
 
-k2 = seam.keras2_module()
+k2 = flavours.keras2_module()
 pytestmark = pytest.mark.skipif(k2 is None, reason="no Keras 2 here (tf_keras not installed)")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -75,7 +75,7 @@ def test_the_package_name_picks_the_keras_2_class():
     assert type(wrapped).__module__ == "tfx_gradient_accumulator.accumulator.keras2"
 
 
-@pytest.mark.skipif(not seam.tf_keras_is_keras2(), reason="tf.keras is Keras 3 here")
+@pytest.mark.skipif(not flavours.tf_keras_is_keras2(), reason="tf.keras is Keras 3 here")
 def test_tf_keras_optimizers_and_names_get_the_keras_2_class():
     assert type(GradientAccumulator(tf.keras.optimizers.SGD(), accum_steps=2)).__module__ == "tfx_gradient_accumulator.accumulator.keras2"
     assert type(GradientAccumulator("adam", accum_steps=2)).__module__ == "tfx_gradient_accumulator.accumulator.keras2"
@@ -313,7 +313,7 @@ def _trained(accum=4, steps=6):
 
 @pytest.mark.parametrize("fmt", ["savedmodel", "h5", "keras"])
 def test_saved_models_load_without_custom_objects(tmp_path, fmt):
-    if fmt == "keras" and seam.version_tuple(k2.__version__) < (2, 13):
+    if fmt == "keras" and flavours.version_tuple(k2.__version__) < (2, 13):
         pytest.skip("the .keras format needs Keras >= 2.13")
     model = _trained()
     path = str(tmp_path / {"savedmodel": "model", "h5": "model.h5", "keras": "model.keras"}[fmt])
@@ -533,7 +533,7 @@ def _backed_up_fit(directory, stop_after=None, every_steps=3):
     backup = TrainingBackup(str(directory), every_steps=every_steps)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
     arguments = dict(x=dataset, steps_per_epoch=8, epochs=2, verbose=0, callbacks=[Watch()])
-    if seam.keras_is_3():           # beside Keras 3: the library's context, as the TFX Trainer uses it
+    if flavours.keras_is_3():           # beside Keras 3: the library's context, as the TFX Trainer uses it
         from tfx_gradient_accumulator.accumulator.autowrap import accumulating_compile
         with accumulating_compile(accum_steps=4, backup=backup):
             model.compile(optimizer=k2.optimizers.Adam(0.01), loss="mse")

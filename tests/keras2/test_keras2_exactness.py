@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import GradientAccumulator, seam
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, flavours
 from tests import deltas
 
-k2 = seam.keras2_module()
+k2 = flavours.keras2_module()
 pytestmark = pytest.mark.skipif(k2 is None, reason="no Keras 2 here (tf_keras not installed)")
 MAXLEN, VOCAB = 6, 30
 

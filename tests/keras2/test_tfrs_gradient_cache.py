@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import GradientAccumulator, GradientCache, seam
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, GradientCache, flavours
 from tests import deltas
 
 tfrs = pytest.importorskip("tensorflow_recommenders", reason="TensorFlow Recommenders is installed "
                            "in the Keras 2 on TensorFlow 2.21 environment only")
-k2 = seam.keras2_module()
+k2 = flavours.keras2_module()
 pytestmark = pytest.mark.skipif(k2 is None or not issubclass(tfrs.models.Model, k2.Model),
                                 reason="TFRS needs tf.keras to be Keras 2 (TF_USE_LEGACY_KERAS=1)")
 

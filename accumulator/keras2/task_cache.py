@@ -13,7 +13,7 @@ import sys
 
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import cache_passes, seam
+from tfx_gradient_accumulator.accumulator import cache_passes, flavours
 
 _UNSUPPORTED_ARGUMENTS = ("score_mask",)
 
@@ -123,7 +123,7 @@ def train_step(cache, data, attribute: str) -> dict:
             it is), a `score_mask`, or candidates that are not one per query.
     """
     model, optimizer = cache.model, cache.optimizer
-    scaling = isinstance(optimizer, seam.keras2_module().mixed_precision.LossScaleOptimizer)
+    scaling = isinstance(optimizer, flavours.keras2_module().mixed_precision.LossScaleOptimizer)
     first_pass = []
 
     def forward(part):

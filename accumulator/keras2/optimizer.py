@@ -24,7 +24,8 @@ does differently:
   the new classes since.
 
 Use it through the one public name: `accumulator.GradientAccumulator(optimizer,
-accum_steps)` returns this class when `optimizer` is a Keras 2 optimizer.
+accum_steps)` makes this class when `optimizer` is a Keras 2 optimizer, and
+`isinstance(x, accumulator.GradientAccumulator)` holds for it (`accumulator.flavours`).
 """
 
 from __future__ import annotations
@@ -35,12 +36,12 @@ import copy
 import numpy as np
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import _tf, replicas, seam
-from tfx_gradient_accumulator.accumulator.callbacks import window_callback_classes
+from tfx_gradient_accumulator.accumulator import _tf, callbacks, flavours, refusals, replicas
+from tfx_gradient_accumulator.accumulator.forwarding import InnerOptimizerForwarding
 from tfx_gradient_accumulator.accumulator.options import DEFAULT_SMOOTHING, WindowOptions, refuse_unknown_arguments
-from tfx_gradient_accumulator.accumulator.window import AccumulationWindow, optimizer_chain, refuse_nested_accumulation
+from tfx_gradient_accumulator.accumulator.window import AccumulationWindow, refuse_nested_accumulation
 
-keras2 = seam.keras2_module()
+keras2 = flavours.keras2_module()
 if keras2 is None:
     raise ImportError(
         "accumulator.keras2 needs Keras 2: `pip install tf_keras` (TensorFlow >= 2.16) "
@@ -58,7 +59,7 @@ def _resolve_optimizer(optimizer):
         try:
             optimizer = keras2.optimizers.get(optimizer)
         except ValueError as err:
-            raise ValueError(f"`optimizer` names no Keras 2 optimizer: {optimizer!r} ({err})") from None
+            raise ValueError(refusals.names_no_optimizer("Keras 2", optimizer, err)) from None
     inner = optimizer.inner_optimizer if isinstance(optimizer, _LossScaleOptimizer) else optimizer
     if isinstance(inner, _LegacyOptimizer):
         raise TypeError(
@@ -69,17 +70,13 @@ def _resolve_optimizer(optimizer):
             f"`{keras2.__name__}.optimizers.legacy.{type(inner).__name__}`."
         )
     if not isinstance(optimizer, _Optimizer):
-        raise TypeError(
-            f"`optimizer` must be a Keras 2 optimizer instance (for example "
-            f"`{keras2.__name__}.optimizers.Adam()`) or the name of one; received "
-            f"{optimizer!r} of type {type(optimizer).__name__}."
-        )
+        raise TypeError(refusals.not_an_optimizer("Keras 2", keras2.__name__, optimizer))
     refuse_nested_accumulation(optimizer)
     return optimizer
 
 
 @_register
-class GradientAccumulator(AccumulationWindow, _Optimizer):
+class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, _Optimizer):
     """Accumulates gradients over `accum_steps` micro-batches, then updates once (Keras 2).
 
     ```python
@@ -223,22 +220,14 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
         self._updater.finalize_variable_values(var_list)
 
     # ------------------------------------------------------------ forwarding
-    @property
-    def iterations(self):
-        """The update-making optimizer's count: updates, not micro-steps."""
-        return self.inner_optimizer.iterations
+    # (and `learning_rate`, `exclude_from_weight_decay`: `InnerOptimizerForwarding`)
+    @staticmethod
+    def _is_loss_scale_optimizer(optimizer):
+        return isinstance(optimizer, _LossScaleOptimizer)
 
-    @iterations.setter
+    @InnerOptimizerForwarding.iterations.setter
     def iterations(self, value):
         self.inner_optimizer.iterations = value
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
 
     @property
     def variables(self):
@@ -246,12 +235,6 @@ class GradientAccumulator(AccumulationWindow, _Optimizer):
         unused = self._unused_base_variables
         own = [v for v in super().variables if not any(v is u for u in unused)]
         return own + list(self._updater.variables)
-
-    def exclude_from_weight_decay(self, var_list=None, var_names=None):
-        """Forwarded to the optimizers that apply weight decay (the inner ones)."""
-        for optimizer in optimizer_chain(self.inner_optimizer):
-            if not isinstance(optimizer, (AccumulationWindow, _LossScaleOptimizer)):
-                optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
 
     # ------------------------------------------------------------ serializing
     def get_config(self):
@@ -316,4 +299,5 @@ class LossScalingGradientAccumulator(GradientAccumulator, _LossScaleOptimizer):
 
 
 # Keras 2's own callback classes for what `fit` adds by itself (`accumulator.callbacks`).
-EpochWindows, AccumulationSchedule = window_callback_classes(keras2)
+EpochWindows = callbacks.EpochWindows.for_keras(keras2)
+AccumulationSchedule = callbacks.AccumulationSchedule.for_keras(keras2)

@@ -22,21 +22,21 @@ activations at a time. This module holds only what Keras 2 does differently:
   gradient would belong to no forward pass (Keras 3's seed generators can be).
 
 A TensorFlow Recommenders model (`tfrs.Model`, no `call()`, its loss a task
-call) is trained by `accumulator.task_cache`: its task scores the whole batch.
+call) is trained by `accumulator.keras2.task_cache`: its task scores the whole batch.
 
 Use it through the one public name: `accumulator.GradientCache(model, accum_steps)`
 returns this class when `model` is a Keras 2 model.
 """
 
-import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import cache_passes, seam, task_cache
+from tfx_gradient_accumulator.accumulator import cache_passes, flavours, refusals, seam
+from tfx_gradient_accumulator.accumulator.keras2 import task_cache
 from tfx_gradient_accumulator.accumulator.options import CacheOptions
 
-keras2 = seam.keras2_module()
+keras2 = flavours.keras2_module()
 if keras2 is None:
     raise ImportError(
-        "accumulator.keras2_gradient_cache needs Keras 2: `pip install tf_keras` (TensorFlow "
+        "accumulator.keras2.gradient_cache needs Keras 2: `pip install tf_keras` (TensorFlow "
         ">= 2.16) or TensorFlow <= 2.15, whose tf.keras is Keras 2."
     )
 
@@ -152,11 +152,7 @@ class GradientCache(keras2.Model):
             if not isinstance(layer, keras2.layers.Layer):
                 continue
             if _is_batch_norm(layer) and layer.trainable:
-                raise ValueError(
-                    f"GradientCache: layer {layer.name!r} is a BatchNormalization, whose training "
-                    "output depends on the other samples of its batch; it would normalize with "
-                    "micro-batch statistics, not the batch's. Use LayerNormalization, or freeze "
-                    "the layer (trainable=False).")
+                raise ValueError(refusals.batch_norm_in_gradient_cache(layer.name))
             if isinstance(layer, _RANDOM_LAYERS):
                 raise ValueError(
                     f"GradientCache: layer {layer.name!r} is a {type(layer).__name__}, which draws "
@@ -172,11 +168,7 @@ class GradientCache(keras2.Model):
 
     def _refuse_losses_added_while_running(self):
         if len(self.model.losses) > seam.keras2_weight_regularization_count(self.model):
-            raise ValueError(
-                "GradientCache: the model adds losses while it runs (`add_loss`, an "
-                "activity_regularizer); they would come from one micro-batch, not the batch. "
-                "Put them into `compute_loss`, on the representations, or use weight "
-                "regularizers (kernel_regularizer), which GradientCache handles exactly.")
+            raise ValueError(refusals.LOSSES_ADDED_WHILE_RUNNING)
 
     def get_config(self):
         return {"name": self.name, "model": keras2.utils.serialize_keras_object(self.model),
