@@ -135,7 +135,7 @@ def auto_rule_of(optimizer, keras_package, fit_arguments):
     """The `AutoAccumulation` of a `GradientAccumulator(accum_steps="auto")`, made by its
     first `fit` (whose arguments tell the micro-batch) and kept on the optimizer."""
     if optimizer.auto_accumulation is None:
-        optimizer.auto_accumulation = auto_accumulation_class(keras_package)(
+        optimizer.auto_accumulation = AutoAccumulation.for_keras(keras_package)(
             micro_batch_size=global_micro_batch_size(fit_arguments),
             start_accum_steps=optimizer.accum_steps, **optimizer.auto)
     return optimizer.auto_accumulation

@@ -40,9 +40,9 @@ import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import flavours, hooks
 from tfx_gradient_accumulator.accumulator.batch_norm import configure_batch_norm
-from tfx_gradient_accumulator.accumulator.auto_batch import auto_accumulation_class
-from tfx_gradient_accumulator.accumulator.callbacks import accum_steps_at, window_callback_classes
-from tfx_gradient_accumulator.accumulator.gradient_cache import is_gradient_cache, validate_gather_across_replicas
+from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation
+from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule, accum_steps_at
+from tfx_gradient_accumulator.accumulator.gradient_cache import GradientCache, validate_gather_across_replicas
 from tfx_gradient_accumulator.accumulator.optimizer import GradientAccumulator
 from tfx_gradient_accumulator.accumulator.options import (
     DEFAULT_SMOOTHING, WindowOptions, validate_accum_steps, validate_bool, validate_lr_scaling, validate_schedule,
@@ -114,7 +114,7 @@ def accumulating_compile(accum_steps=None, schedule=None, partial_window="apply"
 
     def wrapping_compile(original):
         def compile(self, optimizer="rmsprop", *args, **kwargs):
-            if gradient_cache or is_gradient_cache(self):
+            if gradient_cache or isinstance(self, GradientCache):
                 _set_up_gradient_cache(self, optimizer, accum_steps, gradient_cache, gather_across_replicas)
                 result = original(self, optimizer, *args, **kwargs)
                 made.append(self.optimizer)
@@ -185,7 +185,7 @@ def _plan(accum_steps, schedule, schedule_by, lr_scaling, auto, options, window_
             raise ValueError(f"accumulating_compile(auto=...) needs `accum_steps` >= 2 to start from "
                              f"(the noise scale is measured over windows of several micro-batches); "
                              f"received {accum_steps}.")
-        auto_accumulation_class(keras)(start_accum_steps=accum_steps, lr_scaling=lr_scaling, **auto)
+        AutoAccumulation.for_keras(keras)(start_accum_steps=accum_steps, lr_scaling=lr_scaling, **auto)
     if schedule is not None:
         schedule = validate_schedule(schedule)
         accum_steps = accum_steps_at(schedule, 0)
@@ -205,12 +205,12 @@ def _fit_callback(package, plan):
     `AccumulationSchedule` per `fit`, or the wrapper's one `AutoAccumulation`
     (its decisions carry on into a later `fit`); None for a plain `EpochWindows`."""
     if plan.auto is not None:
-        rule = auto_accumulation_class(package)(start_accum_steps=plan.options.accum_steps,
+        rule = AutoAccumulation.for_keras(package)(start_accum_steps=plan.options.accum_steps,
                                                 lr_scaling=plan.lr_scaling, **plan.auto)
         return lambda: rule
     if plan.schedule is None:
         return None
-    schedule_class = window_callback_classes(package)[1]
+    schedule_class = AccumulationSchedule.for_keras(package)
     return lambda: schedule_class(plan.schedule, by=plan.schedule_by, lr_scaling=plan.lr_scaling)
 
 
@@ -219,7 +219,7 @@ def _set_up_gradient_cache(model, optimizer, accum_steps, gradient_cache, gather
     `accum_steps` and `gather_across_replicas`; refuses any other model, and a
     `GradientCache` compiled without `gradient_cache` or with an accumulating
     optimizer (either would accumulate twice)."""
-    if not is_gradient_cache(model):
+    if not isinstance(model, GradientCache):
         raise ValueError(
             f"With gradient_cache=True (AccumulatingTrainer's, or AccumulatingHyperModel's) the "
             "run_fn must wrap its model in accumulator.GradientCache before compiling it "

@@ -13,7 +13,7 @@ import keras
 from keras import ops
 
 from tfx_gradient_accumulator.accumulator import replicas, seam
-from tfx_gradient_accumulator.accumulator.window import validate_accum_steps
+from tfx_gradient_accumulator.accumulator.options import validate_accum_steps
 
 logger = logging.getLogger(__name__)
 
