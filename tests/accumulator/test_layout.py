@@ -89,6 +89,65 @@ def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+# The rooms of `accumulator/`, in the order imports may run (DEVELOPERS.md's map): a module
+# imports only from its own room or an earlier one. A new module gets a room here.
+ROOMS = {
+    "foundations": ("flavours", "seam", "validation", "refusals", "options", "noise_scale",
+                    "lr_scaling", "distribute", "contrastive"),
+    "mechanics": ("_tf", "replicas", "lookups", "across_replicas", "cache_passes"),
+    "window": ("window_rows", "window_saving", "window", "weighting", "forwarding"),
+    "schedules": ("callbacks", "auto_batch"),
+    "optimizers": ("optimizer", "keras2", "keras2.optimizer", "keras2.gradient_cache", "keras2.task_cache",
+                   "gradient_cache", "batch_norm"),
+    "training": ("backup", "fit_hook", "hooks"),
+    "entry points": ("autowrap", "tuning", "check", ""),
+}
+PACKAGE_ORDER = ("accumulator", "components", "pipelines")   # each imports only from itself and those before
+
+
+def _room_of():
+    prefix = "tfx_gradient_accumulator.accumulator"
+    return {f"{prefix}.{m}" if m else prefix: (rank, room)
+            for rank, (room, modules) in enumerate(ROOMS.items()) for m in modules}
+
+
+def imports_against_the_rooms(graph, room_of):
+    """Imports that run backwards: a module importing one of a later room, or of a later package."""
+    wrong = []
+    for module, imported in graph.items():
+        if module.startswith("tfx_gradient_accumulator.accumulator") and module in room_of:
+            wrong += [f"{module} ({room_of[module][1]}) imports {target} ({room_of[target][1]})"
+                      for target in sorted(imported) if target in room_of and room_of[target][0] > room_of[module][0]]
+        parts = module.split(".")
+        if parts[0] == "tfx_gradient_accumulator" and len(parts) > 1 and parts[1] in PACKAGE_ORDER:
+            rank = PACKAGE_ORDER.index(parts[1])
+            wrong += [f"{module} imports {target}" for target in sorted(imported)
+                      if target.split(".")[1:2] and target.split(".")[1] in PACKAGE_ORDER
+                      and PACKAGE_ORDER.index(target.split(".")[1]) > rank]
+    return wrong
+
+
+def test_every_library_module_has_a_room():
+    room_of = _room_of()
+    modules = [m for m in import_graph(INSTALLED) if m.startswith("tfx_gradient_accumulator.accumulator")]
+    assert sorted(m for m in modules if m not in room_of) == []
+    assert sorted(m for m in room_of if m not in modules) == []
+
+
+def test_imports_run_from_the_later_rooms_to_the_earlier():
+    assert imports_against_the_rooms(import_graph(), _room_of()) == []
+
+
+def test_the_rooms_check_can_fail():
+    room_of = {"tfx_gradient_accumulator.accumulator.a": (0, "first"), "tfx_gradient_accumulator.accumulator.b": (1, "second")}
+    graph = {"tfx_gradient_accumulator.accumulator.a": {"tfx_gradient_accumulator.accumulator.b"},
+             "tfx_gradient_accumulator.accumulator.b": {"tfx_gradient_accumulator.accumulator.a"},
+             "tfx_gradient_accumulator.accumulator.c": {"tfx_gradient_accumulator.components.x"}}
+    assert imports_against_the_rooms(graph, room_of) == [
+        "tfx_gradient_accumulator.accumulator.a (first) imports tfx_gradient_accumulator.accumulator.b (second)",
+        "tfx_gradient_accumulator.accumulator.c imports tfx_gradient_accumulator.components.x"]
+
+
 def test_the_private_names_module_imports_nothing_of_the_library():
     # but the public Keras-flavour detection, itself a leaf.
     graph = import_graph()
