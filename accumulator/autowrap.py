@@ -120,40 +120,12 @@ def accumulating_compile(accum_steps=None, schedule=None, partial_window="apply"
                 made.append(self.optimizer)
                 return result
             if optimizer is not None:
-                optimizer = _wrap(self, optimizer, kwargs)
+                optimizer = _wrapped(self, optimizer, kwargs, plan)
                 made.append(optimizer)
             return original(self, optimizer, *args, **kwargs)
 
         compile.__doc__ = original.__doc__
         return compile
-
-    def _wrap(model, optimizer, kwargs):
-        if isinstance(optimizer, AccumulationWindow):
-            logger.warning(
-                "run_fn compiled with its own GradientAccumulator (accum_steps=%d); "
-                "it is kept, and the component's accum_steps=%d is not applied.",
-                optimizer.accum_steps, accum_steps,
-            )
-            return optimizer
-        keras2 = flavours.is_keras2_object(model)
-        package = flavours.keras_package_of(model) if keras2 else keras
-        inner = package.optimizers.get(optimizer)
-        policy = getattr(model, "dtype_policy", None)
-        mixed_float16 = policy is not None and policy.name == "mixed_float16"
-        if keras2 and mixed_float16 and not isinstance(inner, package.mixed_precision.LossScaleOptimizer):
-            # Keras 2's compile would put one around the accumulator; put it inside.
-            inner = package.mixed_precision.LossScaleOptimizer(inner)
-        elif not keras2 and mixed_float16 and kwargs.get("auto_scale_loss", True) and \
-                not isinstance(inner, keras.optimizers.LossScaleOptimizer):
-            inner = keras.optimizers.LossScaleOptimizer(inner)
-            kwargs["auto_scale_loss"] = False
-        wrapper = GradientAccumulator(inner, options=plan.options)
-        wrapper.fit_callback = _fit_callback(package, plan)
-        wrapper.auto_accumulation = wrapper.fit_callback() if plan.auto is not None else None
-        if not keras2:
-            configure_batch_norm(model, accum_steps, wrapper)
-        logger.info("Wrapped %s in GradientAccumulator(accum_steps=%d).", type(inner).__name__, accum_steps)
-        return wrapper
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(hooks.swapped(keras.Model, "compile", wrapping_compile))
@@ -166,6 +138,39 @@ def accumulating_compile(accum_steps=None, schedule=None, partial_window="apply"
         if backup is not None:
             stack.enter_context(hooks.fits_backed_up(backup))
         yield made
+
+
+
+def _wrapped(model, optimizer, kwargs, plan):
+    """`optimizer` (as `compile` got it) in a `GradientAccumulator` made by `plan`;
+    a mixed_float16 model's loss scaling goes inside it (Keras would put it around)."""
+    if isinstance(optimizer, AccumulationWindow):
+        logger.warning(
+            "run_fn compiled with its own GradientAccumulator (accum_steps=%d); "
+            "it is kept, and the component's accum_steps=%d is not applied.",
+            optimizer.accum_steps, plan.options.accum_steps,
+        )
+        return optimizer
+    keras2 = flavours.is_keras2_object(model)
+    package = flavours.keras_package_of(model) if keras2 else keras
+    inner = package.optimizers.get(optimizer)
+    policy = getattr(model, "dtype_policy", None)
+    mixed_float16 = policy is not None and policy.name == "mixed_float16"
+    if keras2 and mixed_float16 and not isinstance(inner, package.mixed_precision.LossScaleOptimizer):
+        # Keras 2's compile would put one around the accumulator; put it inside.
+        inner = package.mixed_precision.LossScaleOptimizer(inner)
+    elif not keras2 and mixed_float16 and kwargs.get("auto_scale_loss", True) and \
+            not isinstance(inner, keras.optimizers.LossScaleOptimizer):
+        inner = keras.optimizers.LossScaleOptimizer(inner)
+        kwargs["auto_scale_loss"] = False
+    wrapper = GradientAccumulator(inner, options=plan.options)
+    wrapper.fit_callback = _fit_callback(package, plan)
+    wrapper.auto_accumulation = wrapper.fit_callback() if plan.auto is not None else None
+    if not keras2:
+        configure_batch_norm(model, plan.options.accum_steps, wrapper)
+    logger.info("Wrapped %s in GradientAccumulator(accum_steps=%d).", type(inner).__name__,
+                plan.options.accum_steps)
+    return wrapper
 
 
 def _plan(accum_steps, schedule, schedule_by, lr_scaling, auto, options, window_arguments) -> _Plan:

@@ -437,22 +437,7 @@ def probe_noise_scale(build_model, x, y=None, *, micro_batch_size, accum_steps=8
             accum_steps, micro_batch_size, len(np.asarray(y)),
         )
 
-    if seed is not None:
-        keras.utils.set_random_seed(seed)
-    with accumulating_compile(options=options) as made:
-        model = build_model() if hyperparameters is None else build_model(hyperparameters)
-    optimizer = getattr(model, "optimizer", None)
-    if not made or optimizer is not made[-1]:
-        raise ValueError(
-            "`build_model` must compile the model it returns with a plain Keras optimizer "
-            "(it is wrapped to accumulate and measure); "
-            + ("it compiled none." if not made else "it returned a model compiled otherwise.")
-        )
-    if not optimizer.measure_noise_scale:
-        raise ValueError(
-            "`build_model` compiled its own GradientAccumulator, which does not measure the noise "
-            "scale; compile with the plain optimizer inside it."
-        )
+    model, optimizer = _probed_model(build_model, hyperparameters, options, seed)
 
     history = []
 
@@ -482,3 +467,26 @@ def probe_noise_scale(build_model, x, y=None, *, micro_batch_size, accum_steps=8
             "`updates` or a larger `accum_steps`.", probe.noise_scale, probe.windows,
         )
     return probe
+
+
+def _probed_model(build_model, hyperparameters, options, seed):
+    """The model `build_model` returns, compiled under `accumulating_compile(options=...)`,
+    and its measuring `GradientAccumulator`; refused where the run_fn's own optimizer
+    would not measure."""
+    if seed is not None:
+        keras.utils.set_random_seed(seed)
+    with accumulating_compile(options=options) as made:
+        model = build_model() if hyperparameters is None else build_model(hyperparameters)
+    optimizer = getattr(model, "optimizer", None)
+    if not made or optimizer is not made[-1]:
+        raise ValueError(
+            "`build_model` must compile the model it returns with a plain Keras optimizer "
+            "(it is wrapped to accumulate and measure); "
+            + ("it compiled none." if not made else "it returned a model compiled otherwise.")
+        )
+    if not optimizer.measure_noise_scale:
+        raise ValueError(
+            "`build_model` compiled its own GradientAccumulator, which does not measure the noise "
+            "scale; compile with the plain optimizer inside it."
+        )
+    return model, optimizer

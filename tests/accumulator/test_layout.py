@@ -208,6 +208,25 @@ def test_no_function_is_longer_than_the_limit(packages):
     assert not long, f"functions over {LONGEST_FUNCTION} lines:\n" + "\n".join(long)
 
 
+LONGEST_LIBRARY_CODE = 60   # accumulator/: a function's code, its docstring (the API reference) left out
+
+
+def _code_lines(node):
+    body = node.body[1:] if ast.get_docstring(node) is not None and len(node.body) > 1 else node.body
+    return node.end_lineno - body[0].lineno + 2     # the `def` line and the code
+
+
+def test_no_library_function_has_more_code_than_the_limit():
+    long = []
+    for path in sorted((ROOT / "accumulator").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _code_lines(node) > LONGEST_LIBRARY_CODE:
+                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({_code_lines(node)} lines)")
+    assert not long, f"functions with over {LONGEST_LIBRARY_CODE} lines of code:\n" + "\n".join(long)
+    long_one = ast.parse('def f():\n    """Doc."""\n' + "    x = 1\n" * 70).body[0]
+    assert _code_lines(long_one) == 71        # the check can fail
+
+
 def _old_top_level_imports(text):
     return re.findall(r"(?m)^\s*(?:>>> )?(?:from (?:accumulator|components|pipelines|src)[.\s]|import (?:accumulator|components|pipelines|src)\b).*",
                       text)
