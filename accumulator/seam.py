@@ -1,85 +1,13 @@
 """The one place where this library reaches past Keras' and TensorFlow's public API.
 
-Everything else in `accumulator/` and `components/` uses public names only; a
-test (`tests/accumulator/test_seam.py`) fails if a private name appears anywhere
-else, and another fails, naming it, when one of those below disappears from the
-installed Keras or TensorFlow. Checked on Keras 3.8.0 + TF 2.16.2 (the oldest
-supported pair), Keras 3.15.1 + TF 2.16.2 (the TFX 1.16 stack) and Keras 3.15.1
-+ TF 2.21.0 (the newest), all run by `make test`.
-
-Private names (`PRIVATE_NAMES` lists them for the test):
-
-* ``keras.optimizers.Optimizer._all_reduce_sum_gradients`` (Keras >= 3.2, TF
-  backend): Keras' optimizers all-reduce the gradients they are given. The
-  accumulator reduces the window's sums itself, once per window, and must hand
-  the reduced gradient to the inner optimizer without a second reduction; it
-  replaces the method on the inner optimizer *instance* while the window update
-  is traced (`gradients_already_reduced`), and removes it afterwards.
-* ``tf.__internal__.distribute.strategy_supports_no_merge_call``: tells whether
-  the replica context runs without `merge_call` (XLA-compiled steps on GPUs),
-  where Keras' optimizers cannot count updates (keras-team/keras#17187).
-* ``tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext``: tells
-  whether the step is being compiled by XLA (`jit_compile=True`), so a
-  multi-replica window update refuses it with a message instead of a raw error.
-* ``keras.layers.Layer._flatten_layers``: every nested layer of a model, to find
-  its `AccumBatchNormalization` layers (Keras has no public recursive walk).
-* ``keras.Model._loss_tracker`` (set by `compile`): the mean loss `fit` logs;
-  `GradientCache.train_step` reports its batch's loss there, as Keras' own
-  `train_step` does.
-* ``keras.layers.BatchNormalization._moments``: the batch moments Keras' own
-  layer normalizes with (masks, `synchronized`); `AccumBatchNormalization`
-  pools exactly those.
-* ``keras.optimizers.Optimizer._learning_rate``: the learning rate as the optimizer
-  was given it, schedule object included (the public getter evaluates a schedule);
-  `lr_scaling` wraps it once in a scaled schedule.
-* ``keras.src.backend.tensorflow.trainer.TensorFlowTrainer._maybe_symbolic_build``
-  and ``keras.src.backend.tensorflow.trainer.reduce_per_replica``: the two Keras
-  functions that stop `fit` under `MultiWorkerMirroredStrategy`
-  (keras-team/keras#20585); see "Run-time changes".
-
-TensorFlow's `tf.distribute` (`mirrored_strategy()`):
-
-* ``tf.distribute.MirroredStrategy._collective_key_base`` (TF sets it in its own
-  tests only): every `MirroredStrategy` numbers its collective groups from it, so
-  two made in one process on the same devices share collective keys, and the
-  second's first all-reduce of another shape fails ("Shape mismatch in the
-  collective instance 100"): a second Trainer run in one process (the local
-  runner), or one after any other strategy. `mirrored_strategy()` gives each of
-  the library's its own keys.
-
-Keras 2 (`tf_keras`, or TF 2.15's `keras`): its optimizers take a public
-`skip_gradients_aggregation=True` (`accumulator.keras2`), so accumulation needs no
-private name there. `GradientCache` on Keras 2 needs two (`keras2=True` below):
-
-* ``tf_keras.Model()._callable_losses`` (a layer's weight-regularization losses,
-  which Keras 2 evaluates each time `losses` is read): telling them from losses
-  added while the model runs (`add_loss`, activity regularizers), which the Keras 2
-  `GradientCache` refuses (`keras2_weight_regularization_count`). Keras 2 variables
-  carry no `regularizer` attribute, unlike Keras 3's.
-* ``tf_keras.Model._validate_compile`` (Keras 2's check at `compile`): the Keras 2
-  `GradientCache` of a TensorFlow Recommenders model overrides it so the check sees the
-  TFRS model's own built state (under a strategy it reads the variables of a model
-  marked built, and a TFRS tower builds only at the first step); Keras 2 does not
-  compile a loaded model whose class overrides `compile` itself.
-
-Random state (`random_state()` / `restore_random_state()`: the Trainer's exactness
-check leaves the run's random numbers as it found them):
-
-* ``tensorflow.python.eager.context.Context._set_global_seed``, with the context's
-  ``_seed`` and ``_rng`` (what `tf.random.set_seed` sets: the global seed and the
-  generator of the op seeds drawn after it); TensorFlow has no public getter.
-* ``keras.src.backend.common.global_state.get_global_attribute`` and
-  ``set_global_attribute``: the seed `keras.utils.set_random_seed` stores and the
-  global `SeedGenerator` (Keras' unseeded random ops and initializers draw from
-  them), which `keras.backend.clear_session()` forgets.
-
-Which Keras is installed, and which an object belongs to, is public and lives in
-`accumulator.flavours` (`keras2_module()`, `keras_package_of()`, ...).
-
-This module only *reaches*: it changes nothing by being imported, and imports
-no other module of the library but `accumulator.flavours` (a leaf). What the
-library changes in Keras at run time, and when, is `accumulator.hooks` (which takes the two multi-worker fixes,
-`multiworker_fixes()`, from here).
+Private names (`PRIVATE_NAMES` says what needs each; `test_seam.py` fails on one used
+elsewhere, or gone from the installed Keras/TF): Keras' `_all_reduce_sum_gradients`,
+`_flatten_layers`, `_loss_tracker`, `_moments`, `_learning_rate`, `_maybe_symbolic_build`,
+`reduce_per_replica`, `get_global_attribute`, `set_global_attribute`; TensorFlow's
+`strategy_supports_no_merge_call`, `GraphOrParentsInXlaContext`, `_collective_key_base`,
+`_set_global_seed`; Keras 2's `_callable_losses`, `_validate_compile`. Why each is needed:
+DEVELOPERS.md, "Design notes by module". Importing it changes nothing; it imports only
+`accumulator.flavours`. Run-time changes to Keras are `accumulator.hooks`.
 """
 
 from __future__ import annotations
