@@ -1,53 +1,33 @@
 """Everything the library changes in Keras at run time, and when: the one place.
 
-A change to Keras' behaviour is a design decision; these are all of them.
-Models compiled with any other optimizer than a `GradientAccumulator` train
-exactly as without the library (tested).
-
-1. **At `import accumulator`**, `install()` wraps, once:
-
-   * ``"fit"``: `keras.Model.fit`. For a model compiled with a
-     `GradientAccumulator` it refuses, before training, a `LossScaleOptimizer`
-     that Keras put around the accumulator and XLA under a multi-replica
-     strategy, ties `AccumBatchNormalization` layers to the optimizer, and puts
-     the `EpochWindows` callback first, so windows close at epoch ends
-     (`accumulator.fit_hook`).
-   * ``"compute_loss"``: `keras.Model.compute_loss`. On training batches of such
-     a model it notes the loss's denominator: the micro-batch's weight
-     (`accumulator.weighting`).
-   * ``"symbolic_build"``, ``"scalar_logs"``: the two Keras functions that stop
-     `fit` under `MultiWorkerMirroredStrategy` (keras-team/keras#20585; private
-     names, so they come from `accumulator.seam.multiworker_fixes()`). Each is a
-     no-op under any other strategy.
-   * ``"keras2_fit"``, ``"keras2_compute_loss"``: where Keras 2 is installed
-     (`tf_keras`, or TF 2.15's `keras`), its `Model.fit` and `Model.compute_loss`,
-     the same way.
-
-   `uninstall()` restores the originals; the environment variable
-   ``ACCUMULATOR_KERAS_HOOKS=0``, set before the import, skips the installation.
-2. **While `accumulator.autowrap.accumulating_compile` is open** (the TFX
-   executor, the KerasTuner helpers), `swapped` makes `keras.Model.compile` (and
-   Keras 2's) wrap the optimizers it is given and, given a strategy,
-   `strategy_scopes_map_onto` maps every strategy's scope onto it; given a
-   `TrainingBackup`, `fits_backed_up` makes `keras.Model.fit` back up and
-   resume (`accumulator.backup`; Keras 2's `fit` too). All are
-   restored when the context closes. (The TFX Trainer's own changes while it
-   runs a run_fn are `components.run_fn_swaps`.)
-3. **While a window's update is traced under a strategy**, the inner optimizer
-   *instance* does not all-reduce the gradients it is handed
-   (`accumulator.seam.gradients_already_reduced`: a private name).
+Models compiled with any optimizer other than a `GradientAccumulator` train exactly as
+without the library. The changes: (1) at import, `install()` wraps `Model.fit` and
+`Model.compute_loss` of each installed Keras, and two Keras 3 functions that stop `fit`
+under `MultiWorkerMirroredStrategy` (`uninstall()` restores them; `ACCUMULATOR_KERAS_HOOKS=0`
+skips them); (2) while `accumulating_compile` is open, `Model.compile` wraps optimizers,
+and, when asked, `fit` backs up and strategy scopes map onto one strategy; (3) while a
+window's update is traced under a strategy, the inner optimizer does not all-reduce the
+gradients it is handed again.
 """
+
+from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import keras
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import fit_hook, flavours, seam, weighting
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Iterator
+
+    from tfx_gradient_accumulator.accumulator.backup import TrainingBackup
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +39,35 @@ _restorers = {}
 
 
 # ------------------------------------------------------- the import-time hooks
-def install(hooks=HOOKS):
-    """Installs the named hooks (all by default; idempotent); returns those now installed."""
+def install(hooks: Iterable[str] = HOOKS) -> list[str]:
+    """Installs the named hooks (all by default); installing one twice changes nothing.
+
+    The hooks, by label:
+
+    * `"fit"`: `keras.Model.fit`. For a model compiled with a `GradientAccumulator`
+      it refuses, before training, a `LossScaleOptimizer` that Keras put around the
+      accumulator and XLA under a multi-replica strategy, ties
+      `AccumBatchNormalization` layers to the optimizer, and puts the `EpochWindows`
+      callback first, so windows close at epoch ends.
+    * `"compute_loss"`: `keras.Model.compute_loss`. On training batches of such a
+      model it notes the loss's denominator: the micro-batch's weight.
+    * `"symbolic_build"`, `"scalar_logs"`: the two Keras functions that stop `fit`
+      under `MultiWorkerMirroredStrategy` (keras-team/keras#20585); each is a no-op
+      under any other strategy.
+    * `"keras2_fit"`, `"keras2_compute_loss"`: where Keras 2 is installed (`tf_keras`,
+      or TF 2.15's `keras`), its `Model.fit` and `Model.compute_loss`, the same way.
+
+    A hook whose Keras or function is absent here is skipped.
+
+    Args:
+        hooks: labels from `HOOKS`.
+
+    Returns:
+        The labels of the hooks installed now, sorted.
+
+    Raises:
+        ValueError: a label is not in `HOOKS`.
+    """
     unknown = set(hooks) - set(HOOKS)
     if unknown:
         raise ValueError(f"`hooks` must be a subset of {HOOKS}; unknown: {sorted(unknown)}.")
@@ -77,19 +84,19 @@ def install(hooks=HOOKS):
     return installed_hooks()
 
 
-def installed_hooks():
+def installed_hooks() -> list[str]:
     """The labels of the hooks installed now, sorted."""
     return sorted(_restorers)
 
 
-def uninstall():
+def uninstall() -> None:
     """Restores every function `install()` replaced."""
     for restore in _restorers.values():
         restore()
     _restorers.clear()
 
 
-def install_unless_opted_out():
+def install_unless_opted_out() -> list[str]:
     """What `import accumulator` does: `install()`, unless ACCUMULATOR_KERAS_HOOKS=0."""
     if os.environ.get(HOOKS_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         logger.info("%s=%s: accumulator installs no Keras hooks.", HOOKS_ENV, os.environ[HOOKS_ENV])
@@ -98,6 +105,7 @@ def install_unless_opted_out():
 
 
 def _targets():
+    """`{label: (owner, name, make_replacement)}` for the hooks this installation can take."""
     targets = {}
     if flavours.keras_is_3():
         targets.update({
@@ -115,6 +123,7 @@ def _targets():
 
 
 def _make_fit(original):
+    """`Model.fit` that first runs `fit_hook.before_fit` (its callbacks, its refusals)."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -129,6 +138,7 @@ def _make_fit(original):
 
 
 def _make_compute_loss(original):
+    """`Model.compute_loss` that notes a training batch's weight (`weighting.note_batch`)."""
     @functools.wraps(original)
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, *args, **kwargs):
         training = args[0] if args else kwargs.get("training", True)
@@ -140,11 +150,17 @@ def _make_compute_loss(original):
 
 
 # ------------------------------------------------------------- scoped changes
-def replace(owner, name, make_replacement):
-    """Sets `owner.name = make_replacement(original)`; returns the function that restores it.
+def replace(owner: type, name: str, make_replacement: Callable[[Callable], Callable]) -> Callable[[], None]:
+    """Sets `owner.name = make_replacement(original)`.
 
-    Restores exactly what was there: an attribute `owner` inherited is deleted
-    again rather than copied down.
+    Args:
+        owner: the class (or module) whose attribute is replaced.
+        name: the attribute's name.
+        make_replacement: takes the original, returns its replacement.
+
+    Returns:
+        The function that restores exactly what was there: an attribute `owner`
+        inherited is deleted again rather than copied down.
     """
     had_own = name in vars(owner)
     own = vars(owner).get(name)
@@ -160,8 +176,14 @@ def replace(owner, name, make_replacement):
 
 
 @contextlib.contextmanager
-def swapped(owner, name, make_replacement):
-    """`owner.name` is `make_replacement(original)` inside the context, restored after."""
+def swapped(owner: type, name: str, make_replacement: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Context: `owner.name` is `make_replacement(original)` inside, restored after.
+
+    Args:
+        owner: the class (or module) whose attribute is replaced.
+        name: the attribute's name.
+        make_replacement: takes the original, returns its replacement.
+    """
     restore = replace(owner, name, make_replacement)
     try:
         yield
@@ -170,9 +192,12 @@ def swapped(owner, name, make_replacement):
 
 
 @contextlib.contextmanager
-def fits_backed_up(backup):
-    """Context: `keras.Model.fit` (and Keras 2's) runs through `backup.fit` (backed up,
-    resumed from its latest backup)."""
+def fits_backed_up(backup: TrainingBackup) -> Iterator[None]:
+    """Context: `keras.Model.fit` (and Keras 2's) runs through `backup.fit`.
+
+    Args:
+        backup: backs every `fit` up and resumes it from its latest backup.
+    """
 
     def make(original):
         signature = inspect.signature(inspect.unwrap(original))     # Keras' own parameters
@@ -195,8 +220,16 @@ def fits_backed_up(backup):
         yield
 
 
-def strategy_scopes_map_onto(strategy):
-    """Context: every `tf.distribute.Strategy.scope()` opens `strategy`'s scope instead."""
+def strategy_scopes_map_onto(strategy: tf.distribute.Strategy) -> contextlib.AbstractContextManager:
+    """Context: every `tf.distribute.Strategy.scope()` opens `strategy`'s scope instead.
+
+    Args:
+        strategy: the strategy every scope maps onto (a run_fn's own strategy, opened
+            under it, logs a warning and trains under this one).
+
+    Returns:
+        The context manager.
+    """
 
     def make(original):
         def scope(self):
