@@ -1,42 +1,21 @@
 """Accumulation as KerasTuner hyperparameters.
 
-`declare_accumulation(hp)` adds `accum_steps` and `effective_batch_size` to a
-search space; `AccumulatingHyperModel(build_model)` makes every trial train
-with its own accumulation and micro-batch (effective batch ÷ accum_steps),
-whatever the training data's own batch. It works with any KerasTuner tuner
-and in TFX's Tuner component (return it from `tuner_fn`); the best values then
-reach `AccumulatingTrainer` through `hyperparameters=tuner.outputs[...]`.
-
-`steps_per_epoch` given to `search`/`fit` counts optimizer updates, as
-`TrainArgs.num_steps` does, so trials with different `accum_steps` make the
-same number of updates (in a plain `fit` it counts `fit`'s steps: micro-batches).
-
-At a fixed effective batch `accum_steps` changes memory and speed, not the
-training: `AccumulatingHyperModel(..., micro_batch_size=M)` searches the effective
-batch alone, with the fewest `accum_steps` whose micro-batches fit in M.
-
-For losses that couple the batch (in-batch negatives, contrastive),
-`AccumulatingHyperModel(build_model, ..., gradient_cache=True)`: `build_model`
-returns a compiled `accumulator.GradientCache`, each trial's gets its
-`accum_steps`, and trials train on batches of their effective batch (the
-model cuts them into micro-batches), as `AccumulatingTrainer(gradient_cache=True)`
-trains the best.
-
-Centring the search on the gradient noise scale: `probe_noise_scale(...)`
-trains a fresh model briefly with `GradientAccumulator(measure_noise_scale=True)`
-and returns B_simple, the critical batch of McCandlish et al. (2018), as a
-`NoiseScaleProbe`; `effective_batch_sizes_around(B)` and
-`accumulation_choices_around(B, micro_batch_size)` turn it into choices that
-`declare_accumulation` and `AccumulatingHyperModel` accept. Tuning the
-effective batch around B_simple rather than over a blind grid: at a fixed
-effective batch, `accum_steps` changes memory and speed, not the training
-(the accumulation is exact).
+`declare_accumulation(hp)` adds `accum_steps` and `effective_batch_size` to a search
+space; `AccumulatingHyperModel(build_model)` makes every trial train with its own
+accumulation and micro-batch, in any KerasTuner tuner and in TFX's Tuner component
+(return it from `tuner_fn`; the best values reach `AccumulatingTrainer` through its
+`hyperparameters`). `probe_noise_scale` measures the gradient noise scale briefly, and
+`effective_batch_sizes_around` / `accumulation_choices_around` centre the search on it.
+At a fixed effective batch `accum_steps` changes memory and speed, not the training.
 """
+
+from __future__ import annotations
 
 import dataclasses
 import logging
 import math
 import numbers
+from typing import TYPE_CHECKING
 from typing import Optional, Tuple
 
 import keras
@@ -47,14 +26,33 @@ import tensorflow as tf
 from tfx_gradient_accumulator.accumulator.autowrap import accumulating_compile
 from tfx_gradient_accumulator.accumulator.options import AUTO, AUTO_START_ACCUM_STEPS, WindowOptions, integer_at_least
 
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
 logger = logging.getLogger(__name__)
 
 ACCUM_STEPS = "accum_steps"
 EFFECTIVE_BATCH_SIZE = "effective_batch_size"
 
 
-def declare_accumulation(hp, accum_steps=(1, 2, 4, 8), effective_batch_sizes=(32, 64, 128)):
-    """Declares the two hyperparameters on `hp`; returns (accum_steps, effective batch)."""
+def declare_accumulation(hp: keras_tuner.HyperParameters, accum_steps: Sequence[int] = (1, 2, 4, 8),
+                         effective_batch_sizes: Sequence[int] = (32, 64, 128)) -> tuple[int, int]:
+    """Declares `accum_steps` and `effective_batch_size` as choices on `hp`.
+
+    Args:
+        hp: the search space.
+        accum_steps: the `accum_steps` choices.
+        effective_batch_sizes: the effective-batch choices; each must divide evenly
+            into every `accum_steps` choice.
+
+    Returns:
+        `(accum_steps, effective_batch_size)`: the trial's values.
+
+    Raises:
+        ValueError: a choice is not a positive integer, or an effective batch does not
+            divide into an `accum_steps` choice.
+        TypeError: a choice is not an integer.
+    """
     accum_steps = [integer_at_least(v, f"accum_steps[{i}]") for i, v in enumerate(accum_steps)]
     effective_batch_sizes = [
         integer_at_least(v, f"effective_batch_sizes[{i}]") for i, v in enumerate(effective_batch_sizes)
@@ -70,10 +68,23 @@ def declare_accumulation(hp, accum_steps=(1, 2, 4, 8), effective_batch_sizes=(32
     return accum, effective
 
 
-def accum_steps_that_fit(micro_batch_size, accum_steps=(1, 2, 4, 8), effective_batch_sizes=(32, 64, 128)):
-    """The fewest micro-batches (the fastest) among `accum_steps` that cut every effective
-    batch evenly into micro-batches of at most `micro_batch_size` (the largest that fits
-    in memory): one `accum_steps` for the whole search, fitted to its largest batch."""
+def accum_steps_that_fit(micro_batch_size: int, accum_steps: Sequence[int] = (1, 2, 4, 8),
+                         effective_batch_sizes: Sequence[int] = (32, 64, 128)) -> int:
+    """One `accum_steps` for the whole search, fitted to its largest batch.
+
+    Args:
+        micro_batch_size: the largest micro-batch that fits in memory.
+        accum_steps: the `accum_steps` choices.
+        effective_batch_sizes: the effective-batch choices.
+
+    Returns:
+        The fewest micro-batches (the fastest) among `accum_steps` that cut every
+        effective batch evenly into micro-batches of at most `micro_batch_size`.
+
+    Raises:
+        ValueError: a value is not a positive integer, or no choice fits.
+        TypeError: a value is not an integer.
+    """
     micro_batch_size = integer_at_least(micro_batch_size, "micro_batch_size")
     accum_steps = sorted(integer_at_least(v, f"accum_steps[{i}]") for i, v in enumerate(accum_steps))
     batches = [integer_at_least(v, f"effective_batch_sizes[{i}]") for i, v in enumerate(effective_batch_sizes)]
@@ -90,11 +101,20 @@ def accum_steps_that_fit(micro_batch_size, accum_steps=(1, 2, 4, 8), effective_b
 MAX_EFFECTIVE_BATCH_SIZE = "max_effective_batch_size"
 
 
-def micro_batch(hp):
+def micro_batch(hp: keras_tuner.HyperParameters) -> int:
+    """The trial's micro-batch: its effective batch over its (starting) `accum_steps`.
+
+    Args:
+        hp: the trial's hyperparameters (`declare_accumulation`'s).
+
+    Returns:
+        The micro-batch size in samples.
+    """
     return hp.get(EFFECTIVE_BATCH_SIZE) // _starting_accum_steps(hp)
 
 
 def _starting_accum_steps(hp):
+    """The trial's `accum_steps`, or the one "auto" starts from."""
     accum = hp.get(ACCUM_STEPS)
     return AUTO_START_ACCUM_STEPS if accum == AUTO else accum
 
@@ -126,11 +146,24 @@ class AccumulatingHyperModel(keras_tuner.HyperModel):
             trains the best: the hyperparameters hold `accum_steps="auto"` and
             this limit, so the Trainer needs neither. `steps_per_epoch` then
             counts updates at the starting batch (the samples stay).
+        name: the hypermodel's name (KerasTuner's).
+        tunable: whether `build_model`'s own hyperparameters are searched (KerasTuner's).
+
+    `steps_per_epoch` given to `search`/`fit` counts optimizer updates, as TFX's
+    `TrainArgs.num_steps` does, so trials with different `accum_steps` make the same
+    number of updates (in a plain `fit` it counts micro-batches).
+
+    Raises:
+        ValueError: a choice is not a positive integer or does not divide evenly,
+            `gradient_cache` is not a bool, or "auto" is asked with
+            `gradient_cache`, `micro_batch_size` or without `max_effective_batch_size`.
     """
 
-    def __init__(self, build_model, accum_steps=(1, 2, 4, 8),
-                 effective_batch_sizes=(32, 64, 128), name=None, tunable=True, gradient_cache=False,
-                 micro_batch_size=None, max_effective_batch_size=None):
+    def __init__(self, build_model: Callable[[keras_tuner.HyperParameters], keras.Model],
+                 accum_steps: Sequence[int] | str = (1, 2, 4, 8),
+                 effective_batch_sizes: Sequence[int] = (32, 64, 128), name: str | None = None,
+                 tunable: bool = True, gradient_cache: bool = False,
+                 micro_batch_size: int | None = None, max_effective_batch_size: int | None = None):
         super().__init__(name=name, tunable=tunable)
         if not isinstance(gradient_cache, bool):
             raise ValueError(f"`gradient_cache` must be True or False; received {gradient_cache!r}.")
@@ -155,7 +188,15 @@ class AccumulatingHyperModel(keras_tuner.HyperModel):
         self._effective_batch_sizes = tuple(effective_batch_sizes)
         self._gradient_cache = gradient_cache
 
-    def build(self, hp):
+    def build(self, hp: keras_tuner.HyperParameters) -> keras.Model:
+        """Builds the trial's model, its optimizer wrapped for the trial's accumulation.
+
+        Args:
+            hp: the trial's hyperparameters.
+
+        Returns:
+            The compiled model `build_model(hp)` returned.
+        """
         if self._max_effective_batch_size is not None:
             hp.Fixed(ACCUM_STEPS, AUTO)
             hp.Fixed(MAX_EFFECTIVE_BATCH_SIZE, self._max_effective_batch_size)
@@ -168,7 +209,23 @@ class AccumulatingHyperModel(keras_tuner.HyperModel):
         with accumulating_compile(accum, gradient_cache=self._gradient_cache):
             return self._build_model(hp)
 
-    def fit(self, hp, model, x=None, y=None, *args, steps_per_epoch=None, batch_size=None, **kwargs):
+    def fit(self, hp: keras_tuner.HyperParameters, model: keras.Model, x=None, y=None, *args,
+            steps_per_epoch: int | None = None, batch_size: int | None = None, **kwargs):
+        """Trains the trial's model at its micro-batch (or, with `gradient_cache`, its effective batch).
+
+        Args:
+            hp: the trial's hyperparameters.
+            model: the model `build` returned.
+            x: arrays, or a `tf.data.Dataset` batched at any size (re-batched here).
+            y: the labels (with arrays).
+            *args: passed on to `model.fit`.
+            steps_per_epoch: optimizer updates per epoch (turned into `fit` steps).
+            batch_size: ignored: the trial's batch is used.
+            **kwargs: passed on to `model.fit`.
+
+        Returns:
+            The `History` that `model.fit` returns.
+        """
         # One `fit` step: a micro-batch (accum_steps per update), or with
         # gradient_cache a whole effective batch (one update).
         if self._gradient_cache:
@@ -281,12 +338,22 @@ def _nearest_count(ratio):
     return low if ratio * ratio <= low * high else high
 
 
-def accum_steps_for_noise_scale(noise_scale, micro_batch_size):
+def accum_steps_for_noise_scale(noise_scale: float | NoiseScaleProbe, micro_batch_size: int) -> int:
     """The accum_steps that makes `micro_batch_size x accum_steps` nearest `noise_scale`.
 
     "Nearest" on a log scale (the estimate is a scale, and the critical batch a
-    soft threshold): 3.4 micro-batches round to 3, 3.5 to 4 (sqrt(12) = 3.46);
-    at least 1. `noise_scale` may be a resolved `NoiseScaleProbe`.
+    soft threshold): 3.4 micro-batches round to 3, 3.5 to 4 (sqrt(12) = 3.46).
+
+    Args:
+        noise_scale: B_simple in samples, or a resolved `NoiseScaleProbe`.
+        micro_batch_size: samples per micro-batch.
+
+    Returns:
+        The accum_steps, at least 1.
+
+    Raises:
+        ValueError: `noise_scale` is not a finite positive number (or the probe is not
+            resolved), or `micro_batch_size` is not a positive integer.
     """
     value = _noise_scale_value(noise_scale)
     micro_batch_size = integer_at_least(micro_batch_size, "micro_batch_size")
@@ -294,6 +361,7 @@ def accum_steps_for_noise_scale(noise_scale, micro_batch_size):
 
 
 def _factors(factors):
+    """`factors` as floats, checked finite and positive."""
     factors = list(factors) if isinstance(factors, (list, tuple)) else None
     if not factors:
         raise ValueError(f"`factors` must be a non-empty list of positive numbers; received {factors!r}.")
@@ -304,7 +372,8 @@ def _factors(factors):
     return [float(f) for f in factors]
 
 
-def effective_batch_sizes_around(noise_scale, accum_steps=(1, 2, 4, 8), factors=(0.5, 1.0, 2.0), replicas=1):
+def effective_batch_sizes_around(noise_scale: float | NoiseScaleProbe, accum_steps: Sequence[int] = (1, 2, 4, 8),
+                                 factors: Sequence[float] = (0.5, 1.0, 2.0), replicas: int = 1) -> tuple[int, ...]:
     """Effective-batch choices centred on the noise scale, valid with every `accum_steps` choice.
 
     Each choice is the multiple of `replicas x lcm(accum_steps)` nearest (on a
@@ -320,6 +389,14 @@ def effective_batch_sizes_around(noise_scale, accum_steps=(1, 2, 4, 8), factors=
         accum_steps: the `accum_steps` choices the search will use.
         factors: multiples of the noise scale to try (default half, once, twice).
         replicas: the replicas the Trainer will train on (1 for the Tuner).
+
+    Returns:
+        The effective batches, sorted.
+
+    Raises:
+        ValueError: `noise_scale` is not a finite positive number (or the probe is not
+            resolved), `accum_steps` is not a non-empty list of positive integers,
+            a factor is not finite and positive, or `replicas` < 1.
     """
     value = _noise_scale_value(noise_scale)
     if not isinstance(accum_steps, (list, tuple)) or not accum_steps:
@@ -330,16 +407,29 @@ def effective_batch_sizes_around(noise_scale, accum_steps=(1, 2, 4, 8), factors=
     return tuple(sorted({unit * _nearest_count(f * value / unit) for f in _factors(factors)}))
 
 
-def accumulation_choices_around(noise_scale, micro_batch_size, factors=(0.5, 1.0, 2.0), replicas=1):
+def accumulation_choices_around(noise_scale: float | NoiseScaleProbe, micro_batch_size: int,
+                                factors: Sequence[float] = (0.5, 1.0, 2.0), replicas: int = 1) -> dict:
     """`AccumulatingHyperModel` choices centred on the noise scale, every trial within memory.
 
-    Returns `{"accum_steps": (a,), "effective_batch_sizes": (...)}`
-    (`AccumulatingHyperModel(build_model, **choices)`): the effective batches
-    of `effective_batch_sizes_around(noise_scale, (a,), factors, replicas)`
-    and the smallest `a` for which every trial's micro-batch per replica,
-    effective / (a x replicas), is at most `micro_batch_size` (the largest
-    that fits one device; the probe's, say). One accum_steps: with exact
-    accumulation, trials that differ only in accum_steps train alike.
+    One accum_steps: with exact accumulation, trials that differ only in
+    accum_steps train alike.
+
+    Args:
+        noise_scale: B_simple in samples, or a resolved `NoiseScaleProbe`.
+        micro_batch_size: the largest micro-batch per replica that fits one device
+            (the probe's, say).
+        factors: multiples of the noise scale to try (default half, once, twice).
+        replicas: the replicas the Trainer will train on (1 for the Tuner).
+
+    Returns:
+        `{"accum_steps": (a,), "effective_batch_sizes": (...)}`
+        (`AccumulatingHyperModel(build_model, **choices)`): the effective batches of
+        `effective_batch_sizes_around(noise_scale, (a,), factors, replicas)` and the
+        smallest `a` for which every trial's micro-batch per replica,
+        effective / (a x replicas), is at most `micro_batch_size`.
+
+    Raises:
+        ValueError: as `effective_batch_sizes_around`, or `micro_batch_size` < 1.
     """
     value = _noise_scale_value(noise_scale)
     micro_batch_size = integer_at_least(micro_batch_size, "micro_batch_size")
@@ -378,9 +468,11 @@ def _probe_dataset(x, y, micro_batch_size, shuffle, shuffle_buffer, seed):
     return data.repeat().batch(micro_batch_size, drop_remainder=True)
 
 
-def probe_noise_scale(build_model, x, y=None, *, micro_batch_size, accum_steps=8, updates=100,
-                      hyperparameters=None, noise_scale_smoothing=None, shuffle=True,
-                      shuffle_buffer=10_000, seed=None):
+def probe_noise_scale(build_model: Callable[..., keras.Model], x, y=None, *, micro_batch_size: int,
+                      accum_steps: int = 8, updates: int = 100,
+                      hyperparameters: keras_tuner.HyperParameters | None = None,
+                      noise_scale_smoothing: float | None = None, shuffle: bool = True,
+                      shuffle_buffer: int = 10_000, seed: int | None = None) -> NoiseScaleProbe:
     """Trains a fresh model briefly and measures its gradient noise scale.
 
     `build_model()` (or `build_model(hyperparameters)` when given, as for
@@ -415,7 +507,16 @@ def probe_noise_scale(build_model, x, y=None, *, micro_batch_size, accum_steps=8
         shuffle: shuffle the samples (arrays: all of them, every pass;
             datasets: in a buffer of `shuffle_buffer`): the estimator assumes
             the micro-batches are independent samples.
+        shuffle_buffer: the shuffle buffer's size, for a dataset.
         seed: seeds Keras (the model's initial weights) and the shuffling.
+
+    Returns:
+        The `NoiseScaleProbe`.
+
+    Raises:
+        TypeError: `build_model` is not callable, or a count is not an integer.
+        ValueError: a count is out of range (`accum_steps` < 2, `updates` < 1, ...),
+            or `noise_scale_smoothing` is not in [0, 1).
     """
     if not callable(build_model):
         raise TypeError(f"`build_model` must be callable (returning a compiled keras.Model); received {build_model!r}.")
