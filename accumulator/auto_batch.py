@@ -1,23 +1,8 @@
 """`AutoAccumulation`: the effective batch that grows with the measured critical batch.
 
-The window measures the gradient noise scale B_simple (`measure_noise_scale=True`),
-an estimate of the critical batch: below it a larger batch needs about as many
-fewer updates as it is larger; above it, extra samples are largely wasted. At
-each window boundary this callback compares B_simple with the effective batch
-(`accum_steps` x the global micro-batch): when B_simple is at least `margin`
-times the effective batch for `patience` window boundaries in a row, it
-multiplies `accum_steps` by `growth` (up to `max_effective_batch_size`). It
-never shrinks the batch. Each growth changes the learning rate by `lr_scaling`.
-
-Every decision lands in `schedule` ({optimizer update: accum_steps}), the
-by-update schedule that `AccumulationSchedule(schedule, by="update")` replays
-exactly in a later run; `state()` / `restore_state()` carry the decisions
-across a preemption. The logs carry `effective_batch_size`, `accum_steps`,
-`lr_multiplier` and `noise_scale` (B_simple) for TensorBoard.
-
-Under `tf.distribute` B_simple comes from the window's all-reduced sums, so
-every worker reads the same value at the same window and takes the same
-decision.
+At each window boundary it compares the measured noise scale B_simple with the effective
+batch and grows `accum_steps` by `growth` when B_simple stays above it; it never shrinks.
+Its decisions are a by-update schedule that `AccumulationSchedule` replays.
 """
 
 import math

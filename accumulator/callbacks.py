@@ -1,18 +1,7 @@
 """Keras callbacks that act on a `GradientAccumulator` between epochs.
 
-`EpochWindows` closes the window left open when an epoch's training ends, as
-the optimizer's `partial_window` says ("apply" by default: one update over the
-micro-batches it holds, like the large-batch run's short last batch). `fit`
-adds it by itself to a model compiled with a `GradientAccumulator`
-(`accumulator.fit_hook`); pass one explicitly only to override the mode for
-epoch ends (`EpochWindows("carry")`: windows run on across epochs).
-
-`AccumulationSchedule({epoch: accum_steps})` changes the accumulation during
-training (as PyTorch Lightning's GradientAccumulationScheduler and optax's
-`every_k_schedule` do) and closes epoch windows as `EpochWindows` does. Each
-change is exact: a window still open at the change is applied first, then the
-new `accum_steps` holds from the first micro-batch of the epoch. The
-accumulator's step reads `accum_steps` from a variable, so nothing is retraced.
+`EpochWindows` closes the window left open at an epoch's end (`fit` adds it itself);
+`AccumulationSchedule` changes `accum_steps` during training, exactly.
 """
 
 import logging

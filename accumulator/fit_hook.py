@@ -1,28 +1,9 @@
 """What `keras.Model.fit` does first for a model compiled with a `GradientAccumulator`.
 
-An optimizer sees gradients, never epochs, so on its own a `GradientAccumulator`
-could not close the window left open when an epoch ends mid-window (the
-large-batch run's short last batch). The `fit` hook that `import accumulator`
-installs (`accumulator.hooks`) calls `before_fit`, which
-
-* refuses, before any training, the set-ups that would train wrong: a
-  `LossScaleOptimizer` that Keras put *around* the accumulator (a
-  `mixed_float16` model compiled without `auto_scale_loss=False`),
-  `jit_compile=True` under a multi-replica strategy, and a loss that sums over
-  its samples when the noise scale is measured (its micro-batches carry no size);
-* ties the model's `AccumBatchNormalization` layers to the optimizer's windows;
-* puts an `accumulator.callbacks.EpochWindows` callback first in the list (or
-  the `AccumulationSchedule` or `AutoAccumulation` that `accumulating_compile`
-  asked for, or the `AutoAccumulation` of a `GradientAccumulator(accum_steps="auto")`,
-  made by its first `fit`, which knows the micro-batch), so the
-  window is closed, as the optimizer's `partial_window` says, before
-  validation, checkpoints, early stopping or any other callback looks at the
-  weights. A callback of that kind the user passes is moved to the front
-  instead of being doubled.
-
-Models compiled with any other optimizer train exactly as before. The same
-hook serves Keras 2's `Model.fit` (`accumulator.keras2`), with Keras 2's
-callback classes.
+`before_fit` (called by the `fit` hook of `accumulator.hooks`, for Keras 3 and Keras 2)
+refuses set-ups that would train wrong, ties `AccumBatchNormalization` layers to the
+optimizer, and puts the window callback first, so the window closes before any other
+callback reads the weights. Models compiled with any other optimizer are left alone.
 """
 
 import keras

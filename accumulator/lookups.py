@@ -1,26 +1,8 @@
 """Which sparse gradients come from a lookup made once per batch, read from the program.
 
-An embedding looked up with ids that do not depend on the sample (keras.io's
-`TokenAndPositionEmbedding`: ``pos_emb(ops.arange(0, maxlen))``; KerasHub's ViT:
-``position_embedding(position_ids)``) is looked up once for the whole batch and
-its output broadcast over the samples. The large batch's gradient for that table
-is then an `IndexedSlices` with one row per id *position*, the batch summed into
-each row; a window of N micro-batches holds N such lookups, so keeping their rows
-apart (as for a per-sample lookup, whose rows the large batch does keep apart)
-would hand the inner optimizer every position N times. Keras 3's Adam, AdamW,
-RMSprop (and clipping) treat repeated rows one by one, so the two differ.
-
-The decision is made per gradient from the traced program, never from the ids'
-values (two micro-batches that happen to look up equal ids are still two
-lookups): the ids are "once per batch" when they are computed from constants
-and shapes only, and shaped as one lookup for the batch (a scalar, a vector,
-or a leading axis of 1; see `_shaped_once_per_batch`). Any path to the data (a function argument, an iterator), to a
-variable's value (it may change between micro-batches: a seed generator, a
-counter; an integer variable the step only reads, as a layer's stored
-`position_ids`, counts as a constant) or through a stateful op (random ids
-drawn per batch, as sampled softmax draws them) makes them per sample, which
-keeps the rows apart: the safe answer. Eagerly there is no program to read, and the
-answer is unknown (`None`).
+An embedding looked up with ids that do not depend on the sample (position tables) is
+looked up once per batch; a window must sum such rows, not keep them apart. Decided per
+gradient from the traced program, never from the ids' values; eagerly, unknown (None).
 """
 
 import logging

@@ -1,27 +1,9 @@
 """How much each micro-batch weighs in its window, so the window is one exact batch.
 
-A micro-batch's loss is S_k / D_k: a sum S_k over its samples (times sample
-weights, over unmasked steps) divided by the loss's own denominator D_k: its
-element count (`sum_over_batch_size`), its unmasked steps (masked sequences), or
-its summed sample weight (`mean_with_sample_weight`). The large batch's loss is
-sum(S_k) / sum(D_k), so its gradient is sum(D_k * g_k) / sum(D_k): each micro-batch
-weighs its denominator, not 1. A loss reduced by "sum" (or "none", whose gradient
-is its sum's) has no denominator: the large batch's loss is sum(S_k), and the
-window's gradient is the sum of the micro-batches' (`SUMMED_LOSS` is noted). With equal micro-batches the two agree; with a
-short last batch, sample weights or masks, only the weighted one is exact.
-
-In `fit`, D_k comes through a public seam: Keras' train step calls
-`Model.compute_loss(x, y, y_pred, sample_weight)` with the batch and the
-predictions, and the hook `import accumulator` installs there
-(`accumulator.hooks`) hands them to `note_batch`, which evaluates the compiled
-loss's own reduction on ones (`loss_denominator`, public Keras API only) and
-hands D to the optimizer (`note_micro_batch_weight`; kept in its `WindowState`
-until its `apply` takes it, per thread and graph). A model whose
-own `train_step` calls `self.compute_loss(...)` is weighed the same way; one
-that computes its loss without it (or overrides `compute_loss` without calling
-`super()`) weighs every micro-batch 1, as does a custom loop that passes no
-`micro_batch_weight`. In a custom loop, pass it:
-`optimizer.apply(grads, vars, micro_batch_weight=D_k)`.
+A micro-batch weighs its loss's denominator (its element count, unmasked steps or summed
+sample weight), or 1 with a loss reduced by "sum" (`SUMMED_LOSS`). In `fit`, `note_batch`
+(from the `compute_loss` hook) reads it from the compiled loss and hands it to the
+optimizer; a custom loop passes `micro_batch_weight`.
 """
 
 import functools

@@ -1,28 +1,9 @@
 """The accumulation window: the state and the update rule every `GradientAccumulator` shares.
 
-In the spirit of optax's `MultiSteps`: a small, explicit state (`WindowState`,
-declared in one place: the step counter, the window length, the window's weight,
-a dense sum per variable, the rows of sparse gradients, the noise-scale sums)
-and one update rule (`AccumulationWindow._update`): add ``weight * grad`` to the
-accumulators (append its rows); when the window is full, hand
-``accumulators / weight_sum`` (and the rows divided by ``weight_sum``, as one
-`tf.IndexedSlices`) to the inner optimizer exactly once and reset the window.
-Everything the inner optimizer does per update (learning-rate schedules,
-clipping, weight decay, Adam moments, EMA, loss scaling, iteration count)
-therefore happens once per window, on the window's mean gradient.
-
-Its rooms: `accumulator._tf` (dense buffer mechanics), `accumulator.window_rows`
-(rows of sparse gradients), `accumulator.replicas` (under `tf.distribute`: one
-batched all-reduce per window), `accumulator.window_saving` (saving, restoring).
-The Keras 3 optimizer (`accumulator.optimizer`) and the Keras 2 one
-(`accumulator.keras2`) share it; each supplies, in one place per Keras:
-
-* ``_new_variable(shape, dtype, initial, name)``: a plain optimizer variable;
-* ``_hand_to_updater(grads, variables)``: one update of the inner optimizer
-  with a gradient that is already reduced across replicas;
-* ``_updates_without_reduction()``: a context in which that holds;
-* ``_window_gradient_scale()``: the loss scale the accumulated gradients carry
-  (1 where they arrive unscaled).
+`WindowState` declares every variable of the state in one place; `AccumulationWindow`
+holds the update rule (`_update`: add `weight * grad`; when the window is full, hand the
+window's mean to the inner optimizer once and reset). Rows, replicas and saving live in
+`window_rows`, `replicas` and `window_saving`.
 """
 
 from __future__ import annotations

@@ -1,31 +1,9 @@
 """`GradientCache` for Keras 2: `tf_keras` (TF >= 2.16) or `tf.keras` on TF <= 2.15.
 
-The same three passes as the Keras 3 class (`accumulator.cache_passes`) and the
-same guarantee: `fit(batch_size=N·b)` on `GradientCache(model, N)` trains like
-Keras 2's own `fit(batch_size=N·b)` of `model`, holding one micro-batch's
-activations at a time. This module holds only what Keras 2 does differently:
-
-* the loss is the model's `compute_loss(x, y, y_pred, sample_weight)` override,
-  or else the compiled loss with the model's regularization losses, as Keras 2's
-  own `train_step` computes it; the compiled loss logs `loss` (Keras 2 logs no
-  loss for a `compute_loss` override that does not track one, nor does this);
-* loss scaling: `compile` puts a `mixed_float16` model's optimizer in a Keras 2
-  `LossScaleOptimizer`; its public `get_scaled_loss` and `get_unscaled_gradients`
-  scale passes 2 and 3, and its `apply_gradients` skips a non-finite step;
-* sparse rows: the summed gradient holds the large batch's rows, and Keras 2's
-  optimizers merge repeated rows themselves, as for the large batch;
-* refused, before any training: `BatchNormalization` (micro-batch statistics),
-  losses added while the model runs (`add_loss`, activity regularizers: they would
-  come from one micro-batch), and random layers (`Dropout`, `GaussianNoise`, ...):
-  Keras 2's layers draw from TensorFlow's global or stateful generators, which
-  cannot be rewound, so pass 3 would draw other masks than pass 1 and the
-  gradient would belong to no forward pass (Keras 3's seed generators can be).
-
-A TensorFlow Recommenders model (`tfrs.Model`, no `call()`, its loss a task
-call) is trained by `accumulator.keras2.task_cache`: its task scores the whole batch.
-
-Use it through the one public name: `accumulator.GradientCache(model, accum_steps)`
-returns this class when `model` is a Keras 2 model.
+The three passes are the Keras 3 class's (`accumulator.cache_passes`); this module holds
+what Keras 2 does differently: its loss and logs, its loss scaling, its sparse rows, and
+its refusals (random layers among them). Made by `accumulator.GradientCache(model, ...)`
+for a Keras 2 model; a TensorFlow Recommenders model goes to `keras2.task_cache`.
 """
 
 

@@ -1,31 +1,10 @@
 """`GradientAccumulator` for Keras 2: `tf_keras` (TF >= 2.16) or `tf.keras` on TF <= 2.15.
 
-The same window, update rule and distribution mechanics as the Keras 3 class
-(`accumulator.window`, `accumulator.replicas`); this module holds only what Keras 2
-does differently:
-
-* the base class is Keras 2's optimizer (the one of TF 2.11+,
-  `tf_keras.optimizers.Optimizer`); its `apply_gradients` takes a public
-  `skip_gradients_aggregation=True`, so the window's gradient, already reduced
-  across replicas, reaches the inner optimizer without a second reduction (no
-  private name is needed here, unlike Keras 3);
-* mixed precision: Keras 2's `compile` wraps every optimizer of a
-  `mixed_float16` model in a `LossScaleOptimizer` unless it is one, which
-  would check and skip single micro-batches. A `GradientAccumulator` given a
-  `tf_keras.mixed_precision.LossScaleOptimizer` is therefore itself a
-  `LossScaleOptimizer` (`LossScalingGradientAccumulator`): `compile` leaves it
-  alone, `compute_gradients` scales the loss and unscales the gradients through
-  the inner one, and the inner one checks the window's mean once, skipping a
-  window holding a non-finite gradient as a whole while the scale adapts.
-  Gradients arrive unscaled, so the accumulated sums carry no loss scale;
-* `tf_keras.optimizers.legacy.*` (the `OptimizerV2` classes) are refused with a
-  message: they update through per-variable slot kernels that Keras 2 itself
-  replaced in TF 2.11, and `tf.keras.optimizers.Adam` and friends have been
-  the new classes since.
-
-Use it through the one public name: `accumulator.GradientAccumulator(optimizer,
-accum_steps)` makes this class when `optimizer` is a Keras 2 optimizer, and
-`isinstance(x, accumulator.GradientAccumulator)` holds for it (`accumulator.flavours`).
+The window and update rule are the Keras 3 class's (`accumulator.window`); this module
+holds what Keras 2 does differently: its optimizer base class (whose public
+`skip_gradients_aggregation=True` avoids a second reduction), mixed precision
+(`LossScalingGradientAccumulator`), and the refusal of `optimizers.legacy`. Made by
+`accumulator.GradientAccumulator(optimizer, ...)` for a Keras 2 optimizer.
 """
 
 from __future__ import annotations
