@@ -1,50 +1,12 @@
-"""Exact large batches for losses that couple the batch: gradient caching.
+"""Exact large batches for losses that couple the batch: gradient caching (`GradientCache`).
 
-A contrastive loss (in-batch negatives, InfoNCE, CLIP, SimCLR) scores every
-sample of a batch against every other: the batch *is* the set of negatives.
-Accumulating micro-batch gradients is then wrong by design, not merely
-approximate: micro-batches of b give each sample b - 1 negatives, not N·b - 1.
-Gradient caching (Gao et al., "Scaling Deep Contrastive Learning Batch Size
-under Memory Limited Setup", 2021) makes the large batch exact with one
-micro-batch's activations in memory at a time. `GradientCache` does it inside
-Keras' `fit`, for every batch `fit` gives it, in three passes:
-
-1. **Represent.** The wrapped model runs over each of the `accum_steps`
-   micro-batches without a tape: no activations are kept, only the outputs
-   (the representations: small).
-2. **Score.** The loss of the whole batch is computed on the concatenated
-   representations, under a tape: its gradient with respect to every
-   representation (and to any variable the loss itself uses, such as a learned
-   temperature, or weight regularization).
-3. **Back-propagate.** Each micro-batch runs again under a tape, one after
-   another (a `tf.while_loop`), and sends its slice of that gradient back through the model: the
-   parameter gradients add up (dense ones summed, sparse embedding rows
-   concatenated in sample order) to the large batch's gradient, which the
-   optimizer applies once.
-
-So `fit(x, batch_size=N·b)` on `GradientCache(model, accum_steps=N)` trains like
-`fit(x, batch_size=N·b)` on `model`, holding the activations of b samples at a
-time, for one extra forward pass. Nothing is held between steps, so nothing is
-lost when training stops between any two steps: any checkpoint resumes exactly.
-
-What the loss sees is the wrapped model's `compute_loss(x, y, y_pred,
-sample_weight)` (its own override, as Keras 3 models that compute a contrastive
-loss write it), or else the loss this wrapper was compiled with, with `y_pred` the
-representations of the whole batch. Under a `tf.distribute` strategy each
-replica computes the loss on its own share of the batch, as Keras' large batch
-does under the same strategy: the same negatives.
-
-Refused, before any training, with a message: layers whose training output
-mixes the samples of a batch (`BatchNormalization`: it would normalize with
-micro-batch statistics) and losses added while the model runs (`add_loss`,
-activity regularizers: they would come from one micro-batch). Dropout and other
-random layers draw the same numbers in passes 1 and 3 (their seeds are rewound),
-but not the numbers the large batch would draw.
-
-The passes themselves are `accumulator.cache_passes`, shared with the Keras 2
-class (`accumulator.keras2.gradient_cache`), which `GradientCache(model, ...)`
-makes for a Keras 2 model; `isinstance(x, GradientCache)` holds for both.
+A contrastive loss (in-batch negatives) scores every sample against every other, so
+accumulating micro-batch gradients would be wrong by design. Gradient caching (Gao et al.,
+2021) keeps the large batch exact with one micro-batch's activations at a time, in three
+passes (`accumulator.cache_passes`, shared with the Keras 2 class).
 """
+
+from __future__ import annotations
 
 import keras
 import tensorflow as tf
@@ -53,9 +15,20 @@ from tfx_gradient_accumulator.accumulator import across_replicas, cache_passes, 
 from tfx_gradient_accumulator.accumulator.options import CacheOptions
 
 
-def validate_gather_across_replicas(model, gather_across_replicas):
-    """Returns `gather_across_replicas` if the Keras 3 `model` can be scored over the
-    global batch, or raises: gathering needs the model's own `compute_loss`."""
+def validate_gather_across_replicas(model: keras.Model, gather_across_replicas: bool) -> bool:
+    """Checks that the Keras 3 `model` can be scored over the global batch.
+
+    Args:
+        model: the wrapped model.
+        gather_across_replicas: the option asked for.
+
+    Returns:
+        `gather_across_replicas`.
+
+    Raises:
+        ValueError: it is not a bool, or it is True and `model` has no `compute_loss`
+            of its own (Keras scales a compiled loss per replica).
+    """
     CacheOptions(gather_across_replicas=gather_across_replicas)      # a bool
     if gather_across_replicas and type(model).compute_loss is keras.Model.compute_loss:
         raise ValueError(
@@ -69,8 +42,24 @@ def validate_gather_across_replicas(model, gather_across_replicas):
 
 @keras.saving.register_keras_serializable(package="accumulator")
 class GradientCache(keras.Model, metaclass=flavours.OneNameForBothKeras):
-    """Trains `model` on each batch in `accum_steps` micro-batches with the whole
-    batch's loss: exact large batches for losses that couple the batch.
+    """Trains `model` on each batch in `accum_steps` micro-batches with the whole batch's loss.
+
+    Exact large batches for losses that couple the batch (in-batch negatives, InfoNCE,
+    CLIP, SimCLR), holding one micro-batch's activations at a time, for one extra forward
+    pass: (1) the model represents every micro-batch without a tape; (2) the whole
+    batch's loss is scored on the concatenated representations under a tape; (3) each
+    micro-batch runs again under a tape and sends its slice of that gradient back
+    through the model. The optimizer applies the large batch's gradient once. So
+    `fit(x, batch_size=N·b)` on `GradientCache(model, accum_steps=N)` trains like
+    `fit(x, batch_size=N·b)` on `model`. Nothing is held between steps: any checkpoint
+    resumes exactly.
+
+    The loss is the wrapped model's `compute_loss(x, y, y_pred, sample_weight)` (its own
+    override), or else the loss this wrapper is compiled with, `y_pred` being the whole
+    batch's representations. Under a `tf.distribute` strategy each replica scores its
+    own share, as Keras' large batch does (or the global batch: `gather_across_replicas`).
+    Dropout and other random layers draw the same numbers in passes 1 and 3 (their
+    seeds are rewound), but not those the large batch would draw.
 
     Args:
         model: a Keras model whose outputs (any structure of tensors whose first
@@ -88,6 +77,15 @@ class GradientCache(keras.Model, metaclass=flavours.OneNameForBothKeras):
             and targets per step. Needs the model's own `compute_loss` (the loss of
             the batch it is given, as on one device); a compiled Keras loss is
             scaled per replica and refused here.
+        **kwargs: passed on to `keras.Model` (`name`, ...).
+
+    Raises:
+        TypeError: `model` is not a Keras 3 model, or `accum_steps` is not an integer.
+        ValueError: `accum_steps` < 1, `gather_across_replicas` is not a bool or the
+            model has no `compute_loss` to gather with; in `fit`, before any training:
+            a trainable `BatchNormalization` layer (it would normalize with micro-batch
+            statistics) or losses added while the model runs (`add_loss`, activity
+            regularizers: they would come from one micro-batch).
 
     A Keras 2 model (`tf_keras`, or `tf.keras` on TF 2.15) gets the Keras 2 class,
     `accumulator.keras2.gradient_cache.GradientCache`, with the same guarantees;
@@ -111,7 +109,7 @@ class GradientCache(keras.Model, metaclass=flavours.OneNameForBothKeras):
 
         return keras2_gradient_cache.GradientCache
 
-    def __init__(self, model, accum_steps, gather_across_replicas=False, **kwargs):
+    def __init__(self, model: keras.Model, accum_steps: int, gather_across_replicas: bool = False, **kwargs):
         super().__init__(**kwargs)
         options = CacheOptions(accum_steps, gather_across_replicas)
         self.accum_steps = options.accum_steps
@@ -123,20 +121,58 @@ class GradientCache(keras.Model, metaclass=flavours.OneNameForBothKeras):
         # and loading need it built (the optimizer is restored onto its variables).
         self.built = model.built
 
-    def build(self, input_shape=None):
+    def build(self, input_shape=None) -> None:
+        """Builds the wrapped model (when it is not built yet).
+
+        Args:
+            input_shape: the inputs' shape, for the wrapped model's `build`.
+        """
         if not self.model.built:
             self.model.build(input_shape)
         self.built = True
 
     def call(self, inputs, training=None):
+        """The wrapped model's outputs (the representations).
+
+        Args:
+            inputs: the wrapped model's inputs.
+            training: Keras' training flag.
+
+        Returns:
+            What the wrapped model returns.
+        """
         return self.model(inputs, training=training)
 
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training: bool = True) -> tf.Tensor:
+        """The wrapped model's own `compute_loss`, or else Keras' (the compiled loss).
+
+        Args:
+            x: the batch's inputs.
+            y: its targets.
+            y_pred: the whole batch's representations.
+            sample_weight: its sample weights.
+            training: Keras' training flag.
+
+        Returns:
+            The batch's loss, a scalar tensor.
+        """
         if type(self.model).compute_loss is not keras.Model.compute_loss:
             return self.model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
         return super().compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
 
-    def train_step(self, data):
+    def train_step(self, data) -> dict:
+        """One update from one batch, in the three passes.
+
+        Args:
+            data: the batch, `x` or `(x, y)` or `(x, y, sample_weight)`.
+
+        Returns:
+            The metrics' results, as Keras' `train_step` returns them.
+
+        Raises:
+            ValueError: the model holds a trainable `BatchNormalization` layer, or adds
+                losses while it runs.
+        """
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self._refuse_what_would_not_be_exact()
         variables = self.trainable_variables
@@ -177,9 +213,17 @@ class GradientCache(keras.Model, metaclass=flavours.OneNameForBothKeras):
             loss * replicas, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
         return self.compute_metrics(x, y, whole, sample_weight=sample_weight)
 
-    def test_step(self, data):
-        """Keras' own, or when gathering the loss of the global batch (as one device
-        scores it), so that `evaluate` and `fit`'s validation loss are one device's too."""
+    def test_step(self, data) -> dict:
+        """Keras' own, or when gathering the loss of the global batch (as one device scores it).
+
+        So that `evaluate` and `fit`'s validation loss are one device's too.
+
+        Args:
+            data: the batch, `x` or `(x, y)` or `(x, y, sample_weight)`.
+
+        Returns:
+            The metrics' results.
+        """
         if not self.gather_across_replicas:
             return super().test_step(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -190,28 +234,46 @@ class GradientCache(keras.Model, metaclass=flavours.OneNameForBothKeras):
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _refuse_what_would_not_be_exact(self):
+        """Refuses trainable `BatchNormalization` layers (micro-batch statistics)."""
         for layer in seam.flatten_layers(self.model):
             if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
                 raise ValueError(refusals.batch_norm_in_gradient_cache(layer.name))
 
     def _refuse_losses_added_while_running(self):
+        """Refuses losses beyond weight regularization: they would come from one micro-batch."""
         regularized = sum(1 for v in self.trainable_variables if getattr(v, "regularizer", None) is not None)
         if len(self.losses) > regularized:
             raise ValueError(refusals.LOSSES_ADDED_WHILE_RUNNING)
 
-    def get_config(self):
+    def get_config(self) -> dict:
+        """The wrapped model (serialized), `accum_steps` and `gather_across_replicas`."""
         return {**super().get_config(), "model": keras.saving.serialize_keras_object(self.model),
                 "accum_steps": self.accum_steps, "gather_across_replicas": self.gather_across_replicas}
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict) -> GradientCache:
+        """Rebuilds it from `get_config()`.
+
+        Args:
+            config: what `get_config` returned.
+
+        Returns:
+            The `GradientCache`.
+        """
         config = dict(config)
         model = keras.saving.deserialize_keras_object(config.pop("model"))
         return cls(model, **config)
 
 
-def is_gradient_cache(model) -> bool:
-    """Deprecated: `isinstance(model, GradientCache)`, which holds for both Keras."""
+def is_gradient_cache(model: object) -> bool:
+    """Deprecated: `isinstance(model, GradientCache)`, which holds for both Keras.
+
+    Args:
+        model: any object.
+
+    Returns:
+        Whether it is a `GradientCache` of either Keras.
+    """
     return isinstance(model, GradientCache)
 
 
