@@ -1,21 +1,11 @@
-"""Exact gradient accumulation for TensorFlow 2 / Keras 3 and Keras 2.
+"""Exact gradient accumulation for TensorFlow 2 / Keras 3 and Keras 2: the library's public names.
 
-`GradientAccumulator(optimizer, accum_steps)` wraps any Keras optimizer so that
-training with micro-batches follows the run with the `accum_steps`-times larger
-batch. It picks its implementation from the optimizer it is given: a Keras 3
-optimizer gets `accumulator.optimizer.GradientAccumulator`, a Keras 2 one
-(`tf_keras`, or `tf.keras` on TF <= 2.15) `accumulator.keras2.GradientAccumulator`;
-both share one update rule (`accumulator.window`). For losses that couple the
-batch (in-batch negatives, contrastive), `GradientCache(model, accum_steps)`
-trains each batch in micro-batches exactly (`accumulator.gradient_cache`; a Keras 2
-model gets `accumulator.keras2.gradient_cache`).
-
-Importing this package imports TensorFlow and Keras only (`accumulator.tuning`,
-imported on its own, needs keras-tuner; `tf_keras` is imported where it is
-installed, to hook its `Model`), and installs the library's Keras hooks
-(`accumulator.hooks`: `Model.fit` and `compute_loss` of each installed Keras, and
-two Keras 3 multi-worker fixes), unless the environment variable
-ACCUMULATOR_KERAS_HOOKS=0 is set; `accumulator.hooks.uninstall()` removes them.
+`GradientAccumulator(optimizer, accum_steps)` wraps any Keras optimizer so that training
+with micro-batches follows the run with the `accum_steps`-times larger batch;
+`GradientCache(model, accum_steps)` does it for losses that couple the batch. Each makes
+the class of the Keras its argument belongs to. Importing the package imports TensorFlow
+and Keras only, and installs the library's Keras hooks (`accumulator.hooks`) unless
+ACCUMULATOR_KERAS_HOOKS=0 is set.
 """
 
 if __name__ != "tfx_gradient_accumulator.accumulator":   # `import accumulator` from a checkout's root: a second copy

@@ -1,38 +1,17 @@
-"""Accumulation for training code that was written without it.
+"""Accumulation for training code that was written without it: `accumulating_compile`.
 
-`accumulating_compile(accum_steps)` is the one context manager under which
-this library changes Keras for a while (the TFX executor and the KerasTuner
-helpers use it; `accumulator.hooks` holds the mechanics):
-
-* `keras.Model.compile`, and Keras 2's (`tf_keras.Model.compile`) where
-  tf_keras is installed, wrap every optimizer they are given in
-  `GradientAccumulator` (for a mixed_float16 model, around a
-  `LossScaleOptimizer`, with Keras' own loss-scale wrapping turned off), so an
-  unchanged training function trains with accumulation, whichever Keras it
-  compiles with; the model's AccumBatchNormalization layers get the same
-  `accum_steps`;
-* with a `schedule`, the wrappers carry it, and `fit` follows it (by epoch or
-  by optimizer update, with the learning-rate rule `lr_scaling`);
-* with `auto`, the wrappers measure the noise scale and `fit` grows their
-  `accum_steps` with it (`AutoAccumulation`, one per wrapper, so its
-  decisions stay readable after training and across `fit`s);
-* with a `strategy`, every `tf.distribute.Strategy.scope()` the training
-  function opens maps onto that strategy (and the body runs in its scope);
-* with a `backup` (`accumulator.backup.TrainingBackup`), every `fit` is
-  backed up to its directory and resumes from its latest backup, exactly;
-* with `gradient_cache=True` (losses that couple the batch), nothing is
-  wrapped: `compile` on an `accumulator.GradientCache` model (of either Keras) sets its
-  `accum_steps` and keeps its plain optimizer (one update per batch, the
-  batch `fit` is given being the effective batch), and `compile` on any other
-  model is refused. Without it, `compile` on a `GradientCache` is refused:
-  wrapping its optimizer would accumulate twice.
-
-Everything is restored when the context closes.
+Under the context manager, `Model.compile` (Keras 3's, and Keras 2's where installed)
+wraps every optimizer it is given in a `GradientAccumulator`, so an unchanged training
+function trains with accumulation (the TFX executor and the KerasTuner helpers use it).
+Everything is restored when the context closes; the mechanics are `accumulator.hooks`.
 """
+
+from __future__ import annotations
 
 import contextlib
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 from typing import Any, Dict, Optional
 
 import keras
@@ -50,6 +29,9 @@ from tfx_gradient_accumulator.accumulator.options import (
 )
 from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
 
+if TYPE_CHECKING:
+    from tfx_gradient_accumulator.accumulator.backup import TrainingBackup
+
 logger = logging.getLogger(__name__)
 
 
@@ -66,34 +48,63 @@ class _Plan:
 
 
 @contextlib.contextmanager
-def accumulating_compile(accum_steps=None, schedule=None, partial_window="apply", strategy=None,
-                         measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING,
-                         merge_duplicate_rows=False, gradient_cache=False, backup=None,
-                         schedule_by="epoch", lr_scaling="none", auto=None, gather_across_replicas=False,
+def accumulating_compile(accum_steps: int | None = None, schedule: dict[int, int] | None = None,
+                         partial_window: str = "apply", strategy: tf.distribute.Strategy | None = None,
+                         measure_noise_scale: bool = False, noise_scale_smoothing: float = DEFAULT_SMOOTHING,
+                         merge_duplicate_rows: bool = False, gradient_cache: bool = False,
+                         backup: TrainingBackup | None = None, schedule_by: str = "epoch",
+                         lr_scaling: str = "none", auto: dict | None = None, gather_across_replicas: bool = False,
                          options: Optional[WindowOptions] = None):
-    """Wraps the optimizers `keras.Model.compile` is given; yields the wrappers made
-    (with `gradient_cache`: the optimizers of the `GradientCache` models compiled).
+    """Context: `keras.Model.compile` wraps the optimizers it is given in `GradientAccumulator`.
 
-    `schedule` ({epoch: accum_steps}) makes the wrappers schedulable and makes
-    every `fit` of a model compiled here follow it (`AccumulationSchedule`).
-    `partial_window` is the wrappers' (see `GradientAccumulator`). `strategy`:
-    the body runs under it, and strategy scopes opened inside map onto it.
-    `measure_noise_scale`, `noise_scale_smoothing`, `merge_duplicate_rows`: the
-    wrappers' (see `GradientAccumulator`; measuring needs `accum_steps >= 2` or a
-    `schedule`). `options`: a `WindowOptions` instead of `accum_steps` and those
-    four (not both). `gradient_cache`: see the module docstring; the wrappers'
-    options (`schedule`, `partial_window`, `measure_noise_scale`,
-    `merge_duplicate_rows`) are then refused, as GradientCache has no windows.
-    `backup`: a `TrainingBackup` that every `fit` inside runs through.
-    `schedule_by` ("epoch" or "update") and `lr_scaling` ("none", "linear",
-    "sqrt"): see `AccumulationSchedule`. `auto`: {"micro_batch_size": global
-    micro-batch, "max_effective_batch_size": ...} (and optionally `growth`,
-    `margin`, `patience`): `accum_steps` is the starting window (>= 2, so the
-    noise scale is measured) and every `fit` grows it (`AutoAccumulation`, read
-    back as `wrapper.auto_accumulation`). `gather_across_replicas` (with
-    `gradient_cache` only): every compiled `GradientCache` scores the global batch
-    on every replica (see `GradientCache`), or (False) each replica's share.
-    Every argument is checked before the body runs.
+    Works with Keras 3's `compile` and, where installed, Keras 2's (`tf_keras`). For a
+    `mixed_float16` model the wrapper goes around a `LossScaleOptimizer`, with Keras' own
+    loss-scale wrapping turned off; the model's `AccumBatchNormalization` layers get
+    the same `accum_steps`. Everything is restored when the context closes.
+
+    Args:
+        accum_steps: micro-batches per update (the starting window with `auto`).
+        schedule: `{epoch: accum_steps}` (or `{update: accum_steps}` with
+            `schedule_by="update"`): the wrappers are schedulable and every `fit` of a
+            model compiled here follows it (`AccumulationSchedule`).
+        partial_window: the wrappers' (see `GradientAccumulator`).
+        strategy: the body runs under it, and every strategy scope opened inside
+            maps onto it.
+        measure_noise_scale: the wrappers' (needs `accum_steps >= 2` or a `schedule`).
+        noise_scale_smoothing: the wrappers'.
+        merge_duplicate_rows: the wrappers'.
+        gradient_cache: for losses that couple the batch: nothing is wrapped;
+            `compile` on a `GradientCache` model (of either Keras) sets its
+            `accum_steps` and keeps its plain optimizer (the batch `fit` is given is
+            the effective batch), and `compile` on any other model is refused.
+            Without it, `compile` on a `GradientCache` is refused (wrapping its
+            optimizer would accumulate twice).
+        backup: a `TrainingBackup` that every `fit` inside runs through (backed up,
+            resumed from its latest backup, exactly).
+        schedule_by: "epoch" or "update" (see `AccumulationSchedule`).
+        lr_scaling: "none", "linear" or "sqrt": the learning rate as the window
+            grows (see `AccumulationSchedule`).
+        auto: `{"micro_batch_size": global micro-batch, "max_effective_batch_size":
+            ...}` (and optionally `growth`, `margin`, `patience`): `accum_steps`
+            (>= 2) is the starting window and every `fit` grows it with the measured
+            noise scale (`AutoAccumulation`, read back as `wrapper.auto_accumulation`).
+        gather_across_replicas: with `gradient_cache` only: every compiled
+            `GradientCache` scores the global batch on every replica (True), or each
+            replica's share (False).
+        options: a `WindowOptions` instead of `accum_steps`, `partial_window`,
+            `measure_noise_scale`, `noise_scale_smoothing` and `merge_duplicate_rows`
+            (not both).
+
+    Yields:
+        The list of wrappers made (with `gradient_cache`: the optimizers of the
+        `GradientCache` models compiled), filled as `compile` is called.
+
+    Raises:
+        ValueError: an argument is out of its allowed values, both `options` and the
+            options it holds are given, window options or `auto` come with
+            `gradient_cache`, or `gather_across_replicas` comes without it; all
+            before the body runs.
+        TypeError: an argument has the wrong type.
     """
     window_arguments = dict(partial_window=partial_window, measure_noise_scale=measure_noise_scale,
                             noise_scale_smoothing=noise_scale_smoothing, merge_duplicate_rows=merge_duplicate_rows)

@@ -1,35 +1,10 @@
 """`check_exact`: does accumulation train *this* model like Keras' own large batch?
 
-The library's promise is the large batch's weights. This module proves it, or
-shows where it does not hold, on the user's own model, data and optimizer:
-
-1. Keras' own `fit` at the large batch `accum_steps * batch_size` (the
-   reference), `updates` updates, `shuffle=False`;
-2. the same again with the samples permuted inside each large batch: in exact
-   arithmetic the same training, so its distance from (1) is Keras' own
-   rounding on this model (the noise floor);
-3. `GradientAccumulator(optimizer_fn(), accum_steps)`, `fit` at `batch_size`,
-   `shuffle=False`: the same samples in the same updates.
-
-All three start from the same initial weights and the same random seed. For
-every model variable (trainable or not, by its path) the check reports max |Δw|
-between (3) and (1); a variable is exact when its Δ is at most
-`max(tolerance, floor_factor * floor)`. Where it is not, the report says which
-variables differ and of what kind: "dense", "rows" (an embedding table's
-per-sample lookups), "once-per-batch rows" (a lookup whose ids do not depend on
-the sample, such as a position table), "batch-norm statistics" (a plain
-`BatchNormalization`'s moving mean and variance, computed per micro-batch) or
-other non-trainable state; random layers (`Dropout`, `GaussianNoise`, ... with a
-rate above 0) draw differently at another batch size by design, and are named.
-
-4. Where a variable is over its limit, float32 cannot say which run is right: the
-   float64 arbiter trains (1) and (3) again in float64 and clears a variable whose
-   accumulated run lands within `arbiter_factor` times Keras' own float32 distance
-   from Keras' float64 large batch (plus `ARBITER_SLACK`): when all are cleared the
-   verdict is "exact-by-arbiter", which counts as exact. Where float64 cannot be had the
-   report says why.
-
-Command line: `python -m tfx_gradient_accumulator.accumulator.check module:function` (see `main`).
+It trains the user's model three ways (Keras' large batch, the same with the samples
+permuted inside each large batch: Keras' own rounding, and `GradientAccumulator` at the
+micro-batch), reports max |Δw| per variable and says which differ and why; a float64
+arbiter settles what float32 cannot. Command line:
+`python -m tfx_gradient_accumulator.accumulator.check module:function` (see `main`).
 """
 
 from __future__ import annotations
@@ -820,7 +795,19 @@ def check_exact(model_fn: Callable[[], Any], data, optimizer_fn: Optional[Callab
     Returns:
         An `ExactnessReport`: `exact`, `verdict`, per-variable deltas (by path) and
         kinds, the floor, the causes, the arbiter's finding; `print(report)` shows the
-        table.
+        table. A variable's kind says where a difference comes from: "dense", "rows"
+        (an embedding table's per-sample lookups), "once-per-batch rows" (a lookup
+        whose ids do not depend on the sample, as a position table),
+        "batch-norm statistics" (a plain `BatchNormalization`'s moving statistics,
+        computed per micro-batch) or other non-trainable state; active random layers
+        (`Dropout`, ...) draw differently at another batch size by design, and are named.
+
+    Raises:
+        TypeError: `model_fn` or `optimizer_fn` is not callable, or a count is not an
+            integer.
+        ValueError: a count or tolerance is out of range (`accum_steps` < 2, ...),
+            `arbiter` is not "auto", True or False, an accumulator option is not
+            accepted, or `data` holds too few samples; all before any training.
     """
     accum_steps, updates, batch_size = _validate_numbers(accum_steps, updates, batch_size, tolerance, floor_factor)
     arbiter, arbiter_factor = _validate_arbiter(arbiter, arbiter_factor)
