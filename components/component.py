@@ -60,7 +60,21 @@ class AccumulatingTrainerSpec(standard_component_specs.TrainerSpec):
 class AccumulatingTrainer(tfx_trainer_component.Trainer):
     """Trains the user's run_fn with `GradientAccumulator` under a strategy.
 
-    Args (besides those of `tfx.components.Trainer`, unchanged):
+    Args:
+        examples: a Channel of type `Examples` to train on (as the stock Trainer's).
+        transformed_examples: the Transform component's `Examples` (instead of
+            `examples`; needs `transform_graph`).
+        transform_graph: a Channel of type `TransformGraph`.
+        schema: a Channel of type `Schema`.
+        base_model: a Channel of type `Model` to warm-start from.
+        hyperparameters: a Channel of type `HyperParameters` (a Tuner's best); its
+            `accum_steps`, `effective_batch_size`, `measure_noise_scale` and
+            `noise_scale_smoothing` win over the arguments.
+        module_file: the file holding the user's `run_fn` (or `run_fn`, not both).
+        run_fn: the path of the user's `run_fn` (or `module_file`, not both).
+        train_args: `trainer_pb2.TrainArgs`; `num_steps` counts optimizer updates.
+        eval_args: `trainer_pb2.EvalArgs`.
+        custom_config: a dict handed to the run_fn (`fn_args.custom_config`).
         accum_steps: micro-batches per optimizer update (default 1), unless the
             `hyperparameters` input holds `accum_steps`. "auto": grow it during
             training with the measured gradient noise scale
@@ -154,6 +168,13 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             verdict (`exactness`, `exactness_max_delta`, `exactness_detail`);
             "refuse": the same, and stop before training unless it is exact;
             False (the default): no check (components.exactness).
+
+    Raises:
+        ValueError: not exactly one of `module_file` and `run_fn`, or of `examples`
+            and `transformed_examples`, or `transformed_examples` without
+            `transform_graph`; an accumulation setting out of its allowed values or
+            refused with another (as listed above), checked when the pipeline is
+            defined wherever the value is known then.
 
     `TrainArgs.num_steps` counts optimizer updates: the run_fn sees
     `fn_args.train_steps = num_steps * accum_steps` micro-steps (`num_steps`
