@@ -63,7 +63,13 @@ class VariableDelta:
     run, `float64_delta` = the float64 accumulated run from the float64 large batch
     (~1e-12 where accumulation is exact in exact arithmetic), and `cleared` = over its
     limit, but within the arbiter's rule (`as_close_as_keras`, and `float64_delta` within
-    the tolerance); None where the arbiter did not run."""
+    the tolerance); None where the arbiter did not run.
+
+    `kind` says where a difference comes from: "dense", "rows" (an embedding table's
+    per-sample lookups), "once-per-batch rows" (a lookup whose ids do not depend on the
+    sample, as a position table), "batch-norm statistics" (a plain
+    `BatchNormalization`'s moving statistics, computed per micro-batch) or other
+    non-trainable state (`KINDS`)."""
 
     path: str
     kind: str
@@ -747,12 +753,8 @@ def check_exact(model_fn: Callable[[], Any], data, optimizer_fn: Optional[Callab
     seed, `shuffle=False`, on one device. Arguments are checked before any training.
 
     When a variable lands outside its limit, float32 alone cannot say which side is
-    right: the float64 arbiter trains Keras' large batch and the accumulator again in
-    float64 (`model_fn` called under `float64_policy`, the first model's initial
-    weights and the floating data cast to float64) and weighs both float32 runs against
-    Keras' float64 large batch. A variable whose accumulated run lands within
-    `arbiter_factor` times Keras' own float32 distance from it (plus `ARBITER_SLACK`) is
-    cleared: it differs from Keras' rounding, not from what Keras computes, and when
+    right: the float64 arbiter (`arbiter`) trains both again in float64 and clears a
+    variable that differs from Keras' rounding, not from what Keras computes; when
     every variable over its limit is cleared the verdict is "exact-by-arbiter".
 
     Args:
@@ -795,19 +797,11 @@ def check_exact(model_fn: Callable[[], Any], data, optimizer_fn: Optional[Callab
     Returns:
         An `ExactnessReport`: `exact`, `verdict`, per-variable deltas (by path) and
         kinds, the floor, the causes, the arbiter's finding; `print(report)` shows the
-        table. A variable's kind says where a difference comes from: "dense", "rows"
-        (an embedding table's per-sample lookups), "once-per-batch rows" (a lookup
-        whose ids do not depend on the sample, as a position table),
-        "batch-norm statistics" (a plain `BatchNormalization`'s moving statistics,
-        computed per micro-batch) or other non-trainable state; active random layers
-        (`Dropout`, ...) draw differently at another batch size by design, and are named.
+        table (each variable's `kind`: `VariableDelta`).
 
     Raises:
-        TypeError: `model_fn` or `optimizer_fn` is not callable, or a count is not an
-            integer.
-        ValueError: a count or tolerance is out of range (`accum_steps` < 2, ...),
-            `arbiter` is not "auto", True or False, an accumulator option is not
-            accepted, or `data` holds too few samples; all before any training.
+        TypeError: `model_fn`/`optimizer_fn` not callable, or a count not an integer.
+        ValueError: a count, tolerance, `arbiter` or option out of range; too few samples.
     """
     accum_steps, updates, batch_size = _validate_numbers(accum_steps, updates, batch_size, tolerance, floor_factor)
     arbiter, arbiter_factor = _validate_arbiter(arbiter, arbiter_factor)
