@@ -44,7 +44,14 @@ __all__ = [
 
 # ------------------------------------------------------------------ one option each
 def validate_accum_steps(accum_steps: Any, name: str = "accum_steps") -> int:
-    """Returns `accum_steps` as an int, or raises naming the parameter.
+    """Checks `accum_steps`: micro-batches per window.
+
+    Args:
+        accum_steps: the value given.
+        name: the parameter's name, for the error message.
+
+    Returns:
+        `accum_steps` as an int.
 
     Raises:
         TypeError: not an integer (2.5, "4", True).
@@ -54,52 +61,141 @@ def validate_accum_steps(accum_steps: Any, name: str = "accum_steps") -> int:
 
 
 def _one_of(value: Any, allowed: tuple, name: str) -> Any:
+    """`value` if it is one of `allowed`; ValueError naming `name` otherwise."""
     if value not in allowed:
         raise ValueError(f"`{name}` must be one of {allowed}; received {value!r}.")
     return value
 
 
 def validate_partial_window(mode: Any, name: str = "partial_window") -> str:
-    """Returns `mode` if it is one of PARTIAL_WINDOW_MODES, or raises ValueError naming the parameter."""
+    """Checks `mode`: what an open window does at an epoch's end.
+
+    Args:
+        mode: the value given.
+        name: the parameter's name, for the error message.
+
+    Returns:
+        `mode`.
+
+    Raises:
+        ValueError: `mode` is not one of `PARTIAL_WINDOW_MODES` ("apply", "carry", "drop").
+    """
     return _one_of(mode, PARTIAL_WINDOW_MODES, name)
 
 
 def validate_loss_reduction(reduction: Any, name: str = "loss_reduction") -> str:
-    """Returns `reduction` if it is one of LOSS_REDUCTIONS, or raises ValueError naming the parameter."""
+    """Checks `reduction`: how the loss reduces over its samples.
+
+    Args:
+        reduction: the value given.
+        name: the parameter's name, for the error message.
+
+    Returns:
+        `reduction`.
+
+    Raises:
+        ValueError: `reduction` is not one of `LOSS_REDUCTIONS` ("auto", "mean", "sum").
+    """
     return _one_of(reduction, LOSS_REDUCTIONS, name)
 
 
 def validate_lr_scaling(rule: Any, name: str = "lr_scaling") -> str:
-    """Returns `rule` if it is one of LR_SCALINGS, or raises ValueError naming the parameter."""
+    """Checks `rule`: the learning-rate rule as the window grows.
+
+    Args:
+        rule: the value given.
+        name: the parameter's name, for the error message.
+
+    Returns:
+        `rule`.
+
+    Raises:
+        ValueError: `rule` is not one of `LR_SCALINGS` ("none", "linear", "sqrt").
+    """
     return _one_of(rule, LR_SCALINGS, name)
 
 
 def validate_bool(value: Any, name: str) -> bool:
-    """Returns `value` if it is True or False, or raises ValueError naming the parameter."""
+    """Checks a flag.
+
+    Args:
+        value: the value given.
+        name: the parameter's name, for the error message.
+
+    Returns:
+        `value`.
+
+    Raises:
+        ValueError: `value` is not True or False.
+    """
     if not isinstance(value, bool):
         raise ValueError(f"`{name}` must be True or False; received {value!r}.")
     return value
 
 
 def validate_measure_noise_scale(measure: Any, name: str = "measure_noise_scale") -> bool:
-    """Returns `measure` if it is True or False, or raises ValueError naming the parameter."""
+    """Checks `measure`: whether to measure the gradient noise scale.
+
+    Args:
+        measure: the value given.
+        name: the parameter's name, for the error message.
+
+    Returns:
+        `measure`.
+
+    Raises:
+        ValueError: `measure` is not True or False.
+    """
     return validate_bool(measure, name)
 
 
 def validate_merge_duplicate_rows(merge: Any, name: str = "merge_duplicate_rows") -> bool:
-    """Returns `merge` if it is True or False, or raises ValueError naming the parameter."""
+    """Checks `merge`: whether a sparse gradient's rows are summed per index.
+
+    Args:
+        merge: the value given.
+        name: the parameter's name, for the error message.
+
+    Returns:
+        `merge`.
+
+    Raises:
+        ValueError: `merge` is not True or False.
+    """
     return validate_bool(merge, name)
 
 
 def validate_schedule_by(unit: Any, name: str = "schedule_by") -> str:
-    """Returns `unit` if it is "epoch" or "update", or raises ValueError naming the parameter."""
+    """Checks `unit`: what a schedule's keys count.
+
+    Args:
+        unit: the value given.
+        name: the parameter's name, for the error message.
+
+    Returns:
+        `unit`.
+
+    Raises:
+        ValueError: `unit` is not "epoch" or "update".
+    """
     if unit not in SCHEDULE_UNITS:
         raise ValueError(f"`{name}` must be 'epoch' or 'update'; received {unit!r}.")
     return unit
 
 
 def validate_schedule(schedule: Any) -> Dict[int, int]:
-    """Returns {int epoch: int accum_steps}, sorted, or raises ValueError naming the problem."""
+    """Checks an accumulation schedule.
+
+    Args:
+        schedule: `{epoch: accum_steps}` (keys may be strings of ints, as JSON gives them).
+
+    Returns:
+        `{int epoch: int accum_steps}`, sorted.
+
+    Raises:
+        ValueError: not a non-empty dict, a key not an int >= 0, or a value below 1.
+        TypeError: a value is not an integer.
+    """
     if not isinstance(schedule, dict) or not schedule:
         raise ValueError(
             f"`schedule` must be a non-empty dict {{epoch: accum_steps}}; received {schedule!r}."
@@ -118,8 +214,23 @@ def validate_schedule(schedule: Any) -> Dict[int, int]:
 
 def validate_auto(accum_steps: Any, max_effective_batch_size: Any,
                   lr_scaling: Any) -> Optional[Dict[str, Any]]:
-    """`accum_steps="auto"`'s settings ({"max_effective_batch_size", "lr_scaling"}),
-    or None for a fixed `accum_steps`; raises on settings that go only with "auto"."""
+    """Checks the settings of `accum_steps="auto"`.
+
+    Args:
+        accum_steps: an int, or "auto".
+        max_effective_batch_size: the effective batch "auto" may grow to (an int >= 2;
+            with "auto" only, and needed then).
+        lr_scaling: the learning-rate rule ("none" without "auto").
+
+    Returns:
+        `{"max_effective_batch_size", "lr_scaling"}` with "auto", None for a fixed
+        `accum_steps`.
+
+    Raises:
+        TypeError: `accum_steps` is a string other than "auto".
+        ValueError: a setting that goes only with "auto" is given without it, or
+            "auto" lacks `max_effective_batch_size` or has a bad one.
+    """
     if isinstance(accum_steps, str) and accum_steps != AUTO:
         raise TypeError(f"`accum_steps` must be an integer >= 1 or 'auto'; received {accum_steps!r}.")
     if accum_steps != AUTO:
@@ -138,7 +249,15 @@ def validate_auto(accum_steps: Any, max_effective_batch_size: Any,
 
 
 def refuse_unknown_arguments(kwargs: Mapping[str, Any], advice: str = "") -> None:
-    """Raises naming the constructor arguments left in `kwargs`, if any (both Keras)."""
+    """Refuses `GradientAccumulator` arguments it does not know (both Keras).
+
+    Args:
+        kwargs: the constructor's keyword arguments left over.
+        advice: a sentence added to the message.
+
+    Raises:
+        ValueError: `kwargs` is not empty; the message names them and the arguments taken.
+    """
     if kwargs:
         raise ValueError(
             f"GradientAccumulator got unknown arguments: {sorted(kwargs)}. "
@@ -190,6 +309,12 @@ class WindowOptions:
             the learning-rate rule as the effective batch grows.
         auto: True when built with accum_steps="auto" (set by it; a copy made
             by `dataclasses.replace` keeps it).
+
+    Raises:
+        TypeError: `accum_steps` is not an integer or "auto".
+        ValueError: an option is out of its allowed values (the message names it and
+            them), `measure_noise_scale` with windows of 1 or a summed loss, or a
+            setting of "auto" without it.
     """
 
     accum_steps: Union[int, str] = 1
@@ -231,10 +356,12 @@ class WindowOptions:
         return True
 
     def _set(self, **values):
+        """Sets fields of the frozen dataclass (while it is being built)."""
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
     def _check_consistent(self):
+        """Refuses options that are valid alone but not together."""
         if self.measure_noise_scale and self.accum_steps == 1 and not self.schedulable:
             raise ValueError(
                 "`measure_noise_scale=True` needs windows of several micro-batches: the "
@@ -275,12 +402,29 @@ class WindowOptions:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "WindowOptions":
-        """The options `get_config()` wrote (or any of their keyword arguments)."""
+        """The options `get_config()` wrote.
+
+        Args:
+            config: `get_config()`'s dict, or any of its keyword arguments.
+
+        Returns:
+            The `WindowOptions`.
+
+        Raises:
+            TypeError, ValueError: as the constructor.
+        """
         return cls(**config)
 
     @classmethod
     def from_arguments(cls, options: Optional["WindowOptions"] = None, **arguments: Any) -> "WindowOptions":
         """`options`, or the options `arguments` (the accumulator's keywords) make; not both.
+
+        Args:
+            options: the options given as an object, or None.
+            **arguments: the options given as keywords (their defaults when unused).
+
+        Returns:
+            The `WindowOptions`.
 
         Raises:
             TypeError: `options` is not a `WindowOptions`.
@@ -309,6 +453,10 @@ class CacheOptions:
         gather_across_replicas: True or False: under a strategy, score the whole
             global batch on every replica (Keras 3 models with their own
             `compute_loss` only; the model is checked by `GradientCache`).
+
+    Raises:
+        TypeError: `accum_steps` is not an integer, or `gather_across_replicas` not a bool.
+        ValueError: `accum_steps` < 1.
     """
 
     accum_steps: int = 1
