@@ -1,15 +1,10 @@
 """`GradientAccumulator` for Keras 3: a Keras optimizer that trains like a larger batch.
 
-The window's state and update rule are `accumulator.window.AccumulationWindow`,
-shared with the Keras 2 class (`accumulator.keras2`); the distribution
-mechanics (replica-local sums, one batched all-reduce when a window closes, the
-boundary decided in cross-replica context) are `accumulator.replicas`. This module
-holds what is Keras 3's: the optimizer base class, `LossScaleOptimizer`, the
-forwarding of the inner optimizer's API, and serialization.
-
-`GradientAccumulator(optimizer, ...)` given a Keras 2 optimizer (`tf_keras`, or
-`tf.keras` on TF <= 2.15) makes the Keras 2 class instead, and `isinstance` holds
-for both: one name (`accumulator.flavours.OneNameForBothKeras`).
+The window's state and update rule are `accumulator.window` (shared with the Keras 2
+class); this module holds what is Keras 3's: the optimizer base class,
+`LossScaleOptimizer`, the forwarding of the inner optimizer's API, and serialization.
+Given a Keras 2 optimizer, `GradientAccumulator(...)` makes the Keras 2 class, and
+`isinstance` holds for both (`accumulator.flavours.OneNameForBothKeras`).
 """
 
 from __future__ import annotations
@@ -46,6 +41,7 @@ _BASE_ARG_DEFAULTS = {
 
 
 def _resolve_optimizer(optimizer):
+    """The Keras 3 optimizer `optimizer` names or is; TypeError/ValueError otherwise."""
     if isinstance(optimizer, str):
         try:
             optimizer = keras.optimizers.get(optimizer)
@@ -171,10 +167,15 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, keras.op
         name: optional name of the wrapper.
         options: a `WindowOptions` holding the options above, instead of them
             (not both); the wrapper's `options` is the one it was built with.
+        **kwargs: Keras' optimizer arguments as a saved config holds them; those
+            that act on updates (`weight_decay`, `clipnorm`, `use_ema`, ...) belong
+            to the inner optimizer and are refused unless left at their defaults.
 
     Raises:
         ValueError, TypeError: an option outside its allowed values (the message
-            names it and them), before anything is built.
+            names it and them), an unknown argument, or an update argument that
+            belongs to the inner optimizer, before anything is built.
+        RuntimeError: Keras older than 3.8, or a Keras backend other than TensorFlow.
     """
 
     @staticmethod
@@ -191,10 +192,12 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, keras.op
 
         return keras2_classes.GradientAccumulator
 
-    def __init__(self, optimizer, accum_steps=1, partial_window="apply", schedulable=False,
-                 measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING,
-                 merge_duplicate_rows=False, loss_reduction="auto", max_effective_batch_size=None,
-                 lr_scaling="none", name=None, options=None, **kwargs):
+    def __init__(self, optimizer: keras.optimizers.Optimizer | str, accum_steps: int | str = 1,
+                 partial_window: str = "apply", schedulable: bool = False,
+                 measure_noise_scale: bool = False, noise_scale_smoothing: float = DEFAULT_SMOOTHING,
+                 merge_duplicate_rows: bool = False, loss_reduction: str = "auto",
+                 max_effective_batch_size: int | None = None, lr_scaling: str = "none",
+                 name: str | None = None, options: WindowOptions | None = None, **kwargs):
         options = WindowOptions.from_arguments(
             options, accum_steps=accum_steps, partial_window=partial_window, schedulable=schedulable,
             measure_noise_scale=measure_noise_scale, noise_scale_smoothing=noise_scale_smoothing,
@@ -235,7 +238,16 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, keras.op
         self._init_window(options)
 
     # ------------------------------------------------------------------ state
-    def build(self, var_list):
+    def build(self, var_list: list) -> None:
+        """Builds the window's buffers and the inner optimizer for `var_list`.
+
+        Args:
+            var_list: the model's trainable variables.
+
+        Raises:
+            NotImplementedError: under a `tf.distribute` strategy, an inner optimizer
+                that does not reduce gradients across replicas itself.
+        """
         var_list = list(var_list)
         self._build_window(var_list)
         self._updater.build(var_list)
@@ -251,6 +263,7 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, keras.op
 
     # ------------------------------------------------ what AccumulationWindow needs
     def _new_variable(self, shape, dtype, initial, name):
+        """A Keras optimizer variable (what `AccumulationWindow` asks of each Keras)."""
         # `None` in `shape`: a buffer that starts empty and changes size along
         # that axis (`AccumulationWindow._build_window`). Keras wants a full
         # shape, so it is made with 1 there; `seam.variables_created_as` gives
@@ -260,13 +273,16 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, keras.op
             initializer=keras.initializers.Constant(initial), name=name)
 
     def _hand_to_updater(self, grads, variables, reduced):
+        """The inner optimizer's one update with the window's (reduced) gradient."""
         self._updater.apply(grads, variables)
 
     def _updates_without_reduction(self):
+        """Context in which the inner optimizers do not all-reduce again."""
         # Keras 3 has no public switch: see `seam.gradients_already_reduced`.
         return seam.gradients_already_reduced(optimizer_chain(self._updater))
 
     def _window_gradient_scale(self):
+        """The loss scale the window's sums carry (None without a LossScaleOptimizer)."""
         # In Keras 3 the loss is scaled by `scale_loss` and the LossScaleOptimizer
         # unscales in `apply`: the window's sums carry the scale.
         if self.loss_scale_optimizer is None:
@@ -277,10 +293,12 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, keras.op
     # (and `iterations`, `learning_rate`, `exclude_from_weight_decay`: `InnerOptimizerForwarding`)
     @staticmethod
     def _is_loss_scale_optimizer(optimizer):
+        """Whether `optimizer` is Keras 3's `LossScaleOptimizer`."""
         return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
     @property
-    def variables(self):
+    def variables(self) -> list:
+        """The wrapper's variables (the window's), then the inner optimizer's."""
         return super().variables + self._updater.variables
 
     @property
@@ -290,40 +308,79 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, keras.op
             raise AttributeError(f"{type(self.inner_optimizer).__name__} has no sub-optimizers.")
         return self.inner_optimizer.optimizers
 
-    def scale_loss(self, loss):
+    def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
+        """The loss scaled as the inner optimizer scales it (a `LossScaleOptimizer`'s scale).
+
+        Args:
+            loss: the micro-batch's loss.
+
+        Returns:
+            The scaled loss (unchanged without loss scaling).
+        """
         return self._updater.scale_loss(loss)
 
-    def save_own_variables(self, store):
+    def save_own_variables(self, store: dict) -> None:
+        """Saves the state, with every replica's window rows (Keras 3's saving).
+
+        Args:
+            store: Keras' store of this object's variables.
+        """
         # Every replica's window rows (`window_state`), not the replica-0 value
         # that reading the variables gives.
         for i, value in enumerate(self.window_state()):
             store[str(i)] = value
 
-    def load_own_variables(self, store):
+    def load_own_variables(self, store: dict) -> None:
+        """Restores what `save_own_variables` saved (under any replica count).
+
+        Args:
+            store: Keras' store of this object's variables.
+        """
         # Keras' own loop assigns through `keras.Variable.assign`, which holds a
         # buffer to the size it was made with; the window's buffers change size.
         if len(store.keys()) != len(self.variables):
             return super().load_own_variables(store)   # Keras' warning, nothing loaded
         self.restore_window_state([store[str(i)] for i in range(len(store.keys()))])
 
-    def finalize_variable_values(self, var_list):
+    def finalize_variable_values(self, var_list: list) -> None:
+        """Closes the open window as `partial_window` says, then the inner optimizer's.
+
+        Args:
+            var_list: the model's trainable variables.
+        """
         # Keras calls this when `fit` ends, before EMA values are written back.
         self._close_at_training_end()
         self._updater.finalize_variable_values(var_list)
 
     # ----------------------------------------------------------------- update
-    def apply_gradients(self, grads_and_vars, micro_batch_weight=None):
+    def apply_gradients(self, grads_and_vars, micro_batch_weight=None) -> tf.Variable:
+        """One micro-batch: `apply(grads, vars, micro_batch_weight)`.
+
+        Args:
+            grads_and_vars: `(gradient, variable)` pairs of the micro-batch.
+            micro_batch_weight: the denominator of its loss (see `apply`).
+
+        Returns:
+            `iterations` (the inner optimizer's updates).
+        """
         grads, trainable_variables = zip(*grads_and_vars)
         self.apply(list(grads), list(trainable_variables), micro_batch_weight=micro_batch_weight)
         return self.iterations
 
-    def apply(self, grads, trainable_variables=None, micro_batch_weight=None):
-        """One micro-batch. `micro_batch_weight` is the denominator of its loss.
+    def apply(self, grads, trainable_variables=None, micro_batch_weight=None) -> None:
+        """One micro-batch: added to the window, which updates once when it is full.
 
-        Leave it `None` in `fit` (found from the compiled loss and the batch,
-        see `accumulator.weighting`) and in loops whose micro-batches weigh the
-        same (weight 1); pass the sample count, summed sample weight or
-        unmasked-step count otherwise.
+        Args:
+            grads: the micro-batch's gradients (`None` entries are left out).
+            trainable_variables: their variables; None: those the optimizer was built with.
+            micro_batch_weight: the denominator of its loss. Leave it `None` in `fit`
+                (found from the compiled loss and the batch) and in loops whose
+                micro-batches weigh the same (weight 1); pass the sample count,
+                summed sample weight or unmasked-step count otherwise.
+
+        Raises:
+            ValueError: `grads` without `trainable_variables` before the optimizer is
+                built, or lists of different lengths.
         """
         grads = list(grads)
         if trainable_variables is None:
@@ -346,7 +403,8 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, keras.op
         self._apply_micro_batch(grads, trainable_variables, micro_batch_weight)
 
     # ------------------------------------------------------------ serializing
-    def get_config(self):
+    def get_config(self) -> dict:
+        """The inner optimizer (serialized), the name and the window's options."""
         return {
             "name": self.name,
             "optimizer": keras.saving.serialize_keras_object(self._updater),
@@ -354,7 +412,16 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, keras.op
         }
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(cls, config: dict, custom_objects: dict | None = None) -> GradientAccumulator:
+        """Rebuilds a wrapper from `get_config()`.
+
+        Args:
+            config: what `get_config` returned.
+            custom_objects: Keras' custom objects, for the inner optimizer.
+
+        Returns:
+            The `GradientAccumulator`.
+        """
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(
             config.pop("optimizer"), custom_objects=custom_objects
