@@ -34,6 +34,7 @@ _register = keras2.utils.register_keras_serializable(package="accumulator")
 
 
 def _resolve_optimizer(optimizer):
+    """The Keras 2 optimizer `optimizer` names or is; refuses `optimizers.legacy` and non-optimizers."""
     if isinstance(optimizer, str):
         try:
             optimizer = keras2.optimizers.get(optimizer)
@@ -77,27 +78,53 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, _Optimiz
     micro-batch (with `micro_batch_weight=` where micro-batches differ).
 
     Mixed precision (`mixed_float16`): wrap
-    `keras.mixed_precision.LossScaleOptimizer(inner)`; see the module docstring.
+    `keras.mixed_precision.LossScaleOptimizer(inner)`. Keras 2's `compile` wraps any
+    other optimizer of such a model in a `LossScaleOptimizer`, which would check and
+    skip single micro-batches; given one, the accumulator is itself one
+    (`LossScalingGradientAccumulator`), so `compile` leaves it alone: gradients are
+    scaled and unscaled through the inner one, and the window's mean is checked once
+    (a window holding a non-finite gradient is skipped as a whole while the scale adapts).
+
+    The window's gradient, already reduced across replicas, reaches the inner
+    optimizer through Keras 2's public `skip_gradients_aggregation=True`.
 
     Args:
-        optimizer: a Keras 2 optimizer of TF 2.11+ (not `optimizers.legacy`),
-            possibly inside a `mixed_precision.LossScaleOptimizer`, or the name
-            of one.
-        accum_steps, partial_window, schedulable, measure_noise_scale,
-        noise_scale_smoothing, merge_duplicate_rows, loss_reduction, max_effective_batch_size,
-        lr_scaling, name, options: as for the Keras 3 class. Keras 2's optimizers sum
-            repeated rows themselves, so `merge_duplicate_rows` changes nothing here.
+        optimizer: a Keras 2 optimizer of TF 2.11+ (not `optimizers.legacy`, whose
+            per-variable slot kernels Keras 2 itself replaced in TF 2.11), possibly
+            inside a `mixed_precision.LossScaleOptimizer`, or the name of one.
+        accum_steps: as for the Keras 3 class.
+        partial_window: as for the Keras 3 class.
+        schedulable: as for the Keras 3 class.
+        measure_noise_scale: as for the Keras 3 class.
+        noise_scale_smoothing: as for the Keras 3 class.
+        merge_duplicate_rows: as for the Keras 3 class; Keras 2's optimizers sum
+            repeated rows themselves, so it changes nothing here.
+        loss_reduction: as for the Keras 3 class.
+        max_effective_batch_size: as for the Keras 3 class.
+        lr_scaling: as for the Keras 3 class.
+        name: optional name of the wrapper.
+        options: as for the Keras 3 class.
+        **kwargs: Keras 2's optimizer arguments as a saved config holds them; others
+            are refused.
+
+    Raises:
+        TypeError: `optimizer` is not a Keras 2 optimizer, or is a legacy one.
+        ValueError, TypeError: an option outside its allowed values, or an unknown
+            argument (clipping, weight decay and EMA belong to the inner optimizer).
     """
 
     def __new__(cls, optimizer=None, *args, **kwargs):
+        """`LossScalingGradientAccumulator` when `optimizer` is a `LossScaleOptimizer`."""
         if cls is GradientAccumulator and isinstance(optimizer, _LossScaleOptimizer):
             cls = LossScalingGradientAccumulator
         return super().__new__(cls)
 
-    def __init__(self, optimizer, accum_steps=1, partial_window="apply", schedulable=False,
-                 measure_noise_scale=False, noise_scale_smoothing=DEFAULT_SMOOTHING,
-                 merge_duplicate_rows=False, loss_reduction="auto", max_effective_batch_size=None,
-                 lr_scaling="none", name=None, options=None, **kwargs):
+    def __init__(self, optimizer, accum_steps: int | str = 1, partial_window: str = "apply",
+                 schedulable: bool = False, measure_noise_scale: bool = False,
+                 noise_scale_smoothing: float = DEFAULT_SMOOTHING, merge_duplicate_rows: bool = False,
+                 loss_reduction: str = "auto", max_effective_batch_size: int | None = None,
+                 lr_scaling: str = "none", name: str | None = None, options: WindowOptions | None = None,
+                 **kwargs):
         options = WindowOptions.from_arguments(
             options, accum_steps=accum_steps, partial_window=partial_window, schedulable=schedulable,
             measure_noise_scale=measure_noise_scale, noise_scale_smoothing=noise_scale_smoothing,
@@ -132,7 +159,12 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, _Optimiz
     keeps_rows_across_replicas = False
     inner_sums_repeated_rows = True
 
-    def build(self, var_list):
+    def build(self, var_list: list) -> None:
+        """Builds the window's buffers and the inner optimizer for `var_list` (once).
+
+        Args:
+            var_list: the model's trainable variables.
+        """
         if self._window_built():
             return
         var_list = list(var_list)
@@ -141,33 +173,63 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, _Optimiz
 
     # ------------------------------------------------ what AccumulationWindow needs
     def _new_variable(self, shape, dtype, initial, name):
+        """A Keras 2 optimizer variable (what `AccumulationWindow` asks of each Keras)."""
         dtype = tf.as_dtype(dtype)
         return self.add_variable(
             shape=shape, dtype=dtype, name=name,
             initializer=lambda shape, dtype: _tf.filled(shape, dtype, initial))
 
     def _hand_to_updater(self, grads, variables, reduced):
+        """The inner optimizer's one update, without a second aggregation."""
         pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
         if pairs:
             self._updater.apply_gradients(pairs, skip_gradients_aggregation=reduced)
 
     def _updates_without_reduction(self):
+        """Nothing to switch off: Keras 2 takes `skip_gradients_aggregation`."""
         # `_hand_to_updater` passes skip_gradients_aggregation=True: nothing to switch off.
         return contextlib.nullcontext()
 
     def _window_gradient_scale(self):
+        """The loss scale the window's sums carry, if any."""
         # Keras 2 unscales in `compute_gradients` / `get_unscaled_gradients`.
         return None
 
     # ----------------------------------------------------------------- update
-    def compute_gradients(self, loss, var_list, tape=None):
+    def compute_gradients(self, loss, var_list, tape=None) -> list:
+        """The inner optimizer's `compute_gradients` (a LossScaleOptimizer scales and unscales).
+
+        Args:
+            loss: the micro-batch's loss (a tensor, or a callable with `tape` None).
+            var_list: the variables.
+            tape: the `tf.GradientTape` that recorded the loss.
+
+        Returns:
+            `(gradient, variable)` pairs.
+        """
         # Through the inner optimizer: a LossScaleOptimizer scales and unscales here.
         return self._updater.compute_gradients(loss, var_list, tape=tape)
 
     def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False,
                         micro_batch_weight=None, **kwargs):
-        """One micro-batch. `micro_batch_weight` is the denominator of its loss (see
-        `accumulator.weighting`); leave it None in `fit` and where micro-batches weigh the same."""
+        """One micro-batch, added to the window, which updates once when it is full.
+
+        Args:
+            grads_and_vars: `(gradient, variable)` pairs of the micro-batch.
+            name: Keras 2's (unused).
+            skip_gradients_aggregation: True only without replicas: the accumulator
+                reduces across replicas itself, once per window.
+            micro_batch_weight: the denominator of its loss; leave it None in `fit`
+                and where micro-batches weigh the same.
+            **kwargs: `experimental_aggregate_gradients` (Keras 2's older spelling).
+
+        Returns:
+            `iterations` (the inner optimizer's updates).
+
+        Raises:
+            TypeError: an unknown keyword argument.
+            ValueError: gradients already aggregated across several replicas.
+        """
         aggregated = skip_gradients_aggregation or not kwargs.pop("experimental_aggregate_gradients", True)
         if kwargs:
             raise TypeError(f"apply_gradients() got unexpected arguments: {sorted(kwargs)}.")
@@ -186,14 +248,31 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, _Optimiz
         return self.iterations
 
     def apply(self, grads, trainable_variables=None, micro_batch_weight=None):
-        """`apply_gradients(zip(grads, trainable_variables))`, as the Keras 3 class takes it."""
+        """`apply_gradients(zip(grads, trainable_variables))`, as the Keras 3 class takes it.
+
+        Args:
+            grads: the micro-batch's gradients.
+            trainable_variables: their variables; None: those the window was built with.
+            micro_batch_weight: the denominator of its loss.
+
+        Returns:
+            `iterations`.
+
+        Raises:
+            ValueError: no `trainable_variables` before the window is built.
+        """
         if trainable_variables is None:
             if not self._window_built():
                 raise ValueError("Build the optimizer before `apply(grads)` without variables.")
             trainable_variables = self._state.variables
         return self.apply_gradients(zip(grads, trainable_variables), micro_batch_weight=micro_batch_weight)
 
-    def finalize_variable_values(self, var_list):
+    def finalize_variable_values(self, var_list: list) -> None:
+        """Closes the open window as `partial_window` says, then the inner optimizer's.
+
+        Args:
+            var_list: the model's trainable variables.
+        """
         # Keras 2's `fit` calls this when training ends, before EMA values are written back.
         self._close_at_training_end()
         self._updater.finalize_variable_values(var_list)
@@ -202,10 +281,12 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, _Optimiz
     # (and `learning_rate`, `exclude_from_weight_decay`: `InnerOptimizerForwarding`)
     @staticmethod
     def _is_loss_scale_optimizer(optimizer):
+        """Whether `optimizer` is Keras 2's `LossScaleOptimizer`."""
         return isinstance(optimizer, _LossScaleOptimizer)
 
     @InnerOptimizerForwarding.iterations.setter
     def iterations(self, value):
+        """Sets the inner optimizer's update count."""
         self.inner_optimizer.iterations = value
 
     @property
@@ -216,7 +297,8 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, _Optimiz
         return own + list(self._updater.variables)
 
     # ------------------------------------------------------------ serializing
-    def get_config(self):
+    def get_config(self) -> dict:
+        """The inner optimizer (serialized), the name and the window's options."""
         return {
             "name": self.name,
             "optimizer": keras2.optimizers.serialize(self._updater),
@@ -225,7 +307,16 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, _Optimiz
         }
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(cls, config: dict, custom_objects: dict | None = None) -> GradientAccumulator:
+        """Rebuilds a wrapper from `get_config()`.
+
+        Args:
+            config: what `get_config` returned.
+            custom_objects: Keras' custom objects, for the inner optimizer.
+
+        Returns:
+            The `GradientAccumulator` (or `LossScalingGradientAccumulator`).
+        """
         config = dict(config)
         spec = config.pop("optimizer")
         inner = keras2.optimizers.deserialize(
@@ -234,7 +325,12 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, _Optimiz
             inner = getattr(keras2.optimizers, spec["class_name"]).from_config(spec["config"])
         return cls(inner, **config)
 
-    def load_own_variables(self, store):
+    def load_own_variables(self, store) -> None:
+        """Restores the state Keras saved (as arrays, under any strategy).
+
+        Args:
+            store: Keras' store of this object's variables.
+        """
         # As arrays: a replica-local variable's assign under a strategy divides
         # what it is given by the replica count, which an h5 dataset refuses.
         super().load_own_variables({key: np.asarray(store[key]) for key in store.keys()})
@@ -246,34 +342,55 @@ class LossScalingGradientAccumulator(GradientAccumulator, _LossScaleOptimizer):
 
     Keras 2's `compile` wraps any optimizer that is not a `LossScaleOptimizer`
     in one for `mixed_float16` models; being one keeps the loss scaling inside
-    the window (see the module docstring). Made by `GradientAccumulator(...)`
+    the window. Made by `GradientAccumulator(...)`
     when given a `LossScaleOptimizer`; the loss-scale API is the inner one's.
     """
 
-    def get_scaled_loss(self, loss):
+    def get_scaled_loss(self, loss: tf.Tensor) -> tf.Tensor:
+        """The inner `LossScaleOptimizer`'s.
+
+        Args:
+            loss: the loss to scale.
+
+        Returns:
+            The scaled loss.
+        """
         return self.loss_scale_optimizer.get_scaled_loss(loss)
 
-    def get_unscaled_gradients(self, grads):
+    def get_unscaled_gradients(self, grads: list) -> list:
+        """The inner `LossScaleOptimizer`'s.
+
+        Args:
+            grads: the scaled gradients.
+
+        Returns:
+            The gradients unscaled.
+        """
         return self.loss_scale_optimizer.get_unscaled_gradients(grads)
 
     @property
     def dynamic(self):
+        """The inner `LossScaleOptimizer`'s `dynamic`."""
         return self.loss_scale_optimizer.dynamic
 
     @property
     def loss_scale(self):
+        """The inner `LossScaleOptimizer`'s `loss_scale`."""
         return self.loss_scale_optimizer.loss_scale
 
     @property
     def dynamic_counter(self):
+        """The inner `LossScaleOptimizer`'s `dynamic_counter`."""
         return self.loss_scale_optimizer.dynamic_counter
 
     @property
     def initial_scale(self):
+        """The inner `LossScaleOptimizer`'s `initial_scale`."""
         return self.loss_scale_optimizer.initial_scale
 
     @property
     def dynamic_growth_steps(self):
+        """The inner `LossScaleOptimizer`'s `dynamic_growth_steps`."""
         return self.loss_scale_optimizer.dynamic_growth_steps
 
 
