@@ -6,6 +6,7 @@ its refusals (random layers among them). Made by `accumulator.GradientCache(mode
 for a Keras 2 model; a TensorFlow Recommenders model goes to `keras2.task_cache`.
 """
 
+from __future__ import annotations
 
 from tfx_gradient_accumulator.accumulator import cache_passes, flavours, refusals, seam
 from tfx_gradient_accumulator.accumulator.keras2 import task_cache
@@ -25,8 +26,15 @@ _RANDOM_LAYERS = tuple(getattr(keras2.layers, name) for name in
 
 @keras2.utils.register_keras_serializable(package="accumulator")
 class GradientCache(keras2.Model):
-    """Trains a Keras 2 `model` on each batch in `accum_steps` micro-batches with the
-    whole batch's loss: exact large batches for losses that couple the batch.
+    """Trains a Keras 2 `model` on each batch in `accum_steps` micro-batches with the whole batch's loss.
+
+    Exact large batches for losses that couple the batch, in the Keras 3 class's three
+    passes. What Keras 2 does differently: the loss is the model's `compute_loss`
+    override, or else the compiled loss with the model's regularization losses, as
+    Keras 2's own `train_step` computes it; a `mixed_float16` model's
+    `LossScaleOptimizer` scales passes 2 and 3 and skips a non-finite step; Keras 2's
+    optimizers merge repeated rows themselves, as for the large batch. A TensorFlow
+    Recommenders model (`tfrs.Model`) has its task score the whole batch.
 
     ```python
     import tf_keras as keras          # or tf.keras with TF_USE_LEGACY_KERAS=1, or TF <= 2.15
@@ -42,9 +50,20 @@ class GradientCache(keras2.Model):
             axis is the batch) are what the loss scores. Unchanged: its
             `compute_loss`, if it overrides one, is the loss.
         accum_steps: micro-batches per batch (positive int), as for the Keras 3 class.
+        gather_across_replicas: False only: scoring the global batch is the Keras 3
+            class's.
+        **kwargs: passed on to Keras 2's `Model` (`name`, ...; `dtype` defaults to
+            the model's precision policy).
+
+    Raises:
+        TypeError: `model` is not a Keras 2 model, or `accum_steps` is not an integer.
+        ValueError: `accum_steps` < 1 or `gather_across_replicas=True`; in `fit`,
+            before any training: a trainable batch normalization, random layers
+            (`Dropout`, `GaussianNoise`, ...: Keras 2's generators cannot replay a
+            draw), activity regularizers or other losses added while the model runs.
     """
 
-    def __init__(self, model, accum_steps, gather_across_replicas=False, **kwargs):
+    def __init__(self, model, accum_steps: int, gather_across_replicas: bool = False, **kwargs):
         if not isinstance(model, keras2.Model):
             raise TypeError(f"`model` must be a Keras 2 `{keras2.__name__}.Model`; received "
                             f"{type(model).__name__}.")
@@ -83,20 +102,56 @@ class GradientCache(keras2.Model):
         finally:
             self.built = built
 
-    def build(self, input_shape=None):
+    def build(self, input_shape=None) -> None:
+        """Builds the wrapped model (when it is not built yet).
+
+        Args:
+            input_shape: the inputs' shape, for the wrapped model's `build`.
+        """
         if not self.model.built:
             self.model.build(input_shape)
         self.built = True
 
     def call(self, inputs, training=None):
+        """The wrapped model's outputs (the representations).
+
+        Args:
+            inputs: the wrapped model's inputs.
+            training: Keras' training flag.
+
+        Returns:
+            What the wrapped model returns.
+        """
         return self.model(inputs, training=training)
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):
+        """The wrapped model's own `compute_loss`, or else Keras 2's (the compiled loss).
+
+        Args:
+            x: the batch's inputs.
+            y: its targets.
+            y_pred: the whole batch's representations.
+            sample_weight: its sample weights.
+
+        Returns:
+            The batch's loss, a scalar tensor.
+        """
         if type(self.model).compute_loss is not keras2.Model.compute_loss:
             return self.model.compute_loss(x, y, y_pred, sample_weight)
         return super().compute_loss(x, y, y_pred, sample_weight)
 
-    def train_step(self, data):
+    def train_step(self, data) -> dict:
+        """One update from one batch, in the three passes.
+
+        Args:
+            data: the batch, `x` or `(x, y)` or `(x, y, sample_weight)`.
+
+        Returns:
+            The metrics' results, as Keras 2's `train_step` returns them.
+
+        Raises:
+            ValueError: the model holds a layer or a loss that would not be exact.
+        """
         self._refuse_what_would_not_be_exact()
         if self._task_attribute is not None:
             return task_cache.train_step(self, data, self._task_attribute)
@@ -118,7 +173,15 @@ class GradientCache(keras2.Model):
             optimizer.apply_gradients(zip(grads, variables))
         return self.compute_metrics(x, y, whole, sample_weight)
 
-    def test_step(self, data):
+    def test_step(self, data) -> dict:
+        """Keras 2's own, or a TFRS model's own evaluation.
+
+        Args:
+            data: the batch.
+
+        Returns:
+            The metrics' results.
+        """
         if self._task_attribute is not None:
             # A TFRS model has no `call`: its own evaluation (`compute_loss` with
             # training=False, its metrics and logs), as TFRS's `evaluate` runs it.
@@ -126,6 +189,7 @@ class GradientCache(keras2.Model):
         return super().test_step(data)
 
     def _refuse_what_would_not_be_exact(self):
+        """Refuses batch normalization, random layers and activity regularizers."""
         for layer in self.model.submodules:
             if not isinstance(layer, keras2.layers.Layer):
                 continue
@@ -145,15 +209,26 @@ class GradientCache(keras2.Model):
                     "into `compute_loss`, on the representations.")
 
     def _refuse_losses_added_while_running(self):
+        """Refuses losses beyond weight regularization: they would come from one micro-batch."""
         if len(self.model.losses) > seam.keras2_weight_regularization_count(self.model):
             raise ValueError(refusals.LOSSES_ADDED_WHILE_RUNNING)
 
-    def get_config(self):
+    def get_config(self) -> dict:
+        """The name, the wrapped model (serialized) and `accum_steps`."""
         return {"name": self.name, "model": keras2.utils.serialize_keras_object(self.model),
                 "accum_steps": self.accum_steps}
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(cls, config: dict, custom_objects: dict | None = None) -> GradientCache:
+        """Rebuilds it from `get_config()`.
+
+        Args:
+            config: what `get_config` returned.
+            custom_objects: Keras' custom objects, for the wrapped model.
+
+        Returns:
+            The `GradientCache`.
+        """
         config = dict(config)
         model = keras2.utils.deserialize_keras_object(config.pop("model"), custom_objects=custom_objects)
         return cls(model, **config)
