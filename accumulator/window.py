@@ -35,8 +35,15 @@ __all__ = [
 ]
 
 
-def optimizer_chain(optimizer):
-    """`optimizer` and every optimizer it wraps (`inner_optimizer`, `optimizers`)."""
+def optimizer_chain(optimizer) -> list:
+    """`optimizer` and every optimizer it wraps (`inner_optimizer`, `optimizers`).
+
+    Args:
+        optimizer: a Keras 3 or Keras 2 optimizer.
+
+    Returns:
+        The optimizers, `optimizer` first.
+    """
     chain, todo = [], [optimizer]
     while todo:
         current = todo.pop(0)
@@ -51,8 +58,16 @@ def optimizer_chain(optimizer):
     return chain
 
 
-def refuse_nested_accumulation(optimizer):
-    """Raises if `optimizer` already accumulates (ours, or Keras' own steps)."""
+def refuse_nested_accumulation(optimizer) -> None:
+    """Refuses an optimizer that already accumulates (ours, or Keras' own steps).
+
+    Args:
+        optimizer: the optimizer to wrap.
+
+    Raises:
+        TypeError: it (or one it wraps) is a `GradientAccumulator`.
+        ValueError: it was built with Keras' own `gradient_accumulation_steps`.
+    """
     for inner in optimizer_chain(optimizer):
         if isinstance(inner, AccumulationWindow):
             raise TypeError(
@@ -100,8 +115,12 @@ class NotedWeight(threading.local):
     def __init__(self):
         self.weight = self.graph = None
 
-    def hand_over(self, weight):
-        """Notes `weight` for this thread's next micro-batch, in the current graph."""
+    def hand_over(self, weight) -> None:
+        """Notes `weight` for this thread's next micro-batch, in the current graph.
+
+        Args:
+            weight: the micro-batch's loss denominator (a tensor or a number).
+        """
         self.weight, self.graph = weight, _tf.current_graph()
 
     def take(self):
@@ -238,8 +257,18 @@ class WindowState:
         self.accumulators, self.rows, self.overwrite_indices = accumulators, rows, overwrite
         self.strategy, self.accum_steps = tf.distribute.get_strategy(), steps
 
-    def index_of(self, variable):
-        """`variable`'s index in `variables`; raises for a variable the window was not built for."""
+    def index_of(self, variable) -> int:
+        """`variable`'s index in `variables`.
+
+        Args:
+            variable: a model variable.
+
+        Returns:
+            Its index.
+
+        Raises:
+            ValueError: the window was not built for it.
+        """
         index = self.index_by_id.get(id(variable))
         if index is None:
             raise ValueError(
@@ -348,9 +377,12 @@ class WindowReadings:
                 "construct it with `measure_noise_scale=True` (and accum_steps >= 2)."
             )
 
-    def add_window_listener(self, layer):
-        """Makes `layer` (an `AccumBatchNormalization`) follow the windows: closed with
-        partial windows, given every new `accum_steps`. Once per layer."""
+    def add_window_listener(self, layer) -> None:
+        """Makes `layer` follow the windows: closed with partial windows, given every new `accum_steps`.
+
+        Args:
+            layer: an `AccumBatchNormalization` (added once however often it is given).
+        """
         if not any(layer is known for known in self._state.listeners):
             self._state.listeners.append(layer)
 
@@ -399,12 +431,21 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
                           self.noise_scale_smoothing if self.measure_noise_scale else None)
 
     # ------------------------------------------------------- between windows
-    def close_partial_window(self, mode=None):
+    def close_partial_window(self, mode: str | None = None) -> int:
         """Applies ("apply"), keeps ("carry") or discards ("drop") an open window.
 
         Call it between training runs or where a custom loop's epoch ends;
         `fit` calls it with `partial_window` when an epoch and when training
-        ends. Returns the number of micro-batches the window held.
+        ends.
+
+        Args:
+            mode: "apply", "carry" or "drop"; None: the optimizer's `partial_window`.
+
+        Returns:
+            The number of micro-batches the window held.
+
+        Raises:
+            ValueError: `mode` is not one of those.
         """
         mode = validate_partial_window(mode or self.partial_window, name="mode")
         if not self._window_built() or self._passthrough:
@@ -449,8 +490,17 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
             s.close_function = tf.function(close)
         s.close_function()
 
-    def set_accum_steps(self, accum_steps):
-        """Changes the window length from the next window on (no retracing)."""
+    def set_accum_steps(self, accum_steps: int) -> None:
+        """Changes the window length from the next window on (no retracing).
+
+        Args:
+            accum_steps: the new micro-batches per window.
+
+        Raises:
+            TypeError: `accum_steps` is not an integer.
+            ValueError: `accum_steps` < 1, a pass-through (`accum_steps=1` without
+                `schedulable`) asked for more, or a window is open.
+        """
         accum_steps = validate_accum_steps(accum_steps)
         if self._passthrough and accum_steps != 1:
             raise ValueError(
@@ -476,6 +526,9 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
         The `compute_loss` hook calls it (`accumulator.weighting.note_batch`);
         `_apply_micro_batch` takes it, in the same thread and graph
         (`WindowState.noted_weight`). An explicit `micro_batch_weight` wins.
+
+        Args:
+            weight: the micro-batch's loss denominator.
         """
         self._state.noted_weight.hand_over(weight)
 
