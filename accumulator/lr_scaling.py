@@ -20,8 +20,17 @@ from tfx_gradient_accumulator.accumulator import flavours, seam
 from tfx_gradient_accumulator.accumulator.options import LR_SCALINGS, validate_lr_scaling  # noqa: F401  (its names here before)
 
 
-def lr_multiplier(rule, accum_steps, start_accum_steps):
-    """The learning-rate multiplier for `accum_steps` relative to `start_accum_steps`."""
+def lr_multiplier(rule: str, accum_steps: int, start_accum_steps: int) -> float:
+    """The learning-rate multiplier for `accum_steps` relative to `start_accum_steps`.
+
+    Args:
+        rule: "none", "linear" or "sqrt".
+        accum_steps: the window's micro-batches now.
+        start_accum_steps: those the given learning rate is for.
+
+    Returns:
+        1, r or sqrt(r), with r = accum_steps / start_accum_steps.
+    """
     ratio = accum_steps / start_accum_steps
     return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
 
@@ -29,30 +38,41 @@ def lr_multiplier(rule, accum_steps, start_accum_steps):
 class _ScaledScheduleRule:
     """`schedule(step) * multiplier`, the multiplier a variable set between windows."""
 
-    def __init__(self, schedule, multiplier=1.0):
+    def __init__(self, schedule, multiplier: float = 1.0):
+        """Wraps `schedule` (a `LearningRateSchedule` or a callable) with a variable multiplier."""
         self.schedule = schedule
         self.multiplier = tf.Variable(float(multiplier), trainable=False, dtype=tf.float32,
                                       name="lr_multiplier")
 
     def __call__(self, step):
+        """The learning rate at `step`, times the multiplier."""
         value = self.schedule(step) if hasattr(self.schedule, "get_config") else self.schedule()
         return tf.cast(value, tf.float32) * self.multiplier
 
-    def get_config(self):
+    def get_config(self) -> dict:
+        """The wrapped schedule (serialized) and the multiplier."""
         schedules = flavours.keras_package_of(self).optimizers.schedules
         return {"schedule": schedules.serialize(self.schedule),
                 "multiplier": float(self.multiplier.numpy())}
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict):
+        """Rebuilds it from `get_config()`."""
         keras_3 = issubclass(cls, keras.optimizers.schedules.LearningRateSchedule)
         schedules = (keras if keras_3 else flavours.keras2_module()).optimizers.schedules
         return cls(schedules.deserialize(config["schedule"]), config["multiplier"])
 
 
 @functools.lru_cache(maxsize=None)
-def scaled_schedule_class(keras_package):
-    """`ScaledSchedule` for `keras_package` (Keras 3 or Keras 2): each checks its own base class."""
+def scaled_schedule_class(keras_package) -> type:
+    """`ScaledSchedule` for `keras_package` (Keras 3 or Keras 2): each checks its own base class.
+
+    Args:
+        keras_package: the `keras` module, or Keras 2's (`tf_keras`).
+
+    Returns:
+        The class (made once per package).
+    """
     if keras_package is keras:
         return ScaledSchedule
     return type("ScaledSchedule", (_ScaledScheduleRule, keras_package.optimizers.schedules.LearningRateSchedule),
@@ -69,21 +89,32 @@ class LearningRateScaler:
     Args:
         rule: "none", "linear" or "sqrt".
         start_accum_steps: the accum_steps whose learning rate is the one given.
+
+    Raises:
+        ValueError: `rule` is not one of those.
     """
 
-    def __init__(self, rule, start_accum_steps):
+    def __init__(self, rule: str, start_accum_steps: int):
         self.rule = validate_lr_scaling(rule)
         self.start_accum_steps = int(start_accum_steps)
         self.multiplier = 1.0
         self._inner = None
         self._base = None
 
-    def attach(self, inner_optimizer, accum_steps):
-        """Prepares `inner_optimizer` (before its step is traced); True if it changed.
+    def attach(self, inner_optimizer, accum_steps: int) -> bool:
+        """Prepares `inner_optimizer` (before its step is traced).
 
         A constant learning rate is taken as the one for the optimizer's current
         `accum_steps` (already scaled when a run resumes after a change), so the
-        unscaled one is that divided by the multiplier for `accum_steps`.
+        unscaled one is that divided by the multiplier for `accum_steps`. A schedule
+        is wrapped once in a `ScaledSchedule`.
+
+        Args:
+            inner_optimizer: the optimizer whose learning rate is scaled.
+            accum_steps: the window's micro-batches now.
+
+        Returns:
+            True when its learning rate was replaced (by a `ScaledSchedule`).
         """
         if self.rule == "none" or self._inner is inner_optimizer:
             return False
@@ -107,8 +138,15 @@ class LearningRateScaler:
         self._base = float(given.numpy() if hasattr(given, "numpy") else given) / self.multiplier
         return False
 
-    def set(self, accum_steps):
-        """Scales the learning rate for `accum_steps`; returns the multiplier."""
+    def set(self, accum_steps: int) -> float:
+        """Scales the learning rate for `accum_steps`.
+
+        Args:
+            accum_steps: the window's micro-batches from now on.
+
+        Returns:
+            The multiplier.
+        """
         self.multiplier = lr_multiplier(self.rule, accum_steps, self.start_accum_steps)
         if self._inner is None or self.rule == "none":
             return self.multiplier
