@@ -16,8 +16,16 @@ from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
 logger = logging.getLogger(__name__)
 
 
-def accum_steps_at(schedule, epoch):
-    """The accum_steps in force at `epoch` (the last change at or before it; 1 before any)."""
+def accum_steps_at(schedule: dict, epoch: int) -> int:
+    """The accum_steps in force at `epoch`.
+
+    Args:
+        schedule: `{epoch (or update): accum_steps}`, sorted.
+        epoch: the epoch (or update count).
+
+    Returns:
+        The value of the last change at or before `epoch`; 1 before any.
+    """
     steps = 1
     for start, value in schedule.items():
         if start <= epoch:
@@ -45,6 +53,10 @@ class _EpochWindowsRule:
     Args:
         epoch_end: "apply", "carry" or "drop"; `None` (the default) follows the
             optimizer's `partial_window`.
+
+    Raises:
+        ValueError: `epoch_end` is not one of those.
+        TypeError: in `fit`, the model's optimizer is not a `GradientAccumulator`.
     """
 
     def __init__(self, epoch_end=None):
@@ -54,6 +66,7 @@ class _EpochWindowsRule:
         self._reported = False
 
     def _optimizer(self):
+        """The model's `GradientAccumulator`; TypeError for any other optimizer."""
         optimizer = self.model.optimizer
         if not isinstance(optimizer, AccumulationWindow):
             raise TypeError(
@@ -63,31 +76,38 @@ class _EpochWindowsRule:
         return optimizer
 
     def on_train_begin(self, logs=None):
+        """Keras' hook: a new `fit` reports a short window again."""
         self._reported = False
 
     def on_epoch_begin(self, epoch, logs=None):
+        """Keras' hook: an epoch's training begins."""
         self._training_epoch = True
 
     def on_test_begin(self, logs=None):
+        """Keras' hook: inside `fit`, the epoch's window closes before validation."""
         # Inside `fit`, validation follows the epoch's last micro-batch.
         if self._training_epoch:
             self._close_epoch_window()
 
     def on_epoch_end(self, epoch, logs=None):
+        """Keras' hook: the epoch's window closes (unless validation closed it); `noise_scale` logged."""
         if self._training_epoch:
             self._close_epoch_window()
         self._training_epoch = False
         self._log_noise_scale(logs)
 
     def on_train_batch_end(self, batch, logs=None):
+        """Keras' hook: `noise_scale` logged when measured."""
         self._log_noise_scale(logs)
 
     def _log_noise_scale(self, logs):
+        """`logs["noise_scale"]` when the optimizer measures it."""
         optimizer = getattr(self.model, "optimizer", None)
         if logs is not None and isinstance(optimizer, AccumulationWindow) and optimizer.measure_noise_scale:
             logs["noise_scale"] = optimizer.noise_scale
 
     def _close_epoch_window(self):
+        """Closes the open window as `epoch_end` (or `partial_window`) says; logs a short one once."""
         self._training_epoch = False
         optimizer = self._optimizer()
         mode = self.epoch_end or optimizer.partial_window
@@ -127,9 +147,15 @@ class _AccumulationScheduleRule(_EpochWindowsRule):
             ends; `None` follows the optimizer's `partial_window`.
         by: "epoch" (the default) or "update".
         lr_scaling: "none" (the default), "linear" or "sqrt".
+
+    Raises:
+        ValueError: `schedule`, `epoch_end`, `by` or `lr_scaling` out of its allowed
+            values.
+        TypeError: a schedule value is not an integer; in `fit`, the model's
+            optimizer is not a `GradientAccumulator`.
     """
 
-    def __init__(self, schedule, epoch_end=None, by="epoch", lr_scaling="none"):
+    def __init__(self, schedule: dict, epoch_end=None, by: str = "epoch", lr_scaling: str = "none"):
         super().__init__(epoch_end)
         self.schedule = validate_schedule(schedule)
         if by not in ("epoch", "update"):
@@ -138,6 +164,7 @@ class _AccumulationScheduleRule(_EpochWindowsRule):
         self.scaler = LearningRateScaler(lr_scaling, accum_steps_at(self.schedule, 0))
 
     def set_model(self, model):
+        """Keras' hook: the learning-rate rule attached to the model's optimizer."""
         super().set_model(model)
         optimizer = getattr(model, "optimizer", None)
         if not isinstance(optimizer, AccumulationWindow):
@@ -147,6 +174,7 @@ class _AccumulationScheduleRule(_EpochWindowsRule):
             model.train_function = None
 
     def on_train_begin(self, logs=None):
+        """Keras' hook: the rule attached; with `by="update"`, the schedule's value now."""
         super().on_train_begin(logs)
         optimizer = self._optimizer()
         self.scaler.attach(optimizer.inner_optimizer, optimizer.accum_steps)
@@ -154,6 +182,7 @@ class _AccumulationScheduleRule(_EpochWindowsRule):
             self._follow_updates()
 
     def on_epoch_begin(self, epoch, logs=None):
+        """Keras' hook: the schedule's `accum_steps` for this epoch (or update count)."""
         super().on_epoch_begin(epoch, logs)
         if self.by == "epoch":
             self._change_to(accum_steps_at(self.schedule, epoch))
@@ -161,22 +190,26 @@ class _AccumulationScheduleRule(_EpochWindowsRule):
             self._follow_updates()
 
     def on_train_batch_end(self, batch, logs=None):
+        """Keras' hook: with `by="update"`, a change at a window boundary; the logs."""
         super().on_train_batch_end(batch, logs)
         if self.by == "update":
             self._follow_updates()
         self._log_schedule(logs)
 
     def on_epoch_end(self, epoch, logs=None):
+        """Keras' hook: the window closed; `accum_steps` and `lr_multiplier` logged."""
         super().on_epoch_end(epoch, logs)
         self._log_schedule(logs)
 
     def _follow_updates(self):
+        """At a window boundary, the schedule's value for the updates done."""
         optimizer = self._optimizer()
         if optimizer.held_micro_batches:
             return
         self._change_to(accum_steps_at(self.schedule, int(optimizer.iterations.numpy())))
 
     def _change_to(self, steps):
+        """`accum_steps = steps` (an open window applied first) and the learning rate scaled."""
         optimizer = self._optimizer()
         if steps != optimizer.accum_steps:
             optimizer.close_partial_window("apply")
@@ -185,15 +218,20 @@ class _AccumulationScheduleRule(_EpochWindowsRule):
             self.scaler.set(steps)
 
     def _log_schedule(self, logs):
+        """`accum_steps` and `lr_multiplier` into `logs`."""
         if logs is not None:
             logs["accum_steps"] = self._optimizer().accum_steps
             logs["lr_multiplier"] = self.scaler.multiplier
 
 
-def window_callback_classes(keras_package):
-    """(EpochWindows, AccumulationSchedule) for `keras_package` (Keras 3 or Keras 2).
+def window_callback_classes(keras_package) -> tuple:
+    """Deprecated: `EpochWindows.for_keras(keras_package)`, `AccumulationSchedule.for_keras(...)`.
 
-    Deprecated: `EpochWindows.for_keras(keras_package)`, `AccumulationSchedule.for_keras(...)`.
+    Args:
+        keras_package: the `keras` module, or Keras 2's (`tf_keras`).
+
+    Returns:
+        `(EpochWindows, AccumulationSchedule)` of that Keras.
     """
     return EpochWindows.for_keras(keras_package), AccumulationSchedule.for_keras(keras_package)
 
