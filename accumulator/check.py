@@ -17,6 +17,7 @@ import logging
 import numbers
 import sys
 from typing import Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING
 
 import keras
 import numpy as np
@@ -24,6 +25,9 @@ import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import flavours, seam
 from tfx_gradient_accumulator.accumulator.options import WindowOptions, integer_at_least
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 if flavours.keras_is_3():
     from tfx_gradient_accumulator.accumulator.optimizer import GradientAccumulator
@@ -521,8 +525,8 @@ def _compare(reference, floor_model, accumulated, initial, optimizer, tolerance,
 
 # ---------------------------------------------------------------- the arbiter
 @contextlib.contextmanager
-def float64_policy():
-    """Keras' global dtype policy set to float64 inside; restored on leaving, also on error.
+def float64_policy() -> Iterator[None]:
+    """Context: Keras' global dtype policy is float64 inside; restored on leaving, also on error.
 
     A model that a `model_fn` builds inside (layers that do not fix their own dtype) has
     float64 variables and computes in float64. Keras' `floatx` stays as it was: set to
@@ -556,13 +560,22 @@ class _Float64Loss(keras.losses.Loss):
 
 
 def float64_loss(loss):
-    """`loss` (what `compile` takes: a name, a function, a Keras `Loss`, or a dict or list
-    of them) as Keras `Loss` objects that compute in float64.
+    """`loss` as Keras `Loss` objects that compute in float64.
 
     A Keras loss casts the predictions to its own dtype, `floatx` (float32) unless told
     otherwise: left so, a float64 model's gradients would start from float32 rounding.
-    Raises ValueError naming the loss when it cannot be rebuilt in float64 (a `Loss`
-    subclass whose config or constructor takes no `dtype`)."""
+
+    Args:
+        loss: what `compile` takes: a name, a function, a Keras `Loss`, or a dict or
+            list of them.
+
+    Returns:
+        The same structure, of float64 `Loss` objects.
+
+    Raises:
+        ValueError: a loss cannot be rebuilt in float64 (a `Loss` subclass whose config
+            or constructor takes no `dtype`); the message names it.
+    """
     def rebuilt(item):
         if item is None:
             return None
@@ -584,8 +597,14 @@ def float64_loss(loss):
 
 
 def to_float64(structure):
-    """`structure` (arrays, dicts, lists, None) with its floating arrays cast to float64; the
-    rest (integer ids, masks) unchanged. Float32 values are exact in float64."""
+    """`structure` with its floating arrays cast to float64 (float32 values are exact in float64).
+
+    Args:
+        structure: arrays, dicts, lists, None.
+
+    Returns:
+        The same structure; the rest (integer ids, masks) unchanged.
+    """
     def cast(leaf):
         if leaf is None:
             return None
@@ -594,11 +613,23 @@ def to_float64(structure):
     return None if structure is None else tf.nest.map_structure(cast, structure)
 
 
-def as_close_as_keras(accumulated_to_float64, keras_to_float64, factor=DEFAULT_ARBITER_FACTOR):
-    """The arbiter's rule for one variable: the accumulated float32 run is no farther from
-    Keras' float64 large batch than `factor` times Keras' own float32 large batch is, plus
-    `ARBITER_SLACK`. Both float32 runs are then the same training up to float32 rounding:
-    the accumulator's rounding differs from Keras', not its arithmetic."""
+def as_close_as_keras(accumulated_to_float64: float, keras_to_float64: float,
+                      factor: float = DEFAULT_ARBITER_FACTOR) -> bool:
+    """The arbiter's rule for one variable.
+
+    Both float32 runs are the same training up to float32 rounding when the
+    accumulated one is about as close to exact arithmetic as Keras' own: the
+    accumulator's rounding then differs from Keras', not its arithmetic.
+
+    Args:
+        accumulated_to_float64: max |Δw| of the accumulated float32 run from Keras'
+            float64 large batch.
+        keras_to_float64: the same for Keras' float32 large batch.
+        factor: how many times Keras' own distance is allowed.
+
+    Returns:
+        Whether `accumulated_to_float64 <= factor * keras_to_float64 + ARBITER_SLACK`.
+    """
     return accumulated_to_float64 <= factor * keras_to_float64 + ARBITER_SLACK
 
 
@@ -862,8 +893,20 @@ def _keras_version(model):
 
 
 # --------------------------------------------------------------- the command
-def load_target(spec):
-    """What `module:function` returns, as `check_exact`'s keyword arguments."""
+def load_target(spec: str) -> dict:
+    """What `module:function` returns, as `check_exact`'s keyword arguments.
+
+    Args:
+        spec: `module:function`; the function returns `(model_fn, data, optimizer_fn)`
+            or a dict of `check_exact`'s arguments.
+
+    Returns:
+        `check_exact`'s keyword arguments.
+
+    Raises:
+        ValueError: `spec` is not `module:function`, names no function, or the function
+            returns neither form.
+    """
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
         raise ValueError(f"Expected `module:function` (e.g. `my_models:exactness_setup`); received {spec!r}.")
     module_name, function_name = spec.split(":")
@@ -883,8 +926,14 @@ def load_target(spec):
 def main(argv=None):
     """`python -m tfx_gradient_accumulator.accumulator.check module:function [--accum_steps N ...] [--arbiter]`.
 
-    Prints the report; exit status 0 when exact (or exact by the float64 arbiter), 1 when
-    not (2: bad arguments).
+    Prints the report.
+
+    Args:
+        argv: the command line's arguments (None: `sys.argv[1:]`).
+
+    Returns:
+        The exit status: 0 when exact (or exact by the float64 arbiter), 1 when not
+        (2: bad arguments).
     """
     parser = argparse.ArgumentParser(
         prog="python -m tfx_gradient_accumulator.accumulator.check",
