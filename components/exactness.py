@@ -1,36 +1,17 @@
 """`AccumulatingTrainer(verify_exactness=...)`: `check_exact` on the run_fn's model, before training.
 
-With `verify_exactness=True` (or "refuse") the executor first runs the user's
-run_fn up to its `fit` call, without accumulation, and stops it there: the
-model it compiled (architecture, initial weights, loss, optimizer) and the
-training data it passes to `fit` (at the micro-batch, as training reads them)
-are what `accumulator.check_exact` checks, on one device, for `UPDATES`
-updates at the run's `accum_steps` (and `merge_duplicate_rows`). Then the run
-trains as without the check. The verdict is recorded on the `model` and
-`model_run` artifacts (ML Metadata, and `record.json`):
-
-* `exactness`: "exact", "differs" or "not checked";
-* `exactness_max_delta` (float): the largest max |Δw| over the model's variables;
-* `exactness_detail`: the variables that differ with their kinds, or why nothing
-  was checked.
-
-The training after the check is the one without it: the random state (seeds and
-generators of Python, NumPy, TensorFlow and Keras) and Keras' global dtype policy
-are put back as they were before the probe. The probe runs the run_fn under the
-executor's strategy, as training will (a strategy the run_fn makes stands in for
-it). On a cluster every process probes (building the model runs collectives), the
-chief alone checks, and every process takes the chief's verdict through one
-all-reduce: all train, or all refuse; only the chief records.
-
-`verify_exactness="refuse"` stops before training when the verdict is not
-"exact" (a model that differs, or one the check cannot run on), with the report
-in the message. Not checked: `gradient_cache=True` (no window to compare) and
-`accum_steps=1` (nothing accumulates).
+The run_fn runs up to its `fit` (`probe`), the model and data it reached are checked
+(`verify`), the random state is put back, and the verdict (`exactness`,
+`exactness_max_delta`, `exactness_detail`) is recorded on the artifacts (`record`);
+"refuse" stops before training unless the verdict is "exact".
 """
+
+from __future__ import annotations
 
 import copy
 import dataclasses
 import tempfile
+from typing import TYPE_CHECKING
 from typing import Optional
 
 import keras
@@ -42,6 +23,9 @@ from tfx_gradient_accumulator.accumulator import flavours, seam
 from tfx_gradient_accumulator.accumulator.check import check_exact
 from tfx_gradient_accumulator.components import run_fn_swaps
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 VERIFY_EXACTNESS_KEY = "verify_exactness"
 MODES = (False, True, "refuse")
 UPDATES = 2
@@ -49,8 +33,18 @@ EXACT, DIFFERS, NOT_CHECKED = VERDICTS = ("exact", "differs", "not checked")
 _STORED = {True: "record", "refuse": "refuse"}
 
 
-def validate_mode(mode):
-    """`verify_exactness` as stored in the pipeline: None (off), "record" or "refuse"."""
+def validate_mode(mode: bool | str | None) -> str | None:
+    """`verify_exactness` as stored in the pipeline.
+
+    Args:
+        mode: False, True or "refuse" (or a stored value: None, "", "record").
+
+    Returns:
+        None (off), "record" or "refuse".
+
+    Raises:
+        ValueError: `mode` is none of those.
+    """
     if mode is None or mode is False or mode == "":
         return None
     if mode is True or mode in ("record", "refuse"):
@@ -68,15 +62,25 @@ class Verdict:
     report: object = None
 
 
-def probe(run_fn, fn_args, strategy=None):
-    """Runs `run_fn` until its first `fit`; returns that `run_fn_swaps.FitReached`, or None if none came.
+def probe(run_fn: Callable, fn_args, strategy: tf.distribute.Strategy | None = None
+          ) -> run_fn_swaps.FitReached | None:
+    """Runs `run_fn` until its first `fit`.
 
     It runs as training will: under `strategy` (the executor's), with the strategies
     the run_fn constructs standing in for it, so the run_fn sees the replicas it
     will train on, and never makes a second strategy beside a
     `MultiWorkerMirroredStrategy` (TF 2.16 segfaults). On a cluster every process
     probes: building the model there runs collectives (its initial values come from
-    the chief)."""
+    the chief).
+
+    Args:
+        run_fn: the user's run_fn.
+        fn_args: its `FnArgs` (copied; its output folders point at a scratch folder).
+        strategy: the executor's strategy.
+
+    Returns:
+        The `run_fn_swaps.FitReached` of its first `fit`, or None if none came.
+    """
     fn_args = copy.copy(fn_args)
     scratch = tempfile.mkdtemp(prefix="exactness-probe-")
     fn_args.serving_model_dir, fn_args.model_run_dir = f"{scratch}/serving", f"{scratch}/run"
@@ -89,6 +93,7 @@ def probe(run_fn, fn_args, strategy=None):
 
 
 def _check_arguments(reached, settings):
+    """`check_exact`'s arguments from the model and data the run_fn reached `fit` with."""
     model = reached.model
     if getattr(model, "optimizer", None) is None or not getattr(model, "loss", None):
         raise ValueError("the run_fn's model was not compiled with an optimizer and a loss before `fit`")
@@ -110,20 +115,36 @@ def _check_arguments(reached, settings):
 
 
 def _refuse(why):
+    """Raises for "refuse" when nothing could be checked."""
     raise RuntimeError(
         f"AccumulatingTrainer(verify_exactness='refuse') could not check the run_fn's model ({why}), "
         "so nothing was trained. Set verify_exactness=True to train anyway and record 'not checked'.")
 
 
-def verify(run_fn, fn_args, settings, mode, strategy=None, role=None) -> Optional[Verdict]:
-    """Runs the check when `mode` (the stored `verify_exactness`) asks for it; raises for
-    "refuse" on anything but exact. Returns the `Verdict` to record, or None (off).
+def verify(run_fn: Callable, fn_args, settings, mode: str | None, strategy: tf.distribute.Strategy | None = None,
+           role=None) -> Optional[Verdict]:
+    """Runs the check when `mode` asks for it.
 
     On a cluster (`role.workers` > 1) every process probes the run_fn, the chief alone
     checks, and every process gets the chief's verdict (one collective), so all of
     them train, or all refuse. Whatever the check drew, the run's random state
     (seeds, generators) is put back as it was before the probe: the training that
-    follows is the one without the check."""
+    follows is the one without the check.
+
+    Args:
+        run_fn: the user's run_fn.
+        fn_args: its `FnArgs`.
+        settings: the run's resolved accumulation settings.
+        mode: the stored `verify_exactness` (None, "record" or "refuse").
+        strategy: the executor's strategy.
+        role: this process's place in a cluster (None: one process).
+
+    Returns:
+        The `Verdict` to record, or None (off).
+
+    Raises:
+        RuntimeError: `mode` is "refuse" and the verdict is not "exact".
+    """
     if not mode:
         return None
     if settings.gradient_cache:
@@ -146,6 +167,7 @@ def verify(run_fn, fn_args, settings, mode, strategy=None, role=None) -> Optiona
 
 
 def _not_checked(why):
+    """The verdict "not checked", with why."""
     return Verdict(NOT_CHECKED, detail=why)
 
 
@@ -223,9 +245,13 @@ def _forget_the_check(before):
     seam.restore_random_state(random_state)
 
 
-def record(output_dict, verdict: Optional[Verdict]) -> None:
-    """Sets `exactness`, `exactness_max_delta`, `exactness_detail` on the `model` and
-    `model_run` artifacts."""
+def record(output_dict: dict, verdict: Optional[Verdict]) -> None:
+    """Sets `exactness`, `exactness_max_delta`, `exactness_detail` on the `model` and `model_run` artifacts.
+
+    Args:
+        output_dict: the executor's output artifacts, by key.
+        verdict: what `verify` returned (None: nothing is recorded).
+    """
     if verdict is None:
         return
     keys = (standard_component_specs.MODEL_KEY, standard_component_specs.MODEL_RUN_KEY)
