@@ -1,17 +1,9 @@
 """What the Trainer changes in Keras and TensorFlow while it runs a run_fn: the component's one place.
 
-The library's own changes are `accumulator.hooks` (and `accumulating_compile`);
-these are the component's, each restored when its context closes:
-
-* `strategies_made_map_onto`: every `MirroredStrategy`, `OneDeviceStrategy` and
-  `MultiWorkerMirroredStrategy` the run_fn constructs becomes the executor's
-  strategy (its class, its state, its scope), so a module written for the stock
-  Trainer (TFX's penguin example makes `MirroredStrategy()`) trains under the
-  strategy the run was sized for, and never builds a second strategy beside a
-  `MultiWorkerMirroredStrategy` (TF 2.16 segfaults). The kinds that would train
-  differently are refused when constructed.
-* `fits_stopped`: `Model.fit` (Keras 3's, and Keras 2's) raises `FitReached`, so
-  `verify_exactness`'s probe gets the run_fn's model and data without training.
+`strategies_made_map_onto`: the strategies a run_fn constructs stand in for the
+executor's; `fits_stopped`: `Model.fit` raises `FitReached` (for `verify_exactness`'s
+probe). Each is restored when its context closes; the library's own changes are
+`accumulator.hooks`.
 """
 
 import contextlib
@@ -35,6 +27,7 @@ REFUSED_STRATEGIES = ("experimental.CentralStorageStrategy", "experimental.Param
 
 
 def _strategy_classes(names):
+    """`{name: class}` of the `tf.distribute` strategies this TensorFlow has, each class once."""
     found = {}
     for name in names:
         owner = tf.distribute
@@ -46,7 +39,15 @@ def _strategy_classes(names):
 
 
 def is_stand_in(candidate: object, strategy: tf.distribute.Strategy) -> bool:
-    """Whether `candidate` is a strategy made inside `strategies_made_map_onto(strategy)`."""
+    """Whether `candidate` is a strategy made inside `strategies_made_map_onto(strategy)`.
+
+    Args:
+        candidate: any object.
+        strategy: the executor's strategy.
+
+    Returns:
+        True for a stand-in (not `strategy` itself).
+    """
     return candidate is not strategy and getattr(candidate, "__dict__", None) is strategy.__dict__
 
 
@@ -57,7 +58,18 @@ def strategies_made_map_onto(strategy: tf.distribute.Strategy):
 
     Enter it inside `accumulating_compile(strategy=...)` (or `hooks.strategy_scopes_map_onto`):
     a stand-in's `scope()` then reaches the library's mapping as `strategy` itself,
-    which warns only of strategies the run_fn did not get from here.
+    which warns only of strategies the run_fn did not get from here. A module written
+    for the stock Trainer (TFX's penguin example makes `MirroredStrategy()`) so trains
+    under the strategy the run was sized for, and never builds a second strategy
+    beside a `MultiWorkerMirroredStrategy` (TF 2.16 segfaults).
+
+    Args:
+        strategy: the executor's strategy.
+
+    Raises:
+        ValueError: inside, when the run_fn constructs a strategy that would train
+            differently (`REFUSED_STRATEGIES`: parameter servers, a central copy of
+            the variables, TPUs).
 
     Raises:
         ValueError: when one of `REFUSED_STRATEGIES` is constructed inside; it names it.
@@ -100,10 +112,14 @@ def strategies_made_map_onto(strategy: tf.distribute.Strategy):
 
 @contextlib.contextmanager
 def under_strategy(strategy: tf.distribute.Strategy = None):
-    """Context: `strategy`'s scope, every scope opened inside mapped onto it, and the
-    strategies made inside standing in for it, in the order the executor's training
-    has them (`accumulating_compile(strategy=...)`, then `strategies_made_map_onto`).
-    Nothing with `strategy=None`."""
+    """Context: `strategy`'s scope, its scopes mapped, its stand-ins made, as training has them.
+
+    In the order the executor's training has them (`accumulating_compile(strategy=...)`,
+    then `strategies_made_map_onto`).
+
+    Args:
+        strategy: the executor's strategy; None changes nothing.
+    """
     with contextlib.ExitStack() as stack:
         if strategy is not None:
             if strategy is not tf.distribute.get_strategy() or tf.distribute.has_strategy():
@@ -117,11 +133,20 @@ class FitReached(Exception):
     """Raised by `Model.fit` inside `fits_stopped()`: the run_fn's model and data are known, nothing trained."""
 
     def __init__(self, model, x, y, batch_size):
+        """Holds what `fit` was called with.
+
+        Args:
+            model: the model `fit` was called on.
+            x: `fit`'s `x`.
+            y: `fit`'s `y`.
+            batch_size: `fit`'s `batch_size`.
+        """
         super().__init__("fit reached")
         self.model, self.x, self.y, self.batch_size = model, x, y, batch_size
 
 
 def _fit_that_stops(original):
+    """A `fit` that raises `FitReached` instead of training."""
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         raise FitReached(self, x, y, batch_size)
 
