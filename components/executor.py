@@ -1,19 +1,9 @@
 """Executor of `AccumulatingTrainer`: the stock generic Trainer plus accumulation.
 
-It resolves the accumulation settings (hyperparameters, then component
-parameters, then defaults) and the distribution strategy before anything
-trains, runs the user's unchanged run_fn with every compiled optimizer wrapped
-in `GradientAccumulator` (with `gradient_cache`: every compiled
-`GradientCache` given the `accum_steps` and `gather_across_replicas`, its
-optimizer left plain), backed up
-when `backup_dir` is set (`components.preemption`), and records what happened
-on the output artifacts (ML Metadata) and in the run's TensorBoard logs.
-
-On a cluster (`TF_CONFIG`), every process runs this with the same artifacts:
-the chief exports and records, the others write to temporary folders
-(`components.cluster`). The record is also written as `accumulation/record.json`
-in the ModelRun, from which `tfx_gradient_accumulator.components.cloud.VertexExecutor` copies it onto
-the artifacts it publishes.
+`Executor.Do` resolves the settings and the strategy before anything trains, runs the
+user's unchanged run_fn with every compiled optimizer wrapped in `GradientAccumulator`
+(or every `GradientCache` given its `accum_steps`), and records what happened on the
+output artifacts and in TensorBoard. On a cluster the chief exports and records.
 """
 
 import dataclasses
@@ -93,6 +83,22 @@ class Executor(tfx_trainer_executor.GenericExecutor):
         output_dict: Dict[str, List[types.Artifact]],
         exec_properties: Dict[str, Any],
     ) -> None:
+        """Trains the user's run_fn with accumulation, in TFX's executor shape.
+
+        Log, fn_args, run_fn, settings, (the exactness check), train under
+        `accumulating_compile`, check the export, record.
+
+        Args:
+            input_dict: the input artifacts by key (as the stock Trainer's).
+            output_dict: the output artifacts by key (`model`, `model_run`).
+            exec_properties: the component's parameters, accumulation ones included.
+
+        Raises:
+            ValueError: no run_fn, or a setting out of its allowed values (for
+                values known only now: tuned ones, the replica count).
+            RuntimeError: `verify_exactness="refuse"` and the model is not exact, or
+                a peer of the cluster died (`components.cluster`).
+        """
         self._log_startup(input_dict, output_dict, exec_properties)
         fn_args = self._GetFnArgs(input_dict, output_dict, exec_properties)
         run_fn = _load_run_fn(exec_properties)
@@ -122,6 +128,7 @@ class Executor(tfx_trainer_executor.GenericExecutor):
 
 
 def _load_run_fn(exec_properties):
+    """The user's `run_fn`; ValueError naming where none was found."""
     try:
         return udf_utils.get_fn(exec_properties, "run_fn")
     except (AttributeError, ValueError) as err:
@@ -134,6 +141,7 @@ def _load_run_fn(exec_properties):
 
 
 def _as_bool(value):
+    """A stored 0/1 as a bool; any other value unchanged."""
     # Stored as an int (0/1) in the pipeline, as SchemaGen's infer_feature_shape.
     return bool(value) if isinstance(value, int) and value in (0, 1) else value
 
@@ -150,6 +158,7 @@ def _resolve_settings(hyperparameters, exec_properties, replicas):
 
 
 def _describe(run, train_steps):
+    """One log line: what the run trains with."""
     settings, strategy, role = run.settings, run.strategy, run.role
     micro_batch = settings.micro_batch or "the run_fn's"
     if settings.gradient_cache:
