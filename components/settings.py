@@ -1,23 +1,13 @@
-"""Accumulation settings of a training run: resolved, validated, then frozen.
+"""Accumulation settings of a training run: resolved, validated, then frozen (`resolve`).
 
-Precedence: the hyperparameters artifact (the Tuner's best) over the
-component's parameters over the defaults. Everything is checked here, before
-any training starts, so a bad value fails the component with a message that
-names it.
-
-Two ways to train an effective batch in `accum_steps` micro-batches, and what
-the run_fn sees with each:
-
-* `GradientAccumulator` (the default): training datasets come at the
-  micro-batch, and one optimizer update takes `accum_steps` of `fit`'s steps;
-* `GradientCache` (`gradient_cache=True`, for losses that couple the batch:
-  in-batch negatives, contrastive): training datasets come at the effective
-  batch, one `fit` step is one update, and the model cuts each batch into
-  `accum_steps` micro-batches itself. Under a strategy with R replicas it
-  scores each replica's share alone (as Keras' large batch does under the
-  strategy), or with `gather_across_replicas=True` the whole global batch on
-  every replica (as one device would).
+Precedence: the hyperparameters artifact (the Tuner's best) over the component's
+parameters over the defaults. Everything is checked here, before any training starts,
+so a bad value fails the component with a message that names it. Also what
+`gradient_cache=True` changes: the batch the run_fn reads, steps per update, and what
+it refuses.
 """
+
+from __future__ import annotations
 
 import dataclasses
 from typing import Any, Dict, Optional
@@ -127,7 +117,14 @@ class AccumulationSettings:
 
 
 def hyperparameter_values(hyperparameters: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    """Values from a KerasTuner `HyperParameters.get_config()` dict (or a plain dict)."""
+    """The values of a KerasTuner `HyperParameters.get_config()` dict (or a plain dict).
+
+    Args:
+        hyperparameters: the dict, or None.
+
+    Returns:
+        `{name: value}` (empty for None).
+    """
     if not hyperparameters:
         return {}
     if "values" in hyperparameters and isinstance(hyperparameters["values"], dict):
@@ -172,6 +169,32 @@ def resolve(
     micro-batches of `effective_batch_size / 2` samples (the effective batch to
     start from, which must be given) up to `max_effective_batch_size`; a tuned
     `accum_steps` does not apply then.
+
+    Args:
+        hyperparameters: the Tuner's best (`HyperParameters.get_config()`), or None.
+        accum_steps: the component's `accum_steps` (an int, "auto" or None).
+        effective_batch_size: the component's, or None.
+        replicas: the replicas of the run's strategy, over all workers.
+        schedule: `{epoch or update: accum_steps}`, or None.
+        partial_window: "apply", "carry" or "drop" (None: "apply").
+        measure_noise_scale: whether to measure the noise scale (None: False).
+        noise_scale_smoothing: its decay (None: 0.99).
+        merge_duplicate_rows: the component's (None: False).
+        gradient_cache: the component's (None: False).
+        schedule_by: "epoch" or "update" (None: "epoch").
+        lr_scaling: "none", "linear" or "sqrt" (None: "none").
+        max_effective_batch_size: the limit of "auto" (needed with it, refused without).
+        gather_across_replicas: the component's (None: False; needs `gradient_cache`).
+
+    Returns:
+        The frozen `AccumulationSettings`.
+
+    Raises:
+        ValueError: a value out of its allowed values, or values that do not go
+            together (the effective batch not divisible by accum_steps x replicas,
+            measuring without windows, "auto" with a schedule, ...); each message
+            names the parameter and where its value came from.
+        TypeError: a count that is not an integer.
     """
     partial_window = validate_partial_window(partial_window or "apply")
     cache = boolean_parameter(gradient_cache, GRADIENT_CACHE)
@@ -251,9 +274,19 @@ def resolve(
                                 max_effective_batch_size, gather)
 
 
-def refuse_measuring_without_windows(schedule, accum_steps, sources):
-    """Raises unless some window holds two or more micro-batches: the noise scale
-    compares each micro-batch's gradient with its window's."""
+def refuse_measuring_without_windows(schedule: dict | None, accum_steps: int, sources: dict) -> None:
+    """Refuses measuring the noise scale unless some window holds two or more micro-batches.
+
+    The noise scale compares each micro-batch's gradient with its window's.
+
+    Args:
+        schedule: the run's schedule, or None.
+        accum_steps: the run's `accum_steps`.
+        sources: where each setting came from, by name (for the message).
+
+    Raises:
+        ValueError: no window of two or more micro-batches.
+    """
     if max(schedule.values() if schedule else [accum_steps]) >= 2:
         return
     where = ("`accum_schedule` never goes above 1" if schedule else
@@ -266,9 +299,21 @@ def refuse_measuring_without_windows(schedule, accum_steps, sources):
     )
 
 
-def gather_setting(gather_across_replicas, gradient_cache):
-    """`gather_across_replicas` (unset: False), which only `GradientCache` has: its
-    loss scores the whole global batch on every replica instead of each share."""
+def gather_setting(gather_across_replicas: bool | int | None, gradient_cache: bool) -> bool:
+    """`gather_across_replicas`, which only `GradientCache` has.
+
+    Its loss then scores the whole global batch on every replica instead of each share.
+
+    Args:
+        gather_across_replicas: the component's (unset: False).
+        gradient_cache: the run's `gradient_cache`.
+
+    Returns:
+        The setting, a bool.
+
+    Raises:
+        ValueError: not a bool (or 0/1), or True without `gradient_cache`.
+    """
     gather = boolean_parameter(gather_across_replicas, GATHER_ACROSS_REPLICAS)
     if gather and not gradient_cache:
         raise ValueError(
@@ -279,21 +324,41 @@ def gather_setting(gather_across_replicas, gradient_cache):
     return gather
 
 
-def boolean_parameter(value, name):
-    """A component's True/False parameter: stored as an int (0/1) by the pipeline, as
-    SchemaGen's `infer_feature_shape`; unset (None) means False."""
+def boolean_parameter(value: bool | int | None, name: str) -> bool:
+    """A component's True/False parameter.
+
+    Stored as an int (0/1) by the pipeline, as SchemaGen's `infer_feature_shape`.
+
+    Args:
+        value: True, False, 0, 1, or None (False).
+        name: the parameter's name, for the message.
+
+    Returns:
+        The bool.
+
+    Raises:
+        ValueError: any other value.
+    """
     value = False if value is None else value
     return validate_bool(bool(value) if value in (0, 1) else value, name)
 
 
-def refuse_with_gradient_cache(schedule, window, measure_source=None):
-    """Raises, naming the parameter, for what `gradient_cache=True` cannot honour: a
-    `schedule`, or the `window` options ({"partial_window", "measure_noise_scale",
-    "merge_duplicate_rows"}) set.
+def refuse_with_gradient_cache(schedule: dict | None, window: dict, measure_source: str | None = None) -> None:
+    """Refuses what `gradient_cache=True` cannot honour.
 
     `GradientCache` makes one update of every batch `fit` gives it and holds
     nothing between steps, so the options of `GradientAccumulator`'s windows
     mean nothing there, and the gradient noise scale has no honest estimate.
+
+    Args:
+        schedule: the run's schedule, or None.
+        window: the window options (`partial_window`, `measure_noise_scale`,
+            `merge_duplicate_rows`).
+        measure_source: where `measure_noise_scale` came from (for the message).
+
+    Raises:
+        ValueError: a schedule, or a window option other than its default; the
+            message names it.
     """
     def refuse(what, why):
         raise ValueError(f"{what} is not supported with `{GRADIENT_CACHE}=True`: {why}")
