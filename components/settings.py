@@ -148,39 +148,19 @@ def resolve(
     max_effective_batch_size: Optional[int] = None,
     gather_across_replicas: Optional[bool] = None,
 ) -> AccumulationSettings:
-    """Resolves and validates the settings of one run.
-
-    With a `schedule` ({epoch: accum_steps}), `accum_steps` is the schedule's
-    value at epoch 0, the micro-batch stays fixed, and the effective batch is
-    that of epoch 0. `partial_window` (default "apply") is what epoch and
-    training ends do with an open window (see `GradientAccumulator`).
-    `measure_noise_scale` (default False) and `noise_scale_smoothing` (default
-    0.99) follow the same precedence as `accum_steps`; measuring needs windows
-    of two or more micro-batches: `accum_steps >= 2`, or a schedule that
-    reaches 2. `merge_duplicate_rows`, `gradient_cache` and
-    `gather_across_replicas` (default False) are the component's alone;
-    `gradient_cache` refuses what would mean nothing or train wrong with
-    `GradientCache` (`refuse_with_gradient_cache`), and `gather_across_replicas`
-    needs it.
-    `schedule_by` ("epoch" or "update") says what the schedule's keys count;
-    `lr_scaling` ("none", "linear", "sqrt") is the learning-rate rule of every
-    change of the effective batch. `accum_steps="auto"` grows the window with
-    the measured noise scale (`accumulator.AutoAccumulation`), from 2
-    micro-batches of `effective_batch_size / 2` samples (the effective batch to
-    start from, which must be given) up to `max_effective_batch_size`; a tuned
-    `accum_steps` does not apply then.
+    """Resolves and validates one run's settings: the Tuner's values over the component's over defaults.
 
     Args:
         hyperparameters: the Tuner's best (`HyperParameters.get_config()`), or None.
         accum_steps: the component's `accum_steps` (an int, "auto" or None).
         effective_batch_size: the component's, or None.
         replicas: the replicas of the run's strategy, over all workers.
-        schedule: `{epoch or update: accum_steps}`, or None.
+        schedule: `{epoch or update: accum_steps}` or None; replaces `accum_steps`.
         partial_window: "apply", "carry" or "drop" (None: "apply").
         measure_noise_scale: whether to measure the noise scale (None: False).
         noise_scale_smoothing: its decay (None: 0.99).
         merge_duplicate_rows: the component's (None: False).
-        gradient_cache: the component's (None: False).
+        gradient_cache: the component's (None: False; see `refuse_with_gradient_cache`).
         schedule_by: "epoch" or "update" (None: "epoch").
         lr_scaling: "none", "linear" or "sqrt" (None: "none").
         max_effective_batch_size: the limit of "auto" (needed with it, refused without).
@@ -190,10 +170,8 @@ def resolve(
         The frozen `AccumulationSettings`.
 
     Raises:
-        ValueError: a value out of its allowed values, or values that do not go
-            together (the effective batch not divisible by accum_steps x replicas,
-            measuring without windows, "auto" with a schedule, ...); each message
-            names the parameter and where its value came from.
+        ValueError: a value out of its allowed values, or values that do not go together;
+            each message names the parameter and where its value came from.
         TypeError: a count that is not an integer.
     """
     partial_window = validate_partial_window(partial_window or "apply")
