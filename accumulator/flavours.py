@@ -19,7 +19,14 @@ import tensorflow as tf
 
 
 def version_tuple(text: str) -> tuple:
-    """(major, minor) of a version string such as '3.15.1'."""
+    """(major, minor) of a version string such as '3.15.1'.
+
+    Args:
+        text: the version string.
+
+    Returns:
+        `(major, minor)` as ints.
+    """
     return tuple(int(part) for part in text.split(".")[:2])
 
 
@@ -39,7 +46,14 @@ def keras2_module() -> Optional[ModuleType]:
 
 
 def keras_package_of_class(klass: type) -> Optional[ModuleType]:
-    """The Keras package (`keras` or `tf_keras` module) that defines `klass` or a base of it, or None."""
+    """The Keras package (`keras` or `tf_keras` module) that defines `klass` or a base of it.
+
+    Args:
+        klass: a class.
+
+    Returns:
+        The module, or None for a class of neither Keras.
+    """
     for base in getattr(klass, "__mro__", ()):
         root = base.__module__.split(".")[0]
         if root in ("keras", "tf_keras") and root in sys.modules:
@@ -48,12 +62,26 @@ def keras_package_of_class(klass: type) -> Optional[ModuleType]:
 
 
 def keras_package_of(obj: Any) -> Optional[ModuleType]:
-    """The Keras package (`keras` or `tf_keras` module) that defines `obj`'s class, or None."""
+    """The Keras package (`keras` or `tf_keras` module) that defines `obj`'s class.
+
+    Args:
+        obj: any object (an optimizer, a model, a layer).
+
+    Returns:
+        The module, or None for an object of neither Keras.
+    """
     return keras_package_of_class(type(obj))
 
 
 def is_keras2_object(obj: Any) -> bool:
-    """Whether `obj` (an optimizer, a model) belongs to Keras 2."""
+    """Whether `obj` belongs to Keras 2.
+
+    Args:
+        obj: any object (an optimizer, a model).
+
+    Returns:
+        True for an object of Keras 2's classes.
+    """
     package = keras_package_of(obj)
     return package is not None and not package.__version__.startswith("3.")
 
@@ -90,7 +118,15 @@ class OneNameForBothKeras(type):
         return super().__call__(*args, **kwargs)
 
     def for_keras(cls, package: Optional[ModuleType]) -> type:
-        """This public class's class for the Keras `package` (Keras 3's or None: itself)."""
+        """This public class's class for the Keras `package`.
+
+        Args:
+            package: `tf_keras` (or TF 2.15's `keras`) for the Keras 2 class; Keras 3's
+                `keras` or None for this class itself.
+
+        Returns:
+            The class; `isinstance` against the public name holds for its instances.
+        """
         if not _is_front(cls) or not _is_keras2_package(package):
             return cls
         made = cls._keras2_classes

@@ -22,14 +22,20 @@ class InnerOptimizerForwarding:
 
     @property
     def learning_rate(self):
+        """The inner optimizer's learning rate (set on the inner optimizer too)."""
         return self.inner_optimizer.learning_rate
 
     @learning_rate.setter
     def learning_rate(self, learning_rate):
         self.inner_optimizer.learning_rate = learning_rate
 
-    def exclude_from_weight_decay(self, var_list=None, var_names=None):
-        """Forwarded to the optimizers that apply weight decay (the inner ones)."""
+    def exclude_from_weight_decay(self, var_list=None, var_names=None) -> None:
+        """Forwarded to the optimizers that apply weight decay (the inner ones).
+
+        Args:
+            var_list: variables to exclude.
+            var_names: names (substrings) of variables to exclude.
+        """
         for optimizer in optimizer_chain(self.inner_optimizer):
             if not isinstance(optimizer, AccumulationWindow) and not self._is_loss_scale_optimizer(optimizer):
                 optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)

@@ -9,11 +9,20 @@ import numbers
 _ALLOWED = {0: "a non-negative integer (0, 1, 2, ...)", 1: "a positive integer (1, 2, 3, ...)"}
 
 
-def integer_at_least(value, name, minimum=1):
-    """Returns `value` as an int if it is one (not a bool) and `>= minimum`; raises otherwise.
+def integer_at_least(value, name: str, minimum: int = 1) -> int:
+    """Checks an integer parameter.
 
-    TypeError for a value that is no integer (2.5, "4", True), ValueError for
-    one that is too small.
+    Args:
+        value: the value given.
+        name: the parameter's name, for the message.
+        minimum: the smallest value allowed.
+
+    Returns:
+        `value` as an int.
+
+    Raises:
+        TypeError: `value` is no integer (2.5, "4", True).
+        ValueError: `value` < `minimum`.
     """
     allowed = _ALLOWED.get(minimum, f"an integer >= {minimum}")
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
