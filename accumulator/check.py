@@ -145,6 +145,7 @@ class ExactnessReport:
 
     @property
     def max_delta(self) -> float:
+        """The largest max |Δw| over the variables."""
         return max((v.delta for v in self.variables), default=0.0)
 
     @property
@@ -198,6 +199,7 @@ class ExactnessReport:
 
 # ------------------------------------------------------------------ arguments
 def _validate_numbers(accum_steps, updates, batch_size, tolerance, floor_factor):
+    """The counts and tolerances checked; errors name the parameter."""
     accum_steps = integer_at_least(accum_steps, "accum_steps", minimum=2)
     updates = integer_at_least(updates, "updates")
     if batch_size is not None:
@@ -211,6 +213,7 @@ def _validate_numbers(accum_steps, updates, batch_size, tolerance, floor_factor)
 
 
 def _validate_arbiter(arbiter, arbiter_factor):
+    """`arbiter` and `arbiter_factor` checked."""
     if not (arbiter is True or arbiter is False or (isinstance(arbiter, str) and arbiter == "auto")):
         raise ValueError(
             "`arbiter` must be \"auto\" (run the float64 arbiter when some variable is over its limit), "
@@ -240,6 +243,7 @@ def _split_data(data, batch_size, accum_steps, updates):
 
 
 def _dataset_batch(dataset):
+    """A dataset's batch size: static, else its first batch's."""
     leaf = tf.nest.flatten(dataset.element_spec)[0]
     if leaf.shape.rank and leaf.shape[0] is not None:
         return int(leaf.shape[0])
@@ -248,14 +252,17 @@ def _dataset_batch(dataset):
 
 
 def _samples(x):
+    """The number of samples in `x`'s first array."""
     return len(tf.nest.flatten(x)[0])
 
 
 def _take(structure, index):
+    """`structure`'s arrays indexed by `index` (None stays None)."""
     return None if structure is None else tf.nest.map_structure(lambda a: np.asarray(a)[index], structure)
 
 
 def _resolve_batch(batch_size, dataset_batch, samples, accum_steps, updates):
+    """The micro-batch (given, the dataset's, or the largest up to 32 that fits); ValueError for too few samples."""
     if batch_size is None:
         batch_size = dataset_batch or min(32, samples // (accum_steps * updates))
     needed = accum_steps * batch_size * updates
@@ -268,6 +275,7 @@ def _resolve_batch(batch_size, dataset_batch, samples, accum_steps, updates):
 
 
 def _build(model_fn, x, batch_size):
+    """A fresh model from `model_fn`, built on a batch of `x`."""
     model = model_fn()
     if not _is_model(model):
         raise TypeError(
@@ -281,12 +289,14 @@ def _build(model_fn, x, batch_size):
 
 
 def _is_model(model):
+    """Whether `model` is a Keras 3 or Keras 2 model."""
     if isinstance(model, keras.Model):
         return True
     return flavours.is_keras2_object(model) and isinstance(model, flavours.keras_package_of(model).Model)
 
 
 def _optimizer_factory(optimizer_fn, model):
+    """`optimizer_fn`, or fresh copies of the optimizer `model` was compiled with."""
     if optimizer_fn is not None:
         if not callable(optimizer_fn):
             raise TypeError("`optimizer_fn` must be a function that returns a fresh optimizer "
@@ -303,6 +313,7 @@ def _optimizer_factory(optimizer_fn, model):
 
 
 def _loss_of(model, loss):
+    """The loss to compile with: `loss`, or the one `model` was compiled with."""
     if loss is None:
         loss = getattr(model, "loss", None) or None
     if loss is None:
@@ -330,6 +341,7 @@ class _Runs:
 
 
 def _train(model_fn, initial, optimizer, compile_kwargs, arrays, batch_size, seed, first=None):
+    """One of the runs: a model set to `initial`, compiled and fit one epoch without shuffling."""
     keras.utils.set_random_seed(seed)
     model = first if first is not None else model_fn()
     if not model.weights:
@@ -342,6 +354,7 @@ def _train(model_fn, initial, optimizer, compile_kwargs, arrays, batch_size, see
 
 
 def _permuted(arrays, block, seed):
+    """The samples permuted inside each block of `block` samples (the noise floor's run)."""
     samples = _samples(arrays[0])
     rng = np.random.RandomState(seed + 1)
     index = np.concatenate([start + rng.permutation(block) for start in range(0, samples, block)])
@@ -362,6 +375,7 @@ class _Progress:
 
 # ---------------------------------------------------------- classification
 def _paths(model):
+    """The model's variables' paths (names in Keras 2)."""
     return [getattr(v, "path", None) or v.name for v in model.weights]
 
 
@@ -375,6 +389,7 @@ def _layer_of_variables(model):
 
 
 def _package_layer(model, name):
+    """The layer class `name` of `model`'s Keras."""
     package = flavours.keras_package_of(model) if flavours.is_keras2_object(model) else keras
     return getattr(package.layers, name, None)
 
@@ -437,6 +452,7 @@ def _readable_rates(layer, keys):
 
 
 def _norm_layers(model):
+    """The model's plain batch normalization layers."""
     norm = _package_layer(model, "BatchNormalization")
     return [layer for layer in seam.flatten_layers(model) if norm is not None and isinstance(layer, norm)]
 
@@ -634,6 +650,7 @@ def as_close_as_keras(accumulated_to_float64: float, keras_to_float64: float,
 
 
 def _floating(dtype):
+    """Whether `dtype` is a floating type."""
     return str(getattr(dtype, "name", dtype)).startswith(("float", "bfloat"))
 
 
@@ -888,6 +905,7 @@ def check_exact(model_fn: Callable[[], Any], data, optimizer_fn: Optional[Callab
 
 
 def _keras_version(model):
+    """The version of `model`'s Keras."""
     package = flavours.keras_package_of(model) if flavours.is_keras2_object(model) else keras
     return getattr(package, "__version__", "?")
 

@@ -152,8 +152,10 @@ class OneNameForBothKeras(type):
 
 
 def _is_front(cls) -> bool:
+    """Whether `cls` is a public front (defines `_make_keras2_class`), not a user's subclass."""
     return "_make_keras2_class" in vars(cls)
 
 
 def _is_keras2_package(package) -> bool:
+    """Whether `package` is a Keras 2 module."""
     return package is not None and not package.__version__.startswith("3.")

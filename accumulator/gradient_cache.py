@@ -295,4 +295,5 @@ class _Scored:
 
 
 def _is_float(variable):
+    """Whether `variable` holds floats (frozen weights, not seeds and counters)."""
     return tf.as_dtype(variable.dtype).is_floating

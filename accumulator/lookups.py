@@ -144,6 +144,7 @@ def _leading_axis_counts_positions(ids):
 
 
 def _is_symbolic(tensor):
+    """Whether `tensor` belongs to a traced graph (eager tensors have no op)."""
     try:
         tensor.op  # noqa: B018  (eager tensors have no op)
     except AttributeError:

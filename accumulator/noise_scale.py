@@ -49,6 +49,7 @@ def validate_smoothing(smoothing: float, name: str = "smoothing") -> float:
 
 
 def _dense_sq_norm(values):
+    """The squared norm of a dense tensor, in float32."""
     values = tf.cast(values, tf.float32)
     return tf.reduce_sum(tf.square(values))
 
@@ -265,6 +266,7 @@ class NoiseScaleEstimate:
         return trace / g2
 
     def _corrected(self, ema):
+        """`ema` divided by its bias correction; NaN before the first valid window."""
         weight = tf.convert_to_tensor(self._ema_weight)
         seen = tf.convert_to_tensor(self._window_count) > 0
         safe = tf.where(seen, weight, tf.ones_like(weight))

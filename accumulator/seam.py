@@ -189,6 +189,7 @@ def gradients_already_reduced(optimizers):
 
 
 def _identity(grads_and_vars):
+    """What replaces `_all_reduce_sum_gradients`: the gradients unreduced."""
     return list(grads_and_vars)
 
 
@@ -292,6 +293,7 @@ def multiworker_fixes():
 
 
 def _make_symbolic_build(original):
+    """Keras' `_maybe_symbolic_build`, fixed for `MultiWorkerMirroredStrategy` (keras#20585)."""
     # keras#20585, first half: Keras builds the model from the first batch and,
     # when that batch is a `PerReplica`, reduces it eagerly, which multi-worker
     # strategies cannot do outside a `tf.function`. Only shapes matter there, so
@@ -315,6 +317,7 @@ def _make_symbolic_build(original):
 
 
 def _make_reduce_per_replica(original):
+    """Keras' `reduce_per_replica`, fixed for scalar logs (keras#20585)."""
     # keras#20585, second half: scalar logs (the losses) have no axis 0 to
     # reduce along; reduce them with axis=None.
     @functools.wraps(original)

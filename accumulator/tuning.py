@@ -311,6 +311,7 @@ class NoiseScaleProbe:
 
 
 def _noise_scale_value(noise_scale, name="noise_scale"):
+    """The noise scale as a finite positive float (a `NoiseScaleProbe`'s, resolved); ValueError otherwise."""
     if isinstance(noise_scale, NoiseScaleProbe):
         if not noise_scale.resolved:
             raise ValueError(

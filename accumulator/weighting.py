@@ -33,11 +33,13 @@ def note_batch(model, x, y, y_pred, sample_weight):
 
 
 def _static_batch_size(x):
+    """The batch's size from its first tensor's static shape, or None."""
     flat = [t for t in tf.nest.flatten(x) if t is not None and hasattr(t, "shape")]
     return tf.TensorShape(flat[0].shape)[0] if flat and tf.TensorShape(flat[0].shape).rank else None
 
 
 def _batch_size(x):
+    """The batch's size as a float tensor (1 for no tensors)."""
     flat = [t for t in tf.nest.flatten(x) if t is not None]
     if not flat:
         return tf.constant(1.0)
@@ -109,6 +111,7 @@ def _ones_loss_class(keras_package):
 
 
 def _warn_if_regularized(model):
+    """Warns when a summed loss's model adds losses of its own: the window counts them per micro-batch."""
     if getattr(model, "losses", None):
         logger.warning(
             "The model's loss sums over its samples (reduction 'sum' or 'none') and the model "

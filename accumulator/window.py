@@ -85,16 +85,19 @@ def refuse_nested_accumulation(optimizer) -> None:
 
 
 def _is_summed(noted_weight):
+    """Whether the noted weight says the loss sums over its samples (`SUMMED_LOSS`)."""
     return isinstance(noted_weight, str) and noted_weight == SUMMED_LOSS
 
 
 def _accumulator_dtype(variable):
+    """The dtype of `variable`'s window sum: float32 for half-precision variables."""
     # Half-precision sums lose the small gradients accumulation exists for.
     dtype = tf.as_dtype(variable.dtype)
     return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
 
 
 def _overwrites_with_gradient(variable):
+    """Whether `variable`'s "gradient" is its new value (float8 scales): it gets the window's maximum."""
     # Float8 training's scale and amax history (Keras 3): the "gradient" is the new value.
     return bool(getattr(variable, "overwrite_with_gradient", False))
 
@@ -297,6 +300,7 @@ class WindowReadings:
     """What an `AccumulationWindow` shows of its state (`self._state`, a `WindowState`)."""
 
     def _untracked(self, **attributes):
+        """Sets plain Python attributes past TensorFlow's tracking."""
         # Plain Python state, set past TensorFlow's attribute tracking: the
         # variables are tracked by `add_variable`, the listening layers are
         # saved with their model, not with the optimizer.
@@ -317,6 +321,7 @@ class WindowReadings:
         return self._accum_steps
 
     def _window_built(self):
+        """Whether the window's state exists (built on the first micro-batch)."""
         state = getattr(self, "_state", None)
         return state is not None and state.built()
 
@@ -371,6 +376,7 @@ class WindowReadings:
         return self._state.noise_estimate.noise_scale_value()
 
     def _check_measures_noise_scale(self):
+        """AttributeError unless the wrapper measures the noise scale."""
         if not self.measure_noise_scale:
             raise AttributeError(
                 "This GradientAccumulator does not measure the gradient noise scale; "
@@ -402,6 +408,7 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
 
     # ------------------------------------------------------------------ setup
     def _init_window(self, options: WindowOptions):
+        """Sets up the (unbuilt) window from its checked options."""
         # The options, checked once (`accumulator.options`); each also an attribute
         # of its own name (`partial_window`, `schedulable`, ...), read-only by use.
         self._untracked(options=options)
@@ -758,6 +765,7 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
             total.assign(0.0)
 
     def _window_config(self):
+        """The window's options for `get_config`, with its length now."""
         # The options as built, with the window's length now (a schedule may have changed it).
         config = self.options.get_config()
         if not self.options.auto:
@@ -766,13 +774,17 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
 
     # ------------------------------------------------ what each Keras supplies
     def _new_variable(self, shape, dtype, initial, name):
+        """Each Keras: a plain optimizer variable (`None` in `shape`: a buffer that grows)."""
         raise NotImplementedError
 
     def _hand_to_updater(self, grads, variables, reduced):
+        """Each Keras: one update of the inner optimizer with an already reduced gradient."""
         raise NotImplementedError
 
     def _updates_without_reduction(self):
+        """Each Keras: a context in which the inner optimizer does not all-reduce again."""
         raise NotImplementedError
 
     def _window_gradient_scale(self):
+        """Each Keras: the loss scale the window's sums carry (None: unscaled)."""
         raise NotImplementedError

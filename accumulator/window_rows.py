@@ -58,6 +58,7 @@ class WindowRows:
 
     @property
     def variables(self):
+        """The three variables: values, indices, count."""
         return [self.values, self.indices, self.count]
 
     def add(self, grad, weight, once_per_batch, strategy):

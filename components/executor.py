@@ -222,6 +222,7 @@ def _schedule_taken(optimizers):
 
 
 def _write_record(output_dict, model_run_dir, run, outcome):
+    """Sets the run's properties on the artifacts and writes `record.json` and TensorBoard's scalars."""
     settings, strategy, updates = run.settings, run.strategy, outcome.updates
     reading, schedule_taken = outcome.reading, outcome.schedule_taken
     backup_ints, backup_strings = preemption.properties(run.backup)

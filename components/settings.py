@@ -77,6 +77,7 @@ class AccumulationSettings:
 
     @property
     def micro_batch_per_replica(self) -> Optional[int]:
+        """The micro-batch each replica reads, or None."""
         return None if self.micro_batch is None else self.micro_batch // self.replicas
 
     @property
