@@ -246,8 +246,12 @@ COLLECTIVE_KEYS_PER_STRATEGY = 10_000     # group keys a strategy may use before
 
 
 def mirrored_strategy(**kwargs):
-    """`tf.distribute.MirroredStrategy(**kwargs)` whose collective group keys no other
-    strategy made here shares (see the module docstring)."""
+    """`tf.distribute.MirroredStrategy(**kwargs)` whose collective group keys no other strategy made here shares.
+
+    Two made in one process on the same devices would share collective keys, and the
+    second's first all-reduce of another shape would fail ("Shape mismatch in the
+    collective instance").
+    """
     cls = tf.distribute.MirroredStrategy
     saved = cls._collective_key_base
     cls._collective_key_base = next(_COLLECTIVE_KEY_BASES) * COLLECTIVE_KEYS_PER_STRATEGY

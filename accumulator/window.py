@@ -398,8 +398,11 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
 
     Subclasses call `_init_window(...)` in their constructor and
     `_build_window(var_list)` in their `build`, route each micro-batch through
-    `_apply_micro_batch` (which runs `_update`, the whole flow), and supply the
-    four methods listed in the module docstring. The state is `self._state`
+    `_apply_micro_batch` (which runs `_update`, the whole flow), and supply, in
+    one place per Keras, `_new_variable` (a plain optimizer variable),
+    `_hand_to_updater` (one inner update with an already reduced gradient),
+    `_updates_without_reduction` (a context in which that holds) and
+    `_window_gradient_scale` (the loss scale the sums carry). The state is `self._state`
     (`WindowState`); the options are attributes (`partial_window`, ...). What it
     shows is `WindowReadings`; saving, `window_saving.WindowSaving`.
     ``fit_callback`` (set by `accumulating_compile`) makes the window callback
