@@ -118,9 +118,11 @@ def strategy_from_environment(kind: str = "auto") -> tf.distribute.Strategy:
     """The `tf.distribute` strategy the environment calls for.
 
     Args:
-        kind: "auto" (read TF_CONFIG and the local GPUs, in the order of the
-            module docstring) or one of `KINDS` ("multi_worker", "mirrored",
-            "one_device", "default").
+        kind: "auto" or one of `KINDS` ("multi_worker", "mirrored",
+            "one_device", "default"). "auto" reads TF_CONFIG and the local GPUs:
+            several workers in TF_CONFIG give `MultiWorkerMirroredStrategy`,
+            several GPUs `MirroredStrategy`, one GPU `OneDeviceStrategy` on it,
+            otherwise the default strategy.
 
     Returns:
         A new strategy (the default one for "default").
