@@ -307,10 +307,49 @@ class WindowReadings:
         for name, value in attributes.items():
             object.__setattr__(self, name, value)
 
+    # The options, read from `self.options` (fixed at construction: a traced train
+    # step cannot switch paths later).
     @property
     def is_passthrough(self):
         """True for `accum_steps=1` without `schedulable`: no buffers, no windows."""
-        return self._passthrough
+        return self.options.is_passthrough
+
+    _passthrough = is_passthrough
+
+    @property
+    def auto(self):
+        """With accum_steps="auto": {"max_effective_batch_size", "lr_scaling"}; else None."""
+        return self.options.auto_settings
+
+    @property
+    def partial_window(self):
+        """What an epoch's end does with an open window: "apply", "carry" or "drop"."""
+        return self.options.partial_window
+
+    @property
+    def schedulable(self):
+        """Whether the window keeps its buffers so that `accum_steps` can change."""
+        return self.options.schedulable
+
+    @property
+    def measure_noise_scale(self):
+        """Whether the windows measure the gradient noise scale."""
+        return self.options.measure_noise_scale
+
+    @property
+    def noise_scale_smoothing(self):
+        """The decay of the noise scale's moving averages over windows."""
+        return self.options.noise_scale_smoothing
+
+    @property
+    def merge_duplicate_rows(self):
+        """Whether a sparse gradient's rows are summed per index before the inner update."""
+        return self.options.merge_duplicate_rows
+
+    @property
+    def loss_reduction(self):
+        """How the loss reduces over its samples: "auto", "mean" or "sum"."""
+        return self.options.loss_reduction
 
     @property
     def accum_steps(self):
@@ -412,28 +451,17 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
     # ------------------------------------------------------------------ setup
     def _init_window(self, options: WindowOptions):
         """Sets up the (unbuilt) window from its checked options."""
-        # The options, checked once (`accumulator.options`); each also an attribute
-        # of its own name (`partial_window`, `schedulable`, ...), read-only by use.
+        # The options, checked once (`accumulator.options`); each is also a read-only
+        # property of its own name (`partial_window`, `schedulable`, ...: `WindowReadings`).
         self._untracked(options=options)
         self._accum_steps = options.accum_steps
-        # accum_steps="auto": {"max_effective_batch_size", "lr_scaling"}; the rule
-        # (`AutoAccumulation`) is made by the first `fit` (`accumulator.fit_hook`),
-        # which knows the micro-batch, and kept here: its decisions carry on into a
-        # later `fit` and into a `TrainingBackup`.
-        self.auto = options.auto_settings
+        # accum_steps="auto": the rule (`AutoAccumulation`) is made by the first `fit`
+        # (`accumulator.fit_hook`), which knows the micro-batch, and kept here: its
+        # decisions carry on into a later `fit` and into a `TrainingBackup`.
         self.auto_accumulation = None
-        self.loss_reduction = options.loss_reduction
-        self.merge_duplicate_rows = options.merge_duplicate_rows
-        self.partial_window = options.partial_window
-        # Fixed at construction: a traced train step cannot switch paths later.
-        self.schedulable = options.schedulable
-        self._passthrough = options.is_passthrough
-        self.measure_noise_scale = options.measure_noise_scale
-        self.noise_scale_smoothing = options.noise_scale_smoothing
         # Makes the window callback `fit` puts first (set by `accumulating_compile`).
         self.fit_callback = None
         self._untracked(_state=WindowState())
-
 
     def _build_window(self, var_list):
         """Creates the window's variables for `var_list` (the model's trainable variables)."""
