@@ -253,7 +253,7 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, keras.op
         self._updater.build(var_list)
         _check_supports_distribution(self)
         super().build(var_list)
-        if not self._passthrough and not getattr(keras.Model.fit, "accumulator_hook", False):
+        if not self.is_passthrough and not getattr(keras.Model.fit, "accumulator_hook", False):
             logger.warning(
                 "accumulator's Keras hooks are not installed (ACCUMULATOR_KERAS_HOOKS=0 or "
                 "tfx_gradient_accumulator.accumulator.hooks.uninstall()): in `fit`, windows do not close "

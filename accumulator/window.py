@@ -314,8 +314,6 @@ class WindowReadings:
         """True for `accum_steps=1` without `schedulable`: no buffers, no windows."""
         return self.options.is_passthrough
 
-    _passthrough = is_passthrough
-
     @property
     def auto(self):
         """With accum_steps="auto": {"max_effective_batch_size", "lr_scaling"}; else None."""
@@ -393,7 +391,7 @@ class WindowReadings:
     @property
     def held_micro_batches(self):
         """Micro-batches in the open window, as an int (0 before the optimizer is built)."""
-        if not self._window_built() or self._passthrough:
+        if not self._window_built() or self.is_passthrough:
             return 0
         return int(self._state.micro_step.numpy())
 
@@ -465,7 +463,7 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
 
     def _build_window(self, var_list):
         """Creates the window's variables for `var_list` (the model's trainable variables)."""
-        self._state.build(var_list, self._new_variable, self._accum_steps, self._passthrough,
+        self._state.build(var_list, self._new_variable, self._accum_steps, self.is_passthrough,
                           self.noise_scale_smoothing if self.measure_noise_scale else None)
 
     # ------------------------------------------------------- between windows
@@ -486,7 +484,7 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
             ValueError: `mode` is not one of those.
         """
         mode = validate_partial_window(mode or self.partial_window, name="mode")
-        if not self._window_built() or self._passthrough:
+        if not self._window_built() or self.is_passthrough:
             return 0
         s = self._state
         held = int(s.micro_step.numpy())
@@ -540,7 +538,7 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
                 `schedulable`) asked for more, or a window is open.
         """
         accum_steps = validate_accum_steps(accum_steps)
-        if self._passthrough and accum_steps != 1:
+        if self.is_passthrough and accum_steps != 1:
             raise ValueError(
                 "This GradientAccumulator was made with `accum_steps=1` and "
                 "`schedulable=False`, a pass-through without buffers; construct "
@@ -577,7 +575,7 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
         indices = [self._state.index_of(v) for v in variables]
         if not grads:
             return
-        if self._passthrough:
+        if self.is_passthrough:
             # Transparent: the inner optimizer sees exactly what it would alone. Its
             # count waits for the gradients: the step Keras runs on a dataset of
             # unknown size that has run out makes no update and counts none.

@@ -237,7 +237,7 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, _Optimiz
         if not grads_and_vars:
             return self.iterations
         grads, variables = (list(part) for part in zip(*grads_and_vars))
-        if aggregated and not self._passthrough and replicas.replicas_in_sync() > 1:
+        if aggregated and not self.is_passthrough and replicas.replicas_in_sync() > 1:
             raise ValueError(
                 "GradientAccumulator reduces gradients across replicas itself, once per "
                 "window; pass the replicas' own gradients (skip_gradients_aggregation=False)."
