@@ -1,8 +1,9 @@
 """`AutoAccumulation`: the effective batch that grows with the measured critical batch.
 
-At each window boundary it compares the measured noise scale B_simple with the effective
-batch and grows `accum_steps` by `growth` when B_simple stays above it; it never shrinks.
-Its decisions are a by-update schedule that `AccumulationSchedule` replays.
+At each window boundary it bounds the noise scale B_simple from below with the windows
+measured at the current batch (`batch_target`), and grows `accum_steps` on a fine grid to
+the largest batch whose sample overhead stays within budget; it never shrinks, and the
+learning rate ramps. Its decisions are a by-update schedule that `AccumulationSchedule` replays.
 """
 
 import math
@@ -10,7 +11,11 @@ import math
 import keras
 import tensorflow as tf
 
+from tfx_gradient_accumulator.accumulator import batch_target
 from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule, EpochWindows, _AccumulationScheduleRule
+
+GEOMETRIES = ("auto", "raw", "preconditioned")
+RETIRED = ("margin", "patience", "growth")
 
 
 def _positive_int(value, name):
@@ -20,99 +25,162 @@ def _positive_int(value, name):
     return value
 
 
-class _AutoAccumulationRule(_AccumulationScheduleRule):
-    """Grows `accum_steps` at window boundaries while B_simple says the batch is small.
+def _in_open_interval(value, name, low, high, closed_high=False):
+    """`value` as a float if low < value < high (<= high with `closed_high`); ValueError otherwise."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and low < value and (
+        value <= high if closed_high else value < high)
+    if not ok:
+        raise ValueError(f"`{name}` must be a number in ({low}, {high}{']' if closed_high else ')'}; "
+                         f"received {value!r}.")
+    return float(value)
 
-    The optimizer measures the gradient noise scale B_simple, an estimate of the
-    critical batch. At each window boundary this callback compares it with the
-    effective batch (`accum_steps` x the global micro-batch): when B_simple is at least
-    `margin` times the effective batch for `patience` boundaries in a row, it
-    multiplies `accum_steps` by `growth` (up to `max_effective_batch_size`); it never
-    shrinks the batch, and each growth changes the learning rate by `lr_scaling`.
+
+class _AutoAccumulationRule(_AccumulationScheduleRule):
+    """Grows `accum_steps` while the measured noise scale says the batch is small.
+
+    The optimizer measures the gradient noise scale B_simple (in samples), an
+    estimate of the critical batch. After `min_windows` windows at the current
+    batch, this callback takes a one-sided lower confidence bound on B_simple
+    from those windows' own spread (`batch_target.lower_bound`), and grows
+    `accum_steps`, on the grid 1, 2, 3, 4, 6, 8, 12, ..., to the largest batch
+    B with B <= `max_sample_overhead` x the bound: by McCandlish et al.'s model
+    such a batch needs at most that share more samples than a small one, in far
+    fewer updates. A growth at most doubles the batch, forgets the windows
+    measured before it (so the next decision rests on windows at the new batch:
+    no cascade), and ramps the learning-rate multiplier (`lr_scaling`) over
+    `lr_ramp_updates`; the batch never shrinks, and never passes
+    `max_effective_batch_size`. Since the batch stays at most B_simple, the
+    learning rate never rises past what B_simple supports.
+
+    With Adam-like optimizers (`geometry="auto"`) it reads the noise scale of
+    the preconditioned gradient g / (sqrt(v) + eps), the one Adam's steps
+    follow (Pollux/AdaptDL's choice); the raw one is logged beside it.
+
     Every decision lands in `schedule` ({optimizer update: accum_steps}), which
-    `AccumulationSchedule(schedule, by="update")` replays exactly in a later run;
-    `state()` / `restore_state()` carry the decisions across a preemption. The logs
-    carry `effective_batch_size`, `accum_steps`, `lr_multiplier` and `noise_scale`.
-    Under `tf.distribute` every worker reads the same B_simple at the same window,
-    so all take the same decision.
+    `AccumulationSchedule(schedule, by="update", lr_scaling=..., lr_ramp_updates=...)`
+    replays exactly; `state()` / `restore_state()` carry it across a preemption.
+    Batch logs carry `effective_batch_size`, `accum_steps`, `lr_multiplier`,
+    `noise_scale` (raw, samples), `noise_scale_preconditioned`,
+    `noise_scale_lower` (the bound) and `target_effective_batch_size`. Under
+    `tf.distribute` every worker reads the same moments, so all decide alike.
 
     Args:
         micro_batch_size: the global micro-batch (fit's `batch_size`), in samples.
         max_effective_batch_size: the effective batch never goes above this.
         start_accum_steps: the starting window (the optimizer's `accum_steps`).
-        growth: the factor `accum_steps` grows by (an int >= 2).
-        margin: grow when B_simple >= margin x effective batch.
-        patience: ... for this many window boundaries in a row (hysteresis).
+        max_sample_overhead: the budget of extra samples a batch may cost, in
+            (0, 1] (0.1: at most ~10% more samples than a small batch).
+        confidence: the one-sided level of the bound, in (0.5, 1).
+        min_windows: windows at the current batch before a decision (an int >= 2).
         lr_scaling: "none", "linear" or "sqrt" (see `AccumulationSchedule`).
+        lr_ramp_updates: the updates the learning rate takes to its new value.
+        geometry: "auto" (preconditioned where the inner optimizer has a second
+            moment, else raw), "raw" or "preconditioned".
         epoch_end: as `EpochWindows`.
 
     Raises:
-        ValueError: a count is not an int >= 1, `growth` < 2, `margin` not > 0, or
-            `lr_scaling`/`epoch_end` out of its values; in `fit`, an optimizer that
-            does not measure the noise scale.
+        ValueError: a setting out of its values; in `fit`, an optimizer that does
+            not measure the noise scale, averages it over fewer than
+            `min_windows` windows, or lacks the preconditioned estimate asked for.
+        TypeError: `margin`, `patience` or `growth` (the retired rule's settings).
     """
 
     def __init__(self, micro_batch_size: int, max_effective_batch_size: int, start_accum_steps: int = 1,
-                 growth: int = 2, margin: float = 2.0, patience: int = 3, lr_scaling: str = "none",
-                 epoch_end=None):
+                 *, max_sample_overhead: float = 0.1, confidence: float = 0.95, min_windows: int = 10,
+                 lr_scaling: str = "none", lr_ramp_updates: int = 50, geometry: str = "auto",
+                 epoch_end=None, **retired):
+        if retired:
+            raise TypeError(
+                f"AutoAccumulation got {sorted(retired)}: the rule no longer grows by a margin and a "
+                "patience; it grows to the largest batch within `max_sample_overhead` of a lower "
+                "confidence bound on the noise scale. Its settings: max_sample_overhead, confidence, "
+                "min_windows, lr_ramp_updates, geometry.")
         start_accum_steps = _positive_int(start_accum_steps, "start_accum_steps")
-        super().__init__({0: start_accum_steps}, epoch_end, by="update", lr_scaling=lr_scaling)
+        super().__init__({0: start_accum_steps}, epoch_end, by="update", lr_scaling=lr_scaling,
+                         lr_ramp_updates=lr_ramp_updates)
         self.micro_batch_size = _positive_int(micro_batch_size, "micro_batch_size")
         self.max_effective_batch_size = _positive_int(max_effective_batch_size, "max_effective_batch_size")
-        if _positive_int(growth, "growth") < 2:
-            raise ValueError(f"`growth` must be an int >= 2; received {growth!r}.")
-        self.growth = growth
-        if not isinstance(margin, (int, float)) or not margin > 0:
-            raise ValueError(f"`margin` must be a number > 0; received {margin!r}.")
-        self.margin = float(margin)
-        self.patience = _positive_int(patience, "patience")
-        self._streak = 0
+        self.max_sample_overhead = _in_open_interval(max_sample_overhead, "max_sample_overhead", 0, 1, True)
+        self.confidence = _in_open_interval(confidence, "confidence", 0.5, 1)
+        if _positive_int(min_windows, "min_windows") < 2:
+            raise ValueError(f"`min_windows` must be an int >= 2; received {min_windows!r}.")
+        self.min_windows = min_windows
+        if geometry not in GEOMETRIES:
+            raise ValueError(f"`geometry` must be one of {GEOMETRIES}; received {geometry!r}.")
+        self.geometry = geometry
+        self.readings = {}
         self._last_seen = -1
 
     def on_train_begin(self, logs=None):
-        """Keras' hook: refuses an optimizer that does not measure the noise scale."""
-        if not self._optimizer().measure_noise_scale:
+        """Keras' hook: refuses an optimizer whose estimate cannot feed the rule."""
+        optimizer = self._optimizer()
+        if not optimizer.measure_noise_scale:
             raise ValueError("AutoAccumulation needs GradientAccumulator(..., measure_noise_scale=True, "
                              "schedulable=True).")
+        if optimizer.noise_scale_smoothing < 1.0 - 1.0 / self.min_windows:
+            raise ValueError(
+                f"AutoAccumulation(min_windows={self.min_windows}) needs the optimizer's "
+                f"noise_scale_smoothing >= {1.0 - 1.0 / self.min_windows:g} (it remembers about "
+                f"1 / (1 - smoothing) windows); received {optimizer.noise_scale_smoothing!r}.")
         super().on_train_begin(logs)
 
     def _follow_updates(self):
         """At a window boundary: decide, then follow the schedule."""
         optimizer = self._optimizer()
         if not optimizer.held_micro_batches:
-            self._decide(int(optimizer.iterations.numpy()), optimizer.accum_steps, optimizer.noise_scale)
+            self._decide(int(optimizer.iterations.numpy()), optimizer)
         super()._follow_updates()
 
-    def _decide(self, update, accum_steps, noise_scale):
-        """One look per window boundary: extends `schedule` when the rule says grow."""
+    def _estimates(self, optimizer):
+        """(the estimate the rule reads, the preconditioned one or None)."""
+        preconditioned = getattr(optimizer, "preconditioned_noise_scale_estimate", None)
+        if self.geometry == "preconditioned" and preconditioned is None:
+            raise ValueError("AutoAccumulation(geometry='preconditioned') needs an inner optimizer with "
+                             "a second moment (Adam, AdamW, RMSprop, Adagrad, ...); use geometry='raw'.")
+        use = preconditioned if preconditioned is not None and self.geometry != "raw" else None
+        return (use or optimizer.noise_scale_estimate), preconditioned
+
+    def _decide(self, update, optimizer):
+        """One look per window boundary: extends `schedule` when the bound says grow."""
         if update == self._last_seen:
             return
         self._last_seen = update
-        effective = accum_steps * self.micro_batch_size
-        larger = accum_steps * self.growth * self.micro_batch_size
-        if math.isfinite(noise_scale) and noise_scale >= self.margin * effective \
-                and larger <= self.max_effective_batch_size:
-            self._streak += 1
-        else:
-            self._streak = 0
-        if self._streak >= self.patience:
-            self.schedule[update] = accum_steps * self.growth
-            self._streak = 0
+        accum_steps = optimizer.accum_steps
+        estimate, preconditioned = self._estimates(optimizer)
+        moments = estimate.moments.values()
+        largest = max(1, self.max_effective_batch_size // self.micro_batch_size)
+        ceiling = 2 * largest * self.micro_batch_size / self.max_sample_overhead
+        bound = batch_target.lower_bound(moments, self.confidence, ceiling) \
+            if moments["count"] >= self.min_windows else float("nan")
+        target = batch_target.target_accum_steps(bound, self.micro_batch_size, self.max_sample_overhead, largest) \
+            if math.isfinite(bound) else accum_steps
+        self.readings = {
+            "noise_scale": optimizer.noise_scale,
+            "noise_scale_preconditioned": (preconditioned.noise_scale_value() if preconditioned is not None
+                                           else float("nan")),
+            "noise_scale_lower": bound,
+            "target_effective_batch_size": max(target, accum_steps) * self.micro_batch_size}
+        if target > accum_steps:
+            grown = max(a for a in batch_target.accum_steps_grid(2 * accum_steps) if a <= min(target, 2 * accum_steps))
+            self.schedule[update] = grown
+            for each in (optimizer.noise_scale_estimate, preconditioned):
+                if each is not None:
+                    each.moments.reset()
 
     def _log_schedule(self, logs):
-        """The schedule's logs, and `effective_batch_size`."""
+        """The schedule's logs, `effective_batch_size` and the rule's readings."""
         super()._log_schedule(logs)
         if logs is not None:
             logs["effective_batch_size"] = self._optimizer().accum_steps * self.micro_batch_size
+            logs.update(self.readings)
 
     def state(self) -> dict:
-        """The decisions so far and the rule's counters, for a resumed run.
+        """The decisions so far, for a resumed run (the windows' moments are optimizer variables).
 
         Returns:
             A JSON-able dict that `restore_state` takes.
         """
-        return {"schedule": {str(k): v for k, v in self.schedule.items()},
-                "streak": self._streak, "last_seen": self._last_seen}
+        return {"schedule": {str(k): v for k, v in self.schedule.items()}, "last_seen": self._last_seen}
 
     def restore_state(self, state: dict) -> None:
         """Puts back what `state()` returned.
@@ -121,7 +189,6 @@ class _AutoAccumulationRule(_AccumulationScheduleRule):
             state: the dict `state()` returned (read back from JSON).
         """
         self.schedule = {int(k): int(v) for k, v in state["schedule"].items()}
-        self._streak = int(state["streak"])
         self._last_seen = int(state["last_seen"])
 
 

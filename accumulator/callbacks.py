@@ -10,7 +10,8 @@ import keras
 
 from tfx_gradient_accumulator.accumulator import flavours
 from tfx_gradient_accumulator.accumulator.lr_scaling import LearningRateScaler, lr_multiplier
-from tfx_gradient_accumulator.accumulator.options import validate_partial_window, validate_schedule
+from tfx_gradient_accumulator.accumulator.options import (
+    validate_lr_ramp_updates, validate_partial_window, validate_schedule)
 from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
 
 logger = logging.getLogger(__name__)
@@ -137,7 +138,9 @@ class _AccumulationScheduleRule(_EpochWindowsRule):
     schedule) by the ratio of the effective batch to the starting one
     ("linear"), its square root ("sqrt") or leaves it ("none"). Each batch's
     and epoch's logs carry `accum_steps` and `lr_multiplier` (so `History`,
-    TensorBoard and `CSVLogger` see them).
+    TensorBoard and `CSVLogger` see them). With `lr_ramp_updates` (by update)
+    the multiplier moves to its new value linearly over that many updates after
+    each change, instead of jumping while Adam's moments still reflect the old batch.
 
     Args:
         schedule: {epoch or update: accum_steps}; the value at 0 is the
@@ -147,21 +150,25 @@ class _AccumulationScheduleRule(_EpochWindowsRule):
             ends; `None` follows the optimizer's `partial_window`.
         by: "epoch" (the default) or "update".
         lr_scaling: "none" (the default), "linear" or "sqrt".
+        lr_ramp_updates: with `by="update"`: the updates over which the multiplier
+            ramps to its new value after a change (an int >= 0; 0 jumps).
 
     Raises:
-        ValueError: `schedule`, `epoch_end`, `by` or `lr_scaling` out of its allowed
-            values.
+        ValueError: `schedule`, `epoch_end`, `by`, `lr_scaling` or `lr_ramp_updates`
+            out of its allowed values.
         TypeError: a schedule value is not an integer; in `fit`, the model's
             optimizer is not a `GradientAccumulator`.
     """
 
-    def __init__(self, schedule: dict, epoch_end=None, by: str = "epoch", lr_scaling: str = "none"):
+    def __init__(self, schedule: dict, epoch_end=None, by: str = "epoch", lr_scaling: str = "none",
+                 lr_ramp_updates: int = 0):
         super().__init__(epoch_end)
         self.schedule = validate_schedule(schedule)
         if by not in ("epoch", "update"):
             raise ValueError(f"`by` must be 'epoch' or 'update'; received {by!r}.")
         self.by = by
         self.scaler = LearningRateScaler(lr_scaling, accum_steps_at(self.schedule, 0))
+        self.lr_ramp_updates = validate_lr_ramp_updates(lr_ramp_updates, by)
 
     def set_model(self, model):
         """Keras' hook: the learning-rate rule attached to the model's optimizer."""
@@ -206,16 +213,31 @@ class _AccumulationScheduleRule(_EpochWindowsRule):
         optimizer = self._optimizer()
         if optimizer.held_micro_batches:
             return
-        self._change_to(accum_steps_at(self.schedule, int(optimizer.iterations.numpy())))
+        update = int(optimizer.iterations.numpy())
+        self._change_to(accum_steps_at(self.schedule, update), self._ramped_multiplier(update))
 
-    def _change_to(self, steps):
-        """`accum_steps = steps` (an open window applied first) and the learning rate scaled."""
+    def _ramped_multiplier(self, update):
+        """The learning-rate multiplier after `update` updates: the schedule's, ramped
+        linearly from the one before over `lr_ramp_updates` after its last change."""
+        rule, start = self.scaler.rule, self.scaler.start_accum_steps
+        target = lr_multiplier(rule, accum_steps_at(self.schedule, update), start)
+        changed = max((u for u in self.schedule if 0 < u <= update), default=None)
+        if not self.lr_ramp_updates or changed is None or update - changed >= self.lr_ramp_updates:
+            return target
+        before = lr_multiplier(rule, accum_steps_at(self.schedule, changed - 1), start)
+        return before + (target - before) * (update - changed) / self.lr_ramp_updates
+
+    def _change_to(self, steps, multiplier=None):
+        """`accum_steps = steps` (an open window applied first) and the learning rate
+        scaled (to `multiplier`, else the rule's value for `steps`)."""
         optimizer = self._optimizer()
         if steps != optimizer.accum_steps:
             optimizer.close_partial_window("apply")
             optimizer.set_accum_steps(steps)
-        if self.scaler.multiplier != lr_multiplier(self.scaler.rule, steps, self.scaler.start_accum_steps):
-            self.scaler.set(steps)
+        if multiplier is None:
+            multiplier = lr_multiplier(self.scaler.rule, steps, self.scaler.start_accum_steps)
+        if self.scaler.multiplier != multiplier:
+            self.scaler.set_multiplier(multiplier)
 
     def _log_schedule(self, logs):
         """`accum_steps` and `lr_multiplier` into `logs`."""

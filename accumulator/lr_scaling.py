@@ -147,7 +147,18 @@ class LearningRateScaler:
         Returns:
             The multiplier.
         """
-        self.multiplier = lr_multiplier(self.rule, accum_steps, self.start_accum_steps)
+        return self.set_multiplier(lr_multiplier(self.rule, accum_steps, self.start_accum_steps))
+
+    def set_multiplier(self, multiplier: float) -> float:
+        """Sets the learning rate to the unscaled one times `multiplier` (a ramp's step).
+
+        Args:
+            multiplier: the factor.
+
+        Returns:
+            The multiplier.
+        """
+        self.multiplier = float(multiplier)
         if self._inner is None or self.rule == "none":
             return self.multiplier
         if isinstance(self._base, _ScaledScheduleRule):

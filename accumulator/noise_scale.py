@@ -6,7 +6,9 @@ cuts the updates almost in proportion, above it extra samples are mostly wasted.
 already holds gradients at two batch sizes (each micro-batch's and the window's), so
 `GradientAccumulator(..., measure_noise_scale=True)` estimates it for one squared norm per
 micro-batch: `window_estimates` per window, `NoiseScaleEstimate` smoothed over windows.
-Its unit is that of the micro-batch weights (samples in `fit`).
+Its unit is that of the sizes b_k: samples in `fit` (even where the loss weighs tokens),
+`micro_batch_weight` in a custom loop. `WindowMoments` keeps the windows' spread, from
+which `AutoAccumulation` bounds it.
 """
 
 from __future__ import annotations
@@ -186,8 +188,8 @@ class NoiseScaleEstimate:
     plain `keras.Variable`s are made (handy eagerly and in tests).
 
     Args:
-        make_variable: `make_variable(name, dtype)` returning a scalar variable
-            initialised to zero; None makes `keras.Variable`s.
+        make_variable: `make_variable(name, dtype, shape=())` returning a variable
+            of zeros; None makes `keras.Variable`s.
         smoothing: the EMA decay, a float in [0, 1). Default 0.99: single
             windows are noisy (the relative noise of g2_est is of order
             B_simple / B, often > 1 below the critical batch, which is where
@@ -210,21 +212,26 @@ class NoiseScaleEstimate:
         self._ema_trace = make_variable("ema_trace", "float32")
         self._ema_weight = make_variable("ema_weight", "float32")
         self._window_count = make_variable("window_count", "int64")
+        self.moments = WindowMoments(make_variable, self.smoothing)
 
     @property
     def variables(self) -> list:
-        """The four state variables (the two EMAs, the EMA weight, the window count)."""
-        return [self._ema_g2, self._ema_trace, self._ema_weight, self._window_count]
+        """The state variables (the two EMAs, the EMA weight, the window count, the
+        windows' moments)."""
+        return [self._ema_g2, self._ema_trace, self._ema_weight, self._window_count, self.moments.variable]
 
-    def update(self, g2_est: tf.Tensor, trace_est: tf.Tensor, valid: tf.Tensor) -> None:
+    def update(self, g2_est: tf.Tensor, trace_est: tf.Tensor, valid: tf.Tensor,
+               window_size: tf.Tensor | float = 1.0) -> None:
         """Folds one window's estimates in when `valid`; a no-op otherwise. Graph-safe.
 
         Args:
             g2_est: the window's estimate of |G|^2.
             trace_est: the window's estimate of tr(Sigma).
             valid: whether the window gives an estimate (`window_estimates`).
+            window_size: its size B, the weight of its moments (`WindowMoments`).
         """
         valid = tf.cast(valid, tf.bool)
+        self.moments.add(g2_est, trace_est, window_size, valid)
         # Invalid windows: decay 1 keeps the state, and the estimates (0, or
         # even NaN from a caller) are replaced before they can reach it.
         decay = tf.where(valid, tf.constant(self.smoothing, tf.float32), tf.constant(1.0, tf.float32))
@@ -252,7 +259,7 @@ class NoiseScaleEstimate:
         g2, trace, valid = window_estimates(
             micro_sq_norm_sum, inv_size_sum, micro_count, window_sq_norm, window_size
         )
-        self.update(g2, trace, valid)
+        self.update(g2, trace, valid, window_size)
         return valid
 
     def noise_scale_value(self) -> float:
@@ -302,8 +309,54 @@ class NoiseScaleEstimate:
         return self.trace / self.gradient_sq_norm
 
 
-def _keras_variable(name: str, dtype: str):
-    """A scalar `keras.Variable` of zero: the state's default maker."""
+class WindowMoments:
+    """Sums over the windows since the last `reset`: what a confidence bound on B_simple needs.
+
+    Per valid window i, with w_i its size, G_i its |G|^2 estimate and T_i its
+    tr(Sigma) estimate: sum w, sum w G, sum w T, sum w G^2, sum w T^2,
+    sum w G T and the count n, in one float64 vector variable (`FIELDS`), mirrored
+    like the EMAs, decaying by the EMAs' smoothing per window (so they follow a
+    drifting B_simple over the same ~1 / (1 - smoothing) windows, and n counts
+    the windows that still weigh). Weighting by size weighs each window by about
+    its inverse variance (a window's estimates scatter as 1/B). `AutoAccumulation`
+    resets it when the batch changes, so the sums hold windows of one batch only.
+
+    Args:
+        make_variable: `make_variable(name, dtype, shape)` returning a variable of zeros.
+        decay: the factor the sums keep per window, in [0, 1).
+    """
+
+    FIELDS = ("weight", "g2", "trace", "g2_g2", "trace_trace", "g2_trace", "count")
+
+    def __init__(self, make_variable: Callable[..., tf.Variable], decay: float = DEFAULT_SMOOTHING):
+        self.variable = make_variable("window_moments", "float64", (len(self.FIELDS),))
+        self.decay = validate_smoothing(decay, "decay")
+
+    def add(self, g2_est: tf.Tensor, trace_est: tf.Tensor, size: tf.Tensor | float, valid: tf.Tensor) -> None:
+        """Adds one window when `valid` (graph-safe).
+
+        Args:
+            g2_est: its |G|^2 estimate.
+            trace_est: its tr(Sigma) estimate.
+            size: its size B, w.
+            valid: whether it gives an estimate.
+        """
+        g, t, w = (tf.cast(value, tf.float64) for value in (g2_est, trace_est, size))
+        terms = tf.stack([w, w * g, w * t, w * g * g, w * t * t, w * g * t, tf.ones_like(w)])
+        valid = tf.cast(valid, tf.bool)
+        self.variable.assign(tf.where(valid, self.decay * self.variable + terms, self.variable))
+
+    def values(self) -> dict:
+        """The sums by `FIELDS` name, as Python floats (eager)."""
+        return dict(zip(self.FIELDS, (float(v) for v in self.variable.numpy())))
+
+    def reset(self) -> None:
+        """Forgets every window (eager or traced)."""
+        self.variable.assign(tf.zeros_like(self.variable))
+
+
+def _keras_variable(name: str, dtype: str, shape: tuple = ()):
+    """A `keras.Variable` of zeros: the state's default maker."""
     import keras
 
-    return keras.Variable(0, shape=(), dtype=dtype, trainable=False, name=name)
+    return keras.Variable(tf.zeros(shape, dtype), shape=shape, dtype=dtype, trainable=False, name=name)

@@ -248,6 +248,28 @@ def validate_auto(accum_steps: Any, max_effective_batch_size: Any,
     return {"max_effective_batch_size": int(max_effective_batch_size), "lr_scaling": lr_scaling}
 
 
+def validate_lr_ramp_updates(lr_ramp_updates: Any, by: str = "update") -> int:
+    """Checks the length of a learning-rate ramp.
+
+    Args:
+        lr_ramp_updates: the updates over which the learning rate moves to its new
+            value after a change of the batch (an int >= 0).
+        by: the schedule's keys: a ramp counts updates, so it needs "update".
+
+    Returns:
+        `lr_ramp_updates` as an int.
+
+    Raises:
+        ValueError: not an int >= 0, or > 0 with `by="epoch"`.
+    """
+    if isinstance(lr_ramp_updates, bool) or not isinstance(lr_ramp_updates, int) or lr_ramp_updates < 0:
+        raise ValueError(f"`lr_ramp_updates` must be an int >= 0; received {lr_ramp_updates!r}.")
+    if lr_ramp_updates and by != "update":
+        raise ValueError("`lr_ramp_updates` counts updates: it goes with by='update'; received "
+                         f"by={by!r}.")
+    return lr_ramp_updates
+
+
 def refuse_unknown_arguments(kwargs: Mapping[str, Any], advice: str = "") -> None:
     """Refuses `GradientAccumulator` arguments it does not know (both Keras).
 

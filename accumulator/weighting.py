@@ -28,7 +28,9 @@ def note_batch(model, x, y, y_pred, sample_weight):
     optimizer = getattr(model, "optimizer", None)
     if not isinstance(optimizer, AccumulationWindow) or optimizer.is_passthrough:
         return
-    optimizer.note_micro_batch_weight(loss_denominator(model, x, y, y_pred, sample_weight))
+    # Its samples too: the noise scale counts samples, where D counts a sequence's tokens.
+    optimizer.note_micro_batch_weight(loss_denominator(model, x, y, y_pred, sample_weight),
+                                      loss_samples(model, x, y, y_pred))
     lookups.note_batch_size(_static_batch_size(x), current_graph())
 
 
@@ -119,6 +121,28 @@ def _warn_if_regularized(model):
             "micro-batches' gradients, as the large batch sums its samples', and so counts "
             "those losses once per micro-batch, where the large batch counts them once. "
             "Use a mean reduction ('sum_over_batch_size') for the large batch's weights.")
+
+
+def loss_samples(model, x, y, y_pred):
+    """The batch's samples, on the scale of `loss_denominator`: the noise scale's unit.
+
+    Keras 3 divides a mean loss by the replicas under a strategy, so D carries their
+    count; the same reduction of one per sample carries it too (a sequence's D counts
+    its tokens, this counts it once). Keras 2's D does not: its samples are the batch's.
+    """
+    found = _first_output_loss(model, y, y_pred, None)
+    if found is None or flavours.is_keras2_object(model):
+        return _batch_size(x)
+    keras_package = flavours.keras_package_of(model)
+    loss = keras_package.losses.get(found[0])
+    reduction = getattr(loss, "reduction", "sum_over_batch_size")
+    if reduction in (None, "none", "sum"):
+        return _batch_size(x)
+    # Ones per sample, without the outputs' mask (a mask is per element).
+    per_sample = tf.ones(tf.shape(tf.convert_to_tensor(found[2]))[:1])
+    ones = _ones_loss_class(keras_package)
+    summed = ones(per_sample, "sum")(per_sample, per_sample)
+    return tf.cast(tf.math.divide_no_nan(summed, ones(per_sample, reduction)(per_sample, per_sample)), tf.float32)
 
 
 def loss_denominator(model, x, y, y_pred, sample_weight):

@@ -112,25 +112,29 @@ class NotedWeight(threading.local):
     Attributes:
         weight: the micro-batch's loss denominator D_k (a float32 tensor), or
             `SUMMED_LOSS` for a loss that sums over its samples; None: none noted.
+        samples: the micro-batch's samples n_k (a float32 tensor), or None: the
+            noise scale counts in samples, the loss weighs D_k (tokens, for
+            sequence outputs).
         graph: the graph being traced when it was noted (None eagerly).
     """
 
     def __init__(self):
-        self.weight = self.graph = None
+        self.weight = self.samples = self.graph = None
 
-    def hand_over(self, weight) -> None:
+    def hand_over(self, weight, samples=None) -> None:
         """Notes `weight` for this thread's next micro-batch, in the current graph.
 
         Args:
             weight: the micro-batch's loss denominator (a tensor or a number).
+            samples: its samples (a tensor or a number), or None.
         """
-        self.weight, self.graph = weight, _tf.current_graph()
+        self.weight, self.samples, self.graph = weight, samples, _tf.current_graph()
 
     def take(self):
-        """The weight noted in this thread and graph, or None; forgets it either way."""
-        weight, graph = self.weight, self.graph
-        self.weight = self.graph = None
-        return weight if weight is not None and graph is _tf.current_graph() else None
+        """(weight, samples) noted in this thread and graph, or (None, None); forgets them either way."""
+        noted, graph = (self.weight, self.samples), self.graph
+        self.weight = self.samples = self.graph = None
+        return noted if noted[0] is not None and graph is _tf.current_graph() else (None, None)
 
 
 @dataclasses.dataclass(eq=False)
@@ -153,8 +157,8 @@ class WindowState:
             for `overwrite_with_gradient` variables).
         rows: per variable of rank >= 1, its `WindowRows` (None for scalars): the
             sparse gradients' rows (replica-local; `accumulator.window_rows`).
-        noise_sums: with `measure_noise_scale`: sum_k R^2 |g_k|^2, sum_k 1/b_k and
-            K of the open window (replica-local).
+        noise_sums: with `measure_noise_scale`: sum_k R^2 |g_k|^2, sum_k 1/b_k, K
+            and sum_k b_k of the open window, b_k in samples (replica-local).
         noise_estimate: with `measure_noise_scale`: the smoothed estimate
             (`NoiseScaleEstimate`, mirrored).
         variables: the model's variables the window is for, in order (`build`).
@@ -252,10 +256,11 @@ class WindowState:
                                         ((), tf.int64, "count"))]))
         if noise_smoothing is not None:
             self.noise_sums = [local((), tf.float32, f"noise_scale_{name}")
-                               for name in ("micro_sq_norm_sum", "inv_size_sum", "micro_count")]
+                               for name in ("micro_sq_norm_sum", "inv_size_sum", "micro_count", "sample_sum")]
             with seam.variables_created_as(aggregation=first_replica):
                 self.noise_estimate = NoiseScaleEstimate(
-                    lambda name, dtype: new_variable((), dtype, 0, f"noise_scale_{name}"), smoothing=noise_smoothing)
+                    lambda name, dtype, shape=(): new_variable(shape, dtype, 0, f"noise_scale_{name}"),
+                    smoothing=noise_smoothing)
         self.variables, self.index_by_id = var_list, {id(v): i for i, v in enumerate(var_list)}
         self.accumulators, self.rows, self.overwrite_indices = accumulators, rows, overwrite
         self.strategy, self.accum_steps = tf.distribute.get_strategy(), steps
@@ -404,9 +409,10 @@ class WindowReadings:
 
     @property
     def noise_scale(self):
-        """B_simple, the gradient noise scale, as a Python float, in the units of
-        the micro-batch weights (samples in `fit`); NaN before the first window of
-        at least two micro-batches. Needs `measure_noise_scale=True`."""
+        """B_simple, the gradient noise scale, as a Python float, in samples in `fit`
+        (also for sequence outputs, whose loss weighs tokens), in units of
+        `micro_batch_weight` in a custom loop; NaN before the first window of at
+        least two micro-batches. Needs `measure_noise_scale=True`."""
         self._check_measures_noise_scale()
         if self._state.noise_estimate is None:
             return float("nan")
@@ -556,7 +562,7 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
             layer.set_accum_steps(accum_steps)
 
     # ------------------------------------------------------- the update rule
-    def note_micro_batch_weight(self, weight):
+    def note_micro_batch_weight(self, weight, samples=None):
         """Hands over the loss denominator D_k of the micro-batch whose gradients come next.
 
         The `compute_loss` hook calls it (`accumulator.weighting.note_batch`);
@@ -565,13 +571,14 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
 
         Args:
             weight: the micro-batch's loss denominator.
+            samples: its samples (the noise scale's unit), or None: `weight`.
         """
-        self._state.noted_weight.hand_over(weight)
+        self._state.noted_weight.hand_over(weight, samples)
 
     def _apply_micro_batch(self, grads, variables, micro_batch_weight=None):
         """One micro-batch of `grads` for `variables` (built optimizer), weighed by
         `micro_batch_weight` or else by what the `compute_loss` hook handed over."""
-        noted = self._state.noted_weight.take()
+        noted, noted_samples = self._state.noted_weight.take()
         indices = [self._state.index_of(v) for v in variables]
         if not grads:
             return
@@ -584,7 +591,11 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
                 self._hand_to_updater(grads, variables, reduced=False)
             return
         weight, divisor = self._micro_batch_weights(micro_batch_weight, noted)
-        self._update(grads, indices, weight, divisor=divisor)
+        samples = None
+        if micro_batch_weight is None and noted_samples is not None and not _is_summed(noted):
+            # The noise scale counts samples; a zero weight (no sample counted) stays zero.
+            samples = tf.where(tf.cast(weight, tf.float32) > 0.0, tf.cast(noted_samples, tf.float32), 0.0)
+        self._update(grads, indices, weight, divisor=divisor, samples=samples)
 
     def _micro_batch_weights(self, micro_batch_weight, noted_weight):
         """(what the micro-batch's gradient is multiplied by, what it adds to the divisor).
@@ -611,7 +622,7 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
             micro_batch_weight = 1.0 if noted_weight is None or _is_summed(noted_weight) else noted_weight
         return micro_batch_weight, micro_batch_weight
 
-    def _update(self, grads, indices, weight=1.0, close_only=False, divisor=None):
+    def _update(self, grads, indices, weight=1.0, close_only=False, divisor=None, samples=None):
         """The window's whole flow: add a micro-batch, count it, and when the window is
         full close it: reduce it over the replicas, apply its mean, reset it.
 
@@ -630,7 +641,7 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
             with_grads = set(s.with_grads)
         else:
             # 1. Add: each replica adds `weight * grad` to its own buffers.
-            self._accumulate(grads, indices, weight, weight if divisor is None else divisor)
+            self._accumulate(grads, indices, weight, weight if divisor is None else divisor, samples)
 
         def count_and_close(distribution):      # `distribution`: None without a strategy
             if close_only:
@@ -647,9 +658,10 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
         else:
             count_and_close(None)
 
-    def _accumulate(self, grads, indices, weight=1.0, divisor=1.0):
+    def _accumulate(self, grads, indices, weight=1.0, divisor=1.0, samples=None):
         """Replica-local: adds `weight * grad` into the window's buffers, and `divisor`
-        to the window's weight (see `_micro_batch_weights`).
+        to the window's weight (see `_micro_batch_weights`); `samples` (None: `weight`)
+        to the noise scale's sizes.
 
         A dense buffer gets its full shape on its first dense gradient, outside any
         graph (`_tf.fill_to`; a restored one keeps its sums). Sparse gradients go
@@ -677,9 +689,11 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
         if s.noise_sums:
             # This replica's micro-batch: R^2 |g|^2, R/w and 1 (R the replicas,
             # as in the window gradient; see `accumulator.noise_scale`).
+            # Sizes in samples, so B_simple is in samples (D_k counts tokens for sequences).
+            size = weight if samples is None else samples
             terms = micro_batch_terms([g for g, i in zip(grads, indices) if i not in s.overwrite_indices],
-                                      weight, replicas.replicas_in_sync())
-            for total, term in zip(s.noise_sums, terms):
+                                      size, replicas.replicas_in_sync())
+            for total, term in zip(s.noise_sums, terms + (tf.cast(size, tf.float32),)):
                 total.assign_add(term)
 
     # Whether the inner optimizer sums repeated rows of a sparse gradient itself
@@ -757,17 +771,19 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
             # A variable with dense and sparse gradients in one window gets their sum.
             grads[i] = mean if grads[i] is None else window_rows.add_rows(grads[i], mean)
         if s.noise_estimate is not None:
-            # The window's size: its weight over the replicas (see accumulator.noise_scale).
-            self._update_noise_scale(noise_sums, means + row_means, weight_sum)
+            self._update_noise_scale(noise_sums, means + row_means)
         self._hand_to_updater(grads, s.variables, reduced=True)
         # Refill once the update has read the means: reading the variables it
         # wrote orders the refill after it (automatic control dependencies).
         self._reset_window(dense, rows, after=[
             tf.convert_to_tensor(_tf.backing_variable(s.variables[i])) for i, _ in summed])
 
-    def _update_noise_scale(self, noise_sums, window_means, window_weight):
+    def _update_noise_scale(self, noise_sums, window_means):
         """Folds the closing window into the estimate (before the update changes the loss scale)."""
-        micro_sq_sum, inv_size_sum, micro_count = noise_sums
+        micro_sq_sum, inv_size_sum, micro_count, sample_sum = noise_sums
+        # The window's samples, counted over the replicas as its weight is.
+        replica_count = replicas.replicas_in_sync() if tf.distribute.has_strategy() else 1
+        window_samples = sample_sum / replica_count
         window_sq = squared_norm(window_means)
         scale = self._window_gradient_scale()
         if scale is not None:
@@ -776,7 +792,7 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
             micro_sq_sum = micro_sq_sum / tf.square(scale)
             window_sq = window_sq / tf.square(scale)
         self._state.noise_estimate.update_from_window(
-            micro_sq_sum, inv_size_sum, micro_count, window_sq, window_weight)
+            micro_sq_sum, inv_size_sum, micro_count, window_sq, window_samples)
 
     def _reset_window(self, indices, row_indices=(), after=()):
         """Empties the buffers at `indices` and the rows at `row_indices` (the

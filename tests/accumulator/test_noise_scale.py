@@ -201,7 +201,7 @@ def test_the_sums_reset_with_every_window(mode, counted):
     model.compile(optimizer, "mse")
     model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
     assert int(optimizer.noise_scale_estimate.window_count) == counted
-    assert [float(v.numpy()) for v in optimizer._state.noise_sums] == [0.0, 0.0, 0.0]
+    assert [float(v.numpy()) for v in optimizer._state.noise_sums] == [0.0, 0.0, 0.0, 0.0]
     first = optimizer.noise_scale
     # The same 4 micro-batches alone give the same estimate: nothing of the
     # fifth leaked into it, nor into the next window.
@@ -326,7 +326,7 @@ def test_off_by_default_adds_no_variables_and_no_log():
             assert not any("noise_scale" in v.name for v in optimizer.variables)
             with pytest.raises(AttributeError, match="measure_noise_scale=True"):
                 optimizer.noise_scale
-    assert counts[1] == counts[0] + 7           # 3 replica-local sums, 4 estimator variables
+    assert counts[1] == counts[0] + 9           # 4 replica-local sums, 5 estimator variables
     assert "noise_scale" not in histories[0]
     assert len(histories[1]["noise_scale"]) == 2
 

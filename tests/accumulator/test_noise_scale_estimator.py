@@ -423,15 +423,15 @@ def test_first_window_is_bias_corrected():
 def test_variables_come_from_the_callback():
     made = []
 
-    def make_variable(name, dtype):
-        variable = tf.Variable(tf.zeros((), dtype), trainable=False, name=name)
-        made.append((name, dtype))
+    def make_variable(name, dtype, shape=()):
+        variable = tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name)
+        made.append((name, dtype, shape))
         return variable
 
     estimator = ns.NoiseScaleEstimate(make_variable)
     assert made == [
-        ("ema_gradient_sq_norm", "float32"), ("ema_trace", "float32"),
-        ("ema_weight", "float32"), ("window_count", "int64"),
+        ("ema_gradient_sq_norm", "float32", ()), ("ema_trace", "float32", ()),
+        ("ema_weight", "float32", ()), ("window_count", "int64", ()), ("window_moments", "float64", (7,)),
     ]
     assert estimator.smoothing == ns.DEFAULT_SMOOTHING
     estimator.update(1.0, 3.0, True)
