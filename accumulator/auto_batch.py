@@ -6,7 +6,6 @@ the largest batch whose sample overhead stays within budget; it never shrinks, a
 learning rate ramps. Its decisions are a by-update schedule that `AccumulationSchedule` replays.
 """
 
-import math
 
 import keras
 import tensorflow as tf
@@ -47,7 +46,8 @@ class _AutoAccumulationRule(_AccumulationScheduleRule):
     such a batch needs at most that share more samples than a small one, in far
     fewer updates. A growth at most doubles the batch, forgets the windows
     measured before it (so the next decision rests on windows at the new batch:
-    no cascade), and ramps the learning-rate multiplier (`lr_scaling`) over
+    no cascade). It looks once per `min_windows` windows, which keeps false
+    growths rare over many looks, and ramps the learning-rate multiplier (`lr_scaling`) over
     `lr_ramp_updates`; the batch never shrinks, and never passes
     `max_effective_batch_size`. Since the batch stays at most B_simple, the
     learning rate never rises past what B_simple supports.
@@ -70,7 +70,7 @@ class _AutoAccumulationRule(_AccumulationScheduleRule):
         start_accum_steps: the starting window (the optimizer's `accum_steps`).
         max_sample_overhead: the budget of extra samples a batch may cost, in
             (0, 1] (0.1: at most ~10% more samples than a small batch).
-        confidence: the one-sided level of the bound, in (0.5, 1).
+        confidence: the one-sided level of the bound at each look, in (0.5, 1).
         min_windows: windows at the current batch before a decision (an int >= 2).
         lr_scaling: "none", "linear" or "sqrt" (see `AccumulationSchedule`).
         lr_ramp_updates: the updates the learning rate takes to its new value.
@@ -86,7 +86,7 @@ class _AutoAccumulationRule(_AccumulationScheduleRule):
     """
 
     def __init__(self, micro_batch_size: int, max_effective_batch_size: int, start_accum_steps: int = 1,
-                 *, max_sample_overhead: float = 0.1, confidence: float = 0.95, min_windows: int = 10,
+                 *, max_sample_overhead: float = 0.1, confidence: float = 0.975, min_windows: int = 10,
                  lr_scaling: str = "none", lr_ramp_updates: int = 50, geometry: str = "auto",
                  epoch_end=None, **retired):
         if retired:
@@ -110,6 +110,7 @@ class _AutoAccumulationRule(_AccumulationScheduleRule):
         self.geometry = geometry
         self.readings = {}
         self._last_seen = -1
+        self._looked_at = 0
 
     def on_train_begin(self, logs=None):
         """Keras' hook: refuses an optimizer whose estimate cannot feed the rule."""
@@ -141,27 +142,28 @@ class _AutoAccumulationRule(_AccumulationScheduleRule):
         return (use or optimizer.noise_scale_estimate), preconditioned
 
     def _decide(self, update, optimizer):
-        """One look per window boundary: extends `schedule` when the bound says grow."""
+        """One look per `min_windows` windows: extends `schedule` when the bound says grow."""
         if update == self._last_seen:
             return
         self._last_seen = update
-        accum_steps = optimizer.accum_steps
         estimate, preconditioned = self._estimates(optimizer)
-        moments = estimate.moments.values()
+        if estimate is None:        # not built yet: no window seen
+            return
+        windows = int(estimate.window_count.numpy())
+        if windows - self._looked_at < self.min_windows:
+            return
+        # Looks every `min_windows` windows, not every window: fewer chances of a false growth.
+        self._looked_at = windows
         largest = max(1, self.max_effective_batch_size // self.micro_batch_size)
-        ceiling = 2 * largest * self.micro_batch_size / self.max_sample_overhead
-        bound = batch_target.lower_bound(moments, self.confidence, ceiling) \
-            if moments["count"] >= self.min_windows else float("nan")
-        target = batch_target.target_accum_steps(bound, self.micro_batch_size, self.max_sample_overhead, largest) \
-            if math.isfinite(bound) else accum_steps
+        grown, bound, target = batch_target.next_accum_steps(
+            estimate.moments.values(), optimizer.accum_steps, self.micro_batch_size, largest,
+            self.max_sample_overhead, self.confidence)
         self.readings = {
             "noise_scale": optimizer.noise_scale,
             "noise_scale_preconditioned": (preconditioned.noise_scale_value() if preconditioned is not None
                                            else float("nan")),
-            "noise_scale_lower": bound,
-            "target_effective_batch_size": max(target, accum_steps) * self.micro_batch_size}
-        if target > accum_steps:
-            grown = max(a for a in batch_target.accum_steps_grid(2 * accum_steps) if a <= min(target, 2 * accum_steps))
+            "noise_scale_lower": bound, "target_effective_batch_size": target * self.micro_batch_size}
+        if grown is not None:
             self.schedule[update] = grown
             for each in (optimizer.noise_scale_estimate, preconditioned):
                 if each is not None:
@@ -180,7 +182,8 @@ class _AutoAccumulationRule(_AccumulationScheduleRule):
         Returns:
             A JSON-able dict that `restore_state` takes.
         """
-        return {"schedule": {str(k): v for k, v in self.schedule.items()}, "last_seen": self._last_seen}
+        return {"schedule": {str(k): v for k, v in self.schedule.items()}, "last_seen": self._last_seen,
+                "looked_at": self._looked_at}
 
     def restore_state(self, state: dict) -> None:
         """Puts back what `state()` returned.
@@ -190,6 +193,7 @@ class _AutoAccumulationRule(_AccumulationScheduleRule):
         """
         self.schedule = {int(k): int(v) for k, v in state["schedule"].items()}
         self._last_seen = int(state["last_seen"])
+        self._looked_at = int(state.get("looked_at", 0))
 
 
 class AutoAccumulation(_AutoAccumulationRule, EpochWindows):

@@ -110,3 +110,30 @@ def target_accum_steps(bound: float, micro_batch_size: int, max_sample_overhead:
         return 1
     fits = [a for a in accum_steps_grid(largest) if a * micro_batch_size <= max_sample_overhead * bound]
     return fits[-1] if fits else 1
+
+
+def next_accum_steps(moments: dict, accum_steps: int, micro_batch_size: int, largest: int,
+                     max_sample_overhead: float, confidence: float) -> tuple:
+    """One decision of "auto": (the grown accum_steps or None, the bound, the target accum_steps).
+
+    The target is the grid value `target_accum_steps` gives for the lower bound; a growth
+    goes toward it by at most a doubling (the next decision rests on windows at the new batch).
+
+    Args:
+        moments: `WindowMoments.values()` of the windows at the current batch.
+        accum_steps: the current window's length.
+        micro_batch_size: the samples of one micro-batch (all replicas').
+        largest: the largest accum_steps allowed.
+        max_sample_overhead: the budget, in (0, 1].
+        confidence: the bound's one-sided level.
+
+    Returns:
+        `(grown, bound, target)`: `grown` None when the batch stays.
+    """
+    ceiling = 2 * largest * micro_batch_size / max_sample_overhead
+    bound = lower_bound(moments, confidence, ceiling)
+    target = max(target_accum_steps(bound, micro_batch_size, max_sample_overhead, largest), accum_steps)
+    if target <= accum_steps:
+        return None, bound, target
+    step = min(target, 2 * accum_steps)
+    return max(a for a in accum_steps_grid(step) if a <= step), bound, target
