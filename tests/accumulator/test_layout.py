@@ -92,7 +92,7 @@ def test_the_cycle_finder_finds_a_cycle():
 # The rooms of `accumulator/`, in the order imports may run (DEVELOPERS.md's map): a module
 # imports only from its own room or an earlier one. A new module gets a room here.
 ROOMS = {
-    "foundations": ("flavours", "seam", "validation", "refusals", "options", "noise_scale",
+    "foundations": ("flavours", "seam", "validation", "refusals", "options", "noise_scale", "preconditioning",
                     "lr_scaling", "distribute", "contrastive"),
     "mechanics": ("_tf", "replicas", "lookups", "across_replicas", "cache_passes"),
     "window": ("window_rows", "window_saving", "window", "weighting", "forwarding"),
