@@ -38,12 +38,14 @@ def _keras_class_name(optimizer) -> str | None:
     return None
 
 
-def _hyperparameter(optimizer, name: str) -> tf.Tensor:
-    """`optimizer.<name>` (a number, a tensor, or a callable returning one) as float32."""
+def _hyperparameter(optimizer, name: str, dtype: tf.DType = tf.float32) -> tf.Tensor:
+    """`optimizer.<name>` (a number, a tensor, or a callable returning one) as `dtype`."""
     value = getattr(optimizer, name)
     if callable(value):
         value = value()
-    return tf.cast(tf.convert_to_tensor(value), tf.float32)
+    if isinstance(value, numbers.Real):
+        return tf.constant(float(value), dtype)
+    return tf.cast(tf.convert_to_tensor(value), dtype)
 
 
 def _read(slots, index: int) -> tf.Tensor | None:
@@ -99,8 +101,8 @@ class Preconditioner:
             variable's dtype), or None: a variable unknown to the optimizer, or
             the optimizer not built yet.
         """
-        updates = tf.cast(tf.convert_to_tensor(self.optimizer.iterations), tf.float32)
-        ready = updates >= float(self.min_updates)
+        updates = tf.convert_to_tensor(self.optimizer.iterations)
+        ready = updates >= self.min_updates
         correction = self._bias_correction(updates) if self.kind == "adam" else None
         found = []
         for variable in variables:
@@ -110,8 +112,13 @@ class Preconditioner:
         return found
 
     def _bias_correction(self, updates: tf.Tensor) -> tf.Tensor:
-        """1 - beta_2^t, with t at least 1 (t = 0 gives ones, and must not divide by 0)."""
-        return 1.0 - tf.pow(_hyperparameter(self.optimizer, "beta_2"), tf.maximum(updates, 1.0))
+        """1 - beta_2^t, with t at least 1 (t = 0 gives ones, and must not divide by 0).
+
+        In float64: in float32, 1 - beta_2^t loses ~1e-5 of itself to rounding while t is small.
+        """
+        beta_2 = _hyperparameter(self.optimizer, "beta_2", tf.float64)
+        power = tf.pow(beta_2, tf.maximum(tf.cast(updates, tf.float64), 1.0))
+        return tf.cast(1.0 - power, tf.float32)
 
     def _scale(self, index: int, correction: tf.Tensor | None) -> tf.Tensor | None:
         """P of the variable at `index` of the optimizer's slot lists, or None."""
