@@ -104,11 +104,17 @@ class Preconditioner:
         updates = tf.convert_to_tensor(self.optimizer.iterations)
         ready = updates >= self.min_updates
         correction = self._bias_correction(updates) if self.kind == "adam" else None
+        epsilon = _hyperparameter(self.optimizer, "epsilon")
         found = []
         for variable in variables:
             index = seam.optimizer_variable_index(self.optimizer, variable)
-            scale = None if index is None else self._scale(index, correction)
-            found.append(None if scale is None else tf.where(ready, scale, tf.ones_like(scale)))
+            moments = None if index is None else self._moments(index)
+            if moments is None:
+                found.append(None)
+                continue
+            # A cond, not a where: before `min_updates` nothing is computed, after, no ones are made.
+            found.append(tf.cond(ready, lambda m=moments: self._formula(m, correction, epsilon),
+                                 lambda m=moments: tf.ones_like(m[0])))
         return found
 
     def _bias_correction(self, updates: tf.Tensor) -> tf.Tensor:
@@ -120,28 +126,31 @@ class Preconditioner:
         power = tf.pow(beta_2, tf.maximum(tf.cast(updates, tf.float64), 1.0))
         return tf.cast(1.0 - power, tf.float32)
 
-    def _scale(self, index: int, correction: tf.Tensor | None) -> tf.Tensor | None:
-        """P of the variable at `index` of the optimizer's slot lists, or None."""
-        optimizer = self.optimizer
-        epsilon = _hyperparameter(optimizer, "epsilon")
+    def _moments(self, index: int) -> tuple | None:
+        """The moments P is made of, for the variable at `index` of the slot lists, read as
+        float32: `(v,)`, `(u,)`, `(v, mean gradient or None)` or `(accumulator,)`; None if absent."""
+        if self.kind == "rmsprop":
+            velocities, averages = seam.rmsprop_moments(self.optimizer)
+            v = _read(velocities, index)
+            return None if v is None else (v, _read(averages, index))
+        slots = {"adam": seam.adam_second_moments, "adamax": seam.adamax_norms,
+                 "adagrad": seam.adagrad_accumulators}[self.kind](self.optimizer)
+        moment = _read(slots, index)
+        return None if moment is None else (moment,)
+
+    def _formula(self, moments: tuple, correction: tf.Tensor | None, epsilon: tf.Tensor) -> tf.Tensor:
+        """P from `_moments`, as the optimizer's `update_step` computes its denominator."""
         if self.kind == "adam":
-            v = _read(seam.adam_second_moments(optimizer), index)
-            if v is None:
-                return None
+            (v,) = moments
             if self.epsilon_on_corrected:
                 return 1.0 / (tf.sqrt(v / correction) + epsilon)
             return tf.sqrt(correction) / (tf.sqrt(v) + epsilon)
         if self.kind == "adamax":
-            u = _read(seam.adamax_norms(optimizer), index)
-            return None if u is None else 1.0 / (u + epsilon)
+            return 1.0 / (moments[0] + epsilon)
         if self.kind == "rmsprop":
-            velocities, averages = seam.rmsprop_moments(optimizer)
-            v, mean = _read(velocities, index), _read(averages, index)
-            if v is None:
-                return None
+            v, mean = moments
             return tf.math.rsqrt((v if mean is None else v - tf.square(mean)) + epsilon)
-        accumulator = _read(seam.adagrad_accumulators(optimizer), index)
-        return None if accumulator is None else tf.math.rsqrt(accumulator + epsilon)
+        return tf.math.rsqrt(moments[0] + epsilon)
 
 
 def preconditioner_of(optimizer, min_updates: int = 1) -> Preconditioner | None:
