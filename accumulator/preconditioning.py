@@ -80,6 +80,7 @@ class Preconditioner:
     Attributes:
         optimizer: the optimizer whose moments are read (wrappers removed).
         kind: "adam", "adamax", "rmsprop" or "adagrad".
+        epsilon_on_corrected: "adam" only: eps added to sqrt(v_hat), not to sqrt(v).
         min_updates: the updates before which the scales are ones.
     """
 
@@ -99,7 +100,8 @@ class Preconditioner:
         Returns:
             Per variable, a float32 tensor shaped like it (whatever the
             variable's dtype), or None: a variable unknown to the optimizer, or
-            the optimizer not built yet.
+            the optimizer not built yet. Each costs a few passes over the
+            moment; P changes only when the optimizer updates.
         """
         updates = tf.convert_to_tensor(self.optimizer.iterations)
         ready = updates >= self.min_updates
