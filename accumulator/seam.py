@@ -6,8 +6,12 @@ elsewhere, or gone from the installed Keras/TF): Keras' `_all_reduce_sum_gradien
 `reduce_per_replica`, `get_global_attribute`, `set_global_attribute`; TensorFlow's
 `strategy_supports_no_merge_call`, `GraphOrParentsInXlaContext`, `_collective_key_base`,
 `_set_global_seed`; Keras 2's `_callable_losses`, `_validate_compile`. Why each is needed:
-DEVELOPERS.md, "Design notes by module". Importing it changes nothing; it imports only
-`accumulator.flavours`. Run-time changes to Keras are `accumulator.hooks`.
+DEVELOPERS.md, "Design notes by module". Also the optimizers' second moments that
+`accumulator.preconditioning` reads: `_get_variable_index` (Keras 2: `_var_key`,
+`_index_dict`) and the slot lists `_velocities`, `_velocity_hats`, `_average_gradients`,
+`_accumulators`, `_u` (instance attributes; `test_preconditioning*.py` check them).
+Importing it changes nothing; it imports only `accumulator.flavours`. Run-time changes to
+Keras are `accumulator.hooks`.
 """
 
 from __future__ import annotations
@@ -83,6 +87,10 @@ PRIVATE_NAMES = (
                 "AccumulatingTrainer(verify_exactness=True): Keras' global seed as before the check"),
     PrivateName("keras.src.backend.common.global_state", "set_global_attribute",
                 "AccumulatingTrainer(verify_exactness=True): Keras' global seed as before the check"),
+    PrivateName("keras", "optimizers.Optimizer._get_variable_index",
+                "preconditioning: an optimizer's second moment of a variable"),
+    PrivateName("tf_keras", "optimizers.Optimizer._var_key",
+                "preconditioning: a Keras 2 optimizer's second moment of a variable", keras2=True),
     PrivateName("tf_keras", "_callable_losses",
                 "Keras 2 GradientCache: weight regularization told from losses added while running",
                 on_compiled_model=True, keras2=True),
@@ -281,6 +289,46 @@ def keras2_weight_regularization_count(model):
 def batch_norm_moments(layer, inputs, mask):
     """Mean and variance Keras' `BatchNormalization` would normalize `inputs` with."""
     return layer._moments(inputs, mask)
+
+
+# ------------------------------------------------------ optimizers' moments
+def inner_optimizer(optimizer):
+    """The optimizer `optimizer` wraps (a LossScaleOptimizer's, an accumulator's), or None."""
+    return getattr(optimizer, "inner_optimizer", None)
+
+
+def optimizer_variable_index(optimizer, variable):
+    """Where `variable` sits in `optimizer`'s per-variable slot lists; None if unknown or not built."""
+    try:
+        if hasattr(optimizer, "_get_variable_index"):       # Keras 3
+            return optimizer._get_variable_index(variable)
+        return optimizer._index_dict[optimizer._var_key(variable)]       # Keras 2
+    except (AttributeError, KeyError, TypeError):
+        return None
+
+
+def adam_second_moments(optimizer):
+    """The per-variable second moments Adam-like `optimizer` divides by: its `v`
+    (the running maxima `v_hat` under `amsgrad`); None if it holds none."""
+    if getattr(optimizer, "amsgrad", False):
+        return getattr(optimizer, "_velocity_hats", None)
+    return getattr(optimizer, "_velocities", None)
+
+
+def adamax_norms(optimizer):
+    """Adamax's per-variable exponentially weighted infinity norms `u`; None if it holds none."""
+    return getattr(optimizer, "_u", None)
+
+
+def rmsprop_moments(optimizer):
+    """RMSprop's `(velocities, average gradients)`; the second None unless `centered`."""
+    averages = getattr(optimizer, "_average_gradients", None) if getattr(optimizer, "centered", False) else None
+    return getattr(optimizer, "_velocities", None), averages
+
+
+def adagrad_accumulators(optimizer):
+    """Adagrad's per-variable sums of squared gradients; None if it holds none."""
+    return getattr(optimizer, "_accumulators", None)
 
 
 # ------------------------------------------------------ multi-worker fixes

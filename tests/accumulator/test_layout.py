@@ -93,6 +93,7 @@ def test_the_cycle_finder_finds_a_cycle():
 # imports only from its own room or an earlier one. A new module gets a room here.
 ROOMS = {
     "foundations": ("flavours", "seam", "validation", "refusals", "options", "noise_scale", "batch_target",
+                    "preconditioning",
                     "lr_scaling", "distribute", "contrastive"),
     "mechanics": ("_tf", "replicas", "lookups", "across_replicas", "cache_passes"),
     "window": ("window_rows", "window_saving", "window", "weighting", "forwarding"),
