@@ -102,10 +102,13 @@ class _EpochWindowsRule:
         self._log_noise_scale(logs)
 
     def _log_noise_scale(self, logs):
-        """`logs["noise_scale"]` when the optimizer measures it."""
+        """`logs["noise_scale"]` when the optimizer measures it (and, with an Adam-like
+        inner optimizer, `logs["noise_scale_preconditioned"]`)."""
         optimizer = getattr(self.model, "optimizer", None)
         if logs is not None and isinstance(optimizer, AccumulationWindow) and optimizer.measure_noise_scale:
             logs["noise_scale"] = optimizer.noise_scale
+            if optimizer.preconditioned_noise_scale_estimate is not None:
+                logs["noise_scale_preconditioned"] = optimizer.preconditioned_noise_scale
 
     def _close_epoch_window(self):
         """Closes the open window as `epoch_end` (or `partial_window`) says; logs a short one once."""

@@ -15,7 +15,8 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import _tf, lookups, replicas, seam, window_rows, window_saving
+from tfx_gradient_accumulator.accumulator import (
+    _tf, lookups, preconditioning, replicas, seam, window_rows, window_saving)
 from tfx_gradient_accumulator.accumulator.noise_scale import NoiseScaleEstimate, micro_batch_terms, squared_norm
 from tfx_gradient_accumulator.accumulator.options import (  # noqa: F401  (the validators' names here before options.py)
     AUTO_START_ACCUM_STEPS, DEFAULT_SMOOTHING, LOSS_REDUCTIONS, PARTIAL_WINDOW_MODES, SUMMED_NOISE_SCALE_MESSAGE,
@@ -161,6 +162,10 @@ class WindowState:
             and sum_k b_k of the open window, b_k in samples (replica-local).
         noise_estimate: with `measure_noise_scale`: the smoothed estimate
             (`NoiseScaleEstimate`, mirrored).
+        preconditioner: the inner optimizer's `Preconditioner` when it has a second
+            moment (Adam-like) and the window measures; then `noise_sums` has a fifth
+            sum, sum_k R^2 |P g_k|^2, and `preconditioned_estimate` is the estimate of
+            P g's noise scale (the one Adam's steps follow).
         variables: the model's variables the window is for, in order (`build`).
         index_by_id: {id(variable): its index in `variables`}.
         overwrite_indices: the `overwrite_with_gradient` variables' indices.
@@ -189,6 +194,8 @@ class WindowState:
     rows: list = dataclasses.field(default_factory=list)
     noise_sums: list = dataclasses.field(default_factory=list)
     noise_estimate: Optional[NoiseScaleEstimate] = None
+    preconditioner: Any = None
+    preconditioned_estimate: Optional[NoiseScaleEstimate] = None
     variables: list = dataclasses.field(default_factory=list)
     index_by_id: dict = dataclasses.field(default_factory=dict)
     overwrite_indices: frozenset = frozenset()
@@ -207,7 +214,7 @@ class WindowState:
         """Whether `build` made the variables."""
         return self.accum_steps is not None
 
-    def build(self, var_list, new_variable, accum_steps, passthrough, noise_smoothing):
+    def build(self, var_list, new_variable, accum_steps, passthrough, noise_smoothing, preconditioner=None):
         """Makes the variables for `var_list` (the model's trainable variables).
 
         Args:
@@ -216,6 +223,8 @@ class WindowState:
             accum_steps: the window's length to start with.
             passthrough: a pass-through never accumulates: it gets no buffers.
             noise_smoothing: the noise-scale estimate's smoothing, or None when not measuring.
+            preconditioner: the inner optimizer's `Preconditioner` (measured beside the
+                raw noise scale), or None.
         """
         first_replica = tf.VariableAggregation.ONLY_FIRST_REPLICA
 
@@ -261,6 +270,13 @@ class WindowState:
                 self.noise_estimate = NoiseScaleEstimate(
                     lambda name, dtype, shape=(): new_variable(shape, dtype, 0, f"noise_scale_{name}"),
                     smoothing=noise_smoothing)
+            if preconditioner is not None:
+                self.preconditioner = preconditioner
+                self.noise_sums.append(local((), tf.float32, "noise_scale_preconditioned_sq_norm_sum"))
+                with seam.variables_created_as(aggregation=first_replica):
+                    self.preconditioned_estimate = NoiseScaleEstimate(
+                        lambda name, dtype, shape=(): new_variable(shape, dtype, 0, f"preconditioned_{name}"),
+                        smoothing=noise_smoothing)
         self.variables, self.index_by_id = var_list, {id(v): i for i, v in enumerate(var_list)}
         self.accumulators, self.rows, self.overwrite_indices = accumulators, rows, overwrite
         self.strategy, self.accum_steps = tf.distribute.get_strategy(), steps
@@ -418,6 +434,21 @@ class WindowReadings:
             return float("nan")
         return self._state.noise_estimate.noise_scale_value()
 
+    @property
+    def preconditioned_noise_scale_estimate(self):
+        """The `NoiseScaleEstimate` of the preconditioned gradient P g (P the inner
+        optimizer's 1 / (sqrt(v_hat) + eps) for Adam); None for optimizers without a
+        second moment, or before the optimizer is built. Needs `measure_noise_scale=True`."""
+        self._check_measures_noise_scale()
+        return self._state.preconditioned_estimate
+
+    @property
+    def preconditioned_noise_scale(self):
+        """B_simple of the preconditioned gradient, in samples as `noise_scale`; NaN
+        without a second moment or before the first window. Needs `measure_noise_scale=True`."""
+        estimate = self.preconditioned_noise_scale_estimate
+        return float("nan") if estimate is None else estimate.noise_scale_value()
+
     def _check_measures_noise_scale(self):
         """AttributeError unless the wrapper measures the noise scale."""
         if not self.measure_noise_scale:
@@ -469,8 +500,10 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
 
     def _build_window(self, var_list):
         """Creates the window's variables for `var_list` (the model's trainable variables)."""
+        measuring = self.measure_noise_scale and not self.is_passthrough
         self._state.build(var_list, self._new_variable, self._accum_steps, self.is_passthrough,
-                          self.noise_scale_smoothing if self.measure_noise_scale else None)
+                          self.noise_scale_smoothing if measuring else None,
+                          preconditioning.preconditioner_of(self.inner_optimizer) if measuring else None)
 
     # ------------------------------------------------------- between windows
     def close_partial_window(self, mode: str | None = None) -> int:
@@ -693,7 +726,12 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
             size = weight if samples is None else samples
             terms = micro_batch_terms([g for g, i in zip(grads, indices) if i not in s.overwrite_indices],
                                       size, replicas.replicas_in_sync())
-            for total, term in zip(s.noise_sums, terms + (tf.cast(size, tf.float32),)):
+            if s.preconditioner is not None:
+                kept = [(g, s.variables[i]) for g, i in zip(grads, indices) if i not in s.overwrite_indices]
+                preconditioned = float(replicas.replicas_in_sync()) ** 2 * preconditioning.preconditioned_squared_norm(
+                    [g for g, _ in kept], s.preconditioner.scales([v for _, v in kept]))
+                terms += (tf.where(terms[2] > 0.0, preconditioned, 0.0),)
+            for total, term in zip(s.noise_sums, terms[:3] + (tf.cast(size, tf.float32),) + terms[3:]):
                 total.assign_add(term)
 
     # Whether the inner optimizer sums repeated rows of a sparse gradient itself
@@ -771,28 +809,34 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
             # A variable with dense and sparse gradients in one window gets their sum.
             grads[i] = mean if grads[i] is None else window_rows.add_rows(grads[i], mean)
         if s.noise_estimate is not None:
-            self._update_noise_scale(noise_sums, means + row_means)
+            self._update_noise_scale(noise_sums, means + row_means,
+                                     [None if i in s.overwrite_indices else g for i, g in enumerate(grads)])
         self._hand_to_updater(grads, s.variables, reduced=True)
         # Refill once the update has read the means: reading the variables it
         # wrote orders the refill after it (automatic control dependencies).
         self._reset_window(dense, rows, after=[
             tf.convert_to_tensor(_tf.backing_variable(s.variables[i])) for i, _ in summed])
 
-    def _update_noise_scale(self, noise_sums, window_means):
-        """Folds the closing window into the estimate (before the update changes the loss scale)."""
-        micro_sq_sum, inv_size_sum, micro_count, sample_sum = noise_sums
+    def _update_noise_scale(self, noise_sums, window_means, window_grads):
+        """Folds the closing window into the estimates (before the update changes the loss scale
+        and the preconditioner); `window_grads`: the window's gradients, by variable."""
+        s = self._state
+        micro_sq_sum, inv_size_sum, micro_count, sample_sum = noise_sums[:4]
         # The window's samples, counted over the replicas as its weight is.
         replica_count = replicas.replicas_in_sync() if tf.distribute.has_strategy() else 1
         window_samples = sample_sum / replica_count
         window_sq = squared_norm(window_means)
+        pairs = [(micro_sq_sum, window_sq)]
+        if s.preconditioner is not None:
+            pairs.append((noise_sums[4], preconditioning.preconditioned_squared_norm(
+                window_grads, s.preconditioner.scales(s.variables))))
         scale = self._window_gradient_scale()
-        if scale is not None:
-            # The window's gradients carry the loss scale (constant in a window).
-            scale = tf.cast(scale, tf.float32)
-            micro_sq_sum = micro_sq_sum / tf.square(scale)
-            window_sq = window_sq / tf.square(scale)
-        self._state.noise_estimate.update_from_window(
-            micro_sq_sum, inv_size_sum, micro_count, window_sq, window_samples)
+        for (micro, window), estimate in zip(pairs, (s.noise_estimate, s.preconditioned_estimate)):
+            if scale is not None:
+                # The window's gradients carry the loss scale (constant in a window).
+                square = tf.square(tf.cast(scale, tf.float32))
+                micro, window = micro / square, window / square
+            estimate.update_from_window(micro, inv_size_sum, micro_count, window, window_samples)
 
     def _reset_window(self, indices, row_indices=(), after=()):
         """Empties the buffers at `indices` and the rows at `row_indices` (the

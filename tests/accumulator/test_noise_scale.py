@@ -326,9 +326,10 @@ def test_off_by_default_adds_no_variables_and_no_log():
             assert not any("noise_scale" in v.name for v in optimizer.variables)
             with pytest.raises(AttributeError, match="measure_noise_scale=True"):
                 optimizer.noise_scale
-    assert counts[1] == counts[0] + 9           # 4 replica-local sums, 5 estimator variables
-    assert "noise_scale" not in histories[0]
-    assert len(histories[1]["noise_scale"]) == 2
+    # Adam: 5 replica-local sums (one of the preconditioned gradient), 5 + 5 estimator variables.
+    assert counts[1] == counts[0] + 15
+    assert "noise_scale" not in histories[0] and "noise_scale_preconditioned" not in histories[0]
+    assert len(histories[1]["noise_scale"]) == 2 and len(histories[1]["noise_scale_preconditioned"]) == 2
 
 
 def test_history_progress_bar_and_batch_logs_show_the_noise_scale(capsys):
