@@ -85,7 +85,7 @@ def accumulating_compile(accum_steps: int | None = None, schedule: dict[int, int
         lr_scaling: "none", "linear" or "sqrt": the learning rate as the window
             grows (see `AccumulationSchedule`).
         auto: `{"micro_batch_size": global micro-batch, "max_effective_batch_size":
-            ...}` (and optionally `growth`, `margin`, `patience`): `accum_steps`
+            ...}` (and optionally the rule's other settings, e.g. `max_sample_overhead`): `accum_steps`
             (>= 2) is the starting window and every `fit` grows it with the measured
             noise scale (`AutoAccumulation`, read back as `wrapper.auto_accumulation`).
         gather_across_replicas: with `gradient_cache` only: every compiled

@@ -97,8 +97,11 @@ class AccumulationSettings:
             "gather_across_replicas": self.gather_across_replicas,
             "schedule_by": self.schedule_by,
             "lr_scaling": self.lr_scaling,
+            # No learning-rate ramp: the record (`accum_schedule_taken`) replays exactly as a
+            # schedule by update, which the Trainer runs without one.
             "auto": ({"micro_batch_size": self.micro_batch,
-                      "max_effective_batch_size": self.max_effective_batch_size} if self.auto else None),
+                      "max_effective_batch_size": self.max_effective_batch_size,
+                      "lr_ramp_updates": 0} if self.auto else None),
         }
 
     def as_properties(self) -> Dict[str, int]:
