@@ -35,8 +35,8 @@ def main():
     parser.add_argument("--positions", action="store_true",
                         help="keras.io's token and position embedding (a lookup made once per batch) and plain Adam")
     parser.add_argument("--die-at", type=int, default=-1, help="SIGKILL self after this global micro-step")
-    parser.add_argument("--auto-margin", type=float, default=0.0,
-                        help="> 0: AutoAccumulation with this margin grows the window from --accum "
+    parser.add_argument("--auto-overhead", type=float, default=0.0,
+                        help="> 0: AutoAccumulation with this max_sample_overhead grows the window from --accum "
                              "(up to 8 micro-batches); each worker writes the schedule it took")
     args = parser.parse_args()
 
@@ -71,8 +71,8 @@ def main():
                 global_clipnorm=0.05)
         if args.accum > 1:
             optimizer = GradientAccumulator(optimizer, args.accum, partial_window=args.partial_window,
-                                            schedulable=args.auto_margin > 0,
-                                            measure_noise_scale=args.auto_margin > 0)
+                                            schedulable=args.auto_overhead > 0,
+                                            measure_noise_scale=args.auto_overhead > 0)
         model.compile(optimizer=optimizer, loss="mse")
 
     options = tf.data.Options()
@@ -96,11 +96,11 @@ def main():
                     os.kill(os.getpid(), 9)
         callbacks.append(Die())
     auto = None
-    if args.auto_margin > 0:
+    if args.auto_overhead > 0:
         from tfx_gradient_accumulator.accumulator import AutoAccumulation
         auto = AutoAccumulation(micro_batch_size=args.micro, max_effective_batch_size=8 * args.micro,
-                                start_accum_steps=args.accum, margin=args.auto_margin, patience=2,
-                                lr_scaling="sqrt")
+                                start_accum_steps=args.accum, max_sample_overhead=args.auto_overhead,
+                                confidence=0.6, min_windows=2, lr_ramp_updates=0, lr_scaling="sqrt", geometry="raw")
         callbacks.append(auto)
     model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=callbacks)
     if args.accum > 1:
@@ -111,6 +111,7 @@ def main():
     result["iterations"] = np.array(int(optimizer.iterations.numpy()))
     if auto is not None:
         result["schedule"] = np.array(json.dumps(auto.schedule))
+        print("auto readings", auto.readings, flush=True)
     np.savez(f"{args.out}.{task['index']}.npz", **result)
 
 
