@@ -147,7 +147,7 @@ def test_gradient_cache_hypermodel_refuses_a_model_that_does_not_match():
         AccumulatingHyperModel(_build, gradient_cache="yes")
 
 
-def test_auto_trials_start_from_their_effective_batch_grow_and_hand_auto_to_the_trainer(tmp_path):
+def test_auto_trials_start_from_their_effective_batch_grow_and_hand_auto_to_the_trainer(tmp_path, easy_auto):
     """accum_steps="auto": each trial starts at 2 micro-batches of half its effective batch
     and grows with the noise scale; the best hyperparameters say "auto" and the limit, which
     the Trainer's settings read (tests/components/test_auto_accumulation_trainer.py)."""

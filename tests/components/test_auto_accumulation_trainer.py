@@ -39,7 +39,7 @@ def _decisions_in_tensorboard(model_run_dir):
 
 
 @pytest.mark.parametrize("module", [fixtures.MODULE, KERAS2_MODULE], ids=["keras3", "keras2"])
-def test_auto_grows_records_its_decisions_and_the_record_replays_the_run(examples, tmp_path, module):
+def test_auto_grows_records_its_decisions_and_the_record_replays_the_run(examples, tmp_path, module, easy_auto):
     outputs, seen, weights = fixtures.run_executor(tmp_path / "auto", examples, num_steps=60, module=module, **AUTO)
     model = outputs["model"][0]
     taken = {int(k): v for k, v in json.loads(model.get_string_custom_property("accum_schedule_taken")).items()}

@@ -394,7 +394,7 @@ def test_schedule_by_update_with_sqrt_lr_scaling_equals_keras_fits_chained():
     assert deltas.max_abs_diff(control.get_weights(), expected.get_weights()) > 1e-4
 
 
-def test_accum_steps_auto_grows_a_keras_2_fit_and_its_schedule_replays_exactly():
+def test_accum_steps_auto_grows_a_keras_2_fit_and_its_schedule_replays_exactly(easy_auto):
     from tfx_gradient_accumulator.accumulator.callbacks import window_callback_classes
     x, y = data(256)
     y = y + np.random.default_rng(1).normal(size=y.shape).astype("float32")   # noisy: large B_simple
