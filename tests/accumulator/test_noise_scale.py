@@ -420,3 +420,33 @@ def test_overwrite_with_gradient_variables_are_left_out():
         readings.append(_readings(optimizer))
     assert int(optimizer.noise_scale_estimate.window_count) == 2
     np.testing.assert_allclose(readings[1], readings[0], rtol=1e-6)
+
+
+def _sequence_noise_scales(monkeypatch=None, length=12):
+    """B_simple of one sequence model, its loss written per token ("mse" on (b, L, 1): D = b L)
+    and per sample (a mean over the sequence in the loss: D = b): the same gradients."""
+    from keras import ops
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, length, 3)).astype("float32")
+    y = (x.sum(-1, keepdims=True) + rng.normal(size=(64, length, 1))).astype("float32")
+    found = []
+    for loss in ("mse", lambda t, p: ops.mean(ops.square(t - p), axis=(1, 2))):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((length, 3)), keras.layers.Dense(4, activation="tanh"),
+                                  keras.layers.Dense(1)])
+        optimizer = _accumulator(keras.optimizers.SGD(0.01), 4, noise_scale_smoothing=0.5)
+        model.compile(optimizer, loss)
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+        found.append(optimizer.noise_scale)
+    return found
+
+
+def test_sequence_outputs_give_the_noise_scale_in_samples_not_tokens(monkeypatch):
+    per_token, per_sample = _sequence_noise_scales()
+    assert np.isfinite(per_sample) and per_token == pytest.approx(per_sample, rel=1e-4)
+    # Control: sizes in the loss's elements (the rule before) count each sequence 12 times.
+    from tfx_gradient_accumulator.accumulator import weighting
+    monkeypatch.setattr(weighting, "loss_samples", lambda model, x, y, y_pred: weighting.loss_denominator(
+        model, x, y, y_pred, None))
+    per_token, per_sample = _sequence_noise_scales()
+    assert per_token == pytest.approx(12 * per_sample, rel=1e-3)
