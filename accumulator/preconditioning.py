@@ -76,6 +76,7 @@ class Preconditioner:
     one's v holds the gradient being measured). While t < `min_updates` (t = 0:
     v = 0, no scale yet) every scale is ones: a uniform P leaves the noise
     scale tr(P Sigma P) / |P G|^2 unchanged, so the raw estimate stands in.
+    After, a coordinate whose moment is still 0 gets P = 0 (left out), not 1 / eps.
 
     Attributes:
         optimizer: the optimizer whose moments are read (wrappers removed).
@@ -141,7 +142,16 @@ class Preconditioner:
         return None if moment is None else (moment,)
 
     def _formula(self, moments: tuple, correction: tf.Tensor | None, epsilon: tf.Tensor) -> tf.Tensor:
-        """P from `_moments`, as the optimizer's `update_step` computes its denominator."""
+        """P from `_moments`, as the optimizer's `update_step` computes its denominator;
+        0 where the moment is still 0 (a coordinate no update has reached, such as an
+        embedding row not looked up yet: 1 / eps there would swamp every other)."""
+        scale = self._denominator_formula(moments, correction, epsilon)
+        if self.kind == "adagrad":      # starts at `initial_accumulator_value`
+            return scale
+        return tf.where(moments[0] > 0.0, scale, tf.zeros_like(scale))
+
+    def _denominator_formula(self, moments: tuple, correction: tf.Tensor | None, epsilon: tf.Tensor) -> tf.Tensor:
+        """P as the optimizer's `update_step` computes its denominator."""
         if self.kind == "adam":
             (v,) = moments
             if self.epsilon_on_corrected:

@@ -316,3 +316,17 @@ def test_each_replica_of_a_mirrored_strategy_reads_the_eager_scales(make):
         for got, expected in zip(local, eager):
             np.testing.assert_allclose(got.numpy(), expected, rtol=1e-6)
         np.testing.assert_allclose(float(strategy.experimental_local_results(norms)[replica]), eager_norm, rtol=1e-6)
+
+
+def test_an_embedding_row_no_update_has_reached_is_left_out_not_scaled_by_one_over_epsilon():
+    """Rows 2 and 3 of a table only rows 0 and 1 were looked up in have v = 0: P is 0 there
+    (1 / eps = 1e7 would make a first lookup of them swamp the whole norm)."""
+    table = keras.Variable(np.ones((4, 2), "float32"))
+    optimizer = keras.optimizers.Adam(0.1)
+    optimizer.build([table])
+    optimizer.apply_gradients([(tf.IndexedSlices(tf.ones((2, 2)), tf.constant([0, 1]), tf.constant([4, 2])), table)])
+    (scale,) = pc.preconditioner_of(optimizer).scales([table])
+    scale = scale.numpy()
+    assert np.all(scale[:2] > 0) and np.all(scale[:2] < 1e3) and np.all(scale[2:] == 0.0)
+    first_lookup = tf.IndexedSlices(tf.ones((1, 2)), tf.constant([3]), tf.constant([4, 2]))
+    assert float(pc.preconditioned_squared_norm([first_lookup], [tf.constant(scale)])) == 0.0
