@@ -42,9 +42,9 @@ class _AutoAccumulationRule(_AccumulationScheduleRule):
     batch, this callback takes a one-sided lower confidence bound on B_simple
     from those windows' own spread (`batch_target.lower_bound`), and grows
     `accum_steps`, on the grid 1, 2, 3, 4, 6, 8, 12, ..., to the largest batch
-    B with B <= `max_sample_overhead` x the bound: by McCandlish et al.'s model
-    such a batch needs at most that share more samples than a small one, in far
-    fewer updates. A growth at most doubles the batch, forgets the windows
+    that, by McCandlish et al.'s model with the bound for B_simple, needs at most
+    `max_sample_overhead` more samples than the starting batch B0 (B <= (1 +
+    overhead) B0 + overhead x bound), in fewer updates. A growth at most doubles the batch, forgets the windows
     measured before it (so the next decision rests on windows at the new batch:
     no cascade). It looks once per `min_windows` windows, which keeps false
     growths rare over many looks, and ramps the learning-rate multiplier (`lr_scaling`) over
@@ -68,8 +68,8 @@ class _AutoAccumulationRule(_AccumulationScheduleRule):
         micro_batch_size: the global micro-batch (fit's `batch_size`), in samples.
         max_effective_batch_size: the effective batch never goes above this.
         start_accum_steps: the starting window (the optimizer's `accum_steps`).
-        max_sample_overhead: the budget of extra samples a batch may cost, in
-            (0, 1] (0.1: at most ~10% more samples than a small batch).
+        max_sample_overhead: the budget of extra samples a batch may cost over
+            the starting batch, in (0, 1] (0.1: at most ~10% more).
         confidence: the one-sided level of the bound at each look, in (0.5, 1).
         min_windows: windows at the current batch before a decision (an int >= 2).
         lr_scaling: "none", "linear" or "sqrt" (see `AccumulationSchedule`).
@@ -157,7 +157,7 @@ class _AutoAccumulationRule(_AccumulationScheduleRule):
         largest = max(1, self.max_effective_batch_size // self.micro_batch_size)
         grown, bound, target = batch_target.next_accum_steps(
             estimate.moments.values(), optimizer.accum_steps, self.micro_batch_size, largest,
-            self.max_sample_overhead, self.confidence)
+            self.max_sample_overhead, self.confidence, self.scaler.start_accum_steps)
         self.readings = {
             "noise_scale": optimizer.noise_scale,
             "noise_scale_preconditioned": (preconditioned.noise_scale_value() if preconditioned is not None

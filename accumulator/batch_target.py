@@ -90,30 +90,35 @@ def lower_bound(moments: dict, confidence: float, ceiling: float) -> float:
     return low
 
 
-def target_accum_steps(bound: float, micro_batch_size: int, max_sample_overhead: float, largest: int) -> int:
-    """The largest grid value whose batch costs at most `max_sample_overhead` more samples.
+def target_accum_steps(bound: float, micro_batch_size: int, max_sample_overhead: float, largest: int,
+                       start_batch: float = 0.0) -> int:
+    """The largest grid value whose batch costs at most `max_sample_overhead` more samples
+    than the starting batch.
 
-    McCandlish et al.'s model: a batch B needs E_min (1 + B / B_noise) samples, so its
-    overhead over a small batch is B / B_noise; with the bound in place of B_noise,
-    B <= max_sample_overhead x bound.
+    McCandlish et al.'s model: a batch B needs E_min (1 + B / B_noise) samples, so B costs
+    (1 + B / B_noise) / (1 + B0 / B_noise) times the samples of the starting batch B0;
+    with the bound in place of B_noise, at most 1 + budget when
+    B <= (1 + budget) B0 + budget x bound.
 
     Args:
         bound: the lower confidence bound on B_simple, in samples.
         micro_batch_size: the samples of one micro-batch (all replicas').
         max_sample_overhead: the budget, in (0, 1].
         largest: the largest accum_steps allowed.
+        start_batch: B0, the run's starting effective batch, in samples.
 
     Returns:
         An accum_steps value of the grid, at least 1.
     """
-    if not bound > 0:
+    if not bound >= 0:
         return 1
-    fits = [a for a in accum_steps_grid(largest) if a * micro_batch_size <= max_sample_overhead * bound]
+    allowed = (1 + max_sample_overhead) * start_batch + max_sample_overhead * bound
+    fits = [a for a in accum_steps_grid(largest) if a * micro_batch_size <= allowed]
     return fits[-1] if fits else 1
 
 
 def next_accum_steps(moments: dict, accum_steps: int, micro_batch_size: int, largest: int,
-                     max_sample_overhead: float, confidence: float) -> tuple:
+                     max_sample_overhead: float, confidence: float, start_accum_steps: int = 1) -> tuple:
     """One decision of "auto": (the grown accum_steps or None, the bound, the target accum_steps).
 
     The target is the grid value `target_accum_steps` gives for the lower bound; a growth
@@ -126,13 +131,16 @@ def next_accum_steps(moments: dict, accum_steps: int, micro_batch_size: int, lar
         largest: the largest accum_steps allowed.
         max_sample_overhead: the budget, in (0, 1].
         confidence: the bound's one-sided level.
+        start_accum_steps: the run's first window (the budget counts from its batch).
 
     Returns:
         `(grown, bound, target)`: `grown` None when the batch stays.
     """
     ceiling = 2 * largest * micro_batch_size / max_sample_overhead
     bound = lower_bound(moments, confidence, ceiling)
-    target = max(target_accum_steps(bound, micro_batch_size, max_sample_overhead, largest), accum_steps)
+    start_batch = start_accum_steps * micro_batch_size
+    target = max(target_accum_steps(bound, micro_batch_size, max_sample_overhead, largest, start_batch),
+                 accum_steps)
     if target <= accum_steps:
         return None, bound, target
     step = min(target, 2 * accum_steps)

@@ -14,8 +14,9 @@ from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation
 from tfx_gradient_accumulator.accumulator.noise_scale import WindowMoments
 
 MICRO, K, OVERHEAD = 4, 2, 0.1
-# The noise scale at which growing from 2 to 3 micro-batches is within the budget.
-THRESHOLD = 3 * MICRO / OVERHEAD
+# The noise scale at which growing from 2 to 3 micro-batches is within the budget
+# (3 b <= (1 + overhead) 2 b + overhead x B_simple).
+THRESHOLD = (3 * MICRO - (1 + OVERHEAD) * 2 * MICRO) / OVERHEAD
 
 
 def test_the_grid_steps_by_at_most_one_and_a_half_past_two():
@@ -29,7 +30,9 @@ def test_the_quantile_is_students(df, table):
 
 def test_the_target_is_the_largest_batch_within_the_overhead_budget():
     assert bt.target_accum_steps(1000.0, 4, 0.1, 64) == 24      # 24 x 4 = 96 <= 100 < 32 x 4
-    assert bt.target_accum_steps(0.0, 4, 0.1, 64) == 1
+    assert bt.target_accum_steps(1000.0, 4, 0.1, 64, start_batch=32) == 32   # 128 <= 35.2 + 100
+    assert bt.target_accum_steps(0.0, 4, 0.1, 64, start_batch=32) == 8       # no more than 1.1 x 32
+    assert bt.target_accum_steps(float("nan"), 4, 0.1, 64) == 1
     assert bt.next_accum_steps(_moments_of([(1.0, 5000.0)] * 3, spread=0.01), 2, 4, 64, 0.1, 0.95)[0] == 4
     grown, bound, target = bt.next_accum_steps(_moments_of([(1.0, 5000.0)] * 3, spread=0.01), 3, 4, 64, 0.1, 0.95)
     assert (grown, target) == (6, 64) and bound == pytest.approx(5000.0, rel=0.05)  # at most a doubling
