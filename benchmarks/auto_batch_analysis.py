@@ -2,40 +2,43 @@
 
 A run's curve is a list of evaluation points, each {"samples", "updates",
 "val_loss"}: the samples and optimizer updates trained so far and the
-validation loss of the weights after that update. `benchmarks.auto_batch`
-records them; this module turns them into what the report states:
+validation loss after that update. What the report states (the rules fixed in
+`benchmarks/auto_batch_tasks.md` before any run):
 
 * every curve read through a trailing mean of `SMOOTHING` evaluations (`smooth`);
-* the target: the best fixed effective batch's final validation loss (the
-  lowest, over the fixed batches, of their final loss averaged over seeds);
-* what each run needs to reach it: the samples and the updates at the curve's
-  first crossing of the target, interpolated linearly between the two
-  evaluations around it (None: not reached);
-* the verdicts on the goal: auto is Pareto-better than every fixed batch (none
-  reaches the target with both fewer samples and fewer updates), needs at
-  least 25% fewer updates than the fixed batch that needs as few samples, and
-  at most 10% more samples than the most sample-efficient fixed batch.
+* the target: the lowest mean-over-seeds final loss of the fixed configurations;
+* per run, the samples and updates at the first crossing of the target (linear
+  between evaluations); a run that never crosses needs more than it had: `INF`;
+* per configuration, the median over seeds (defined while fewer than half miss);
+* paired-seed bootstrap intervals of ratios of medians (one resample of the
+  seeds for every configuration), and the four goals, each judged on the bound
+  that leans against auto (`judge`); the same for every other schedule, so a
+  miss can be set against the best schedule in hindsight (`hindsight`).
 
 `tests/test_bench_auto_batch.py` runs these on synthetic curves.
 """
 
 import math
+import random
 import statistics
 
-FEWER_UPDATES = 0.25        # auto needs at most (1 - this) x the updates of its peer
-MORE_SAMPLES = 0.10         # ... and at most (1 + this) x the samples of the most sample-efficient
-
-
-SMOOTHING = 3              # evaluations in the trailing mean the figures are read from
+SMOOTHING = 3               # evaluations in the trailing mean the figures are read from
+INF = float("inf")
+LEVEL = 0.90                # the bootstrap intervals' coverage
+RESAMPLES = 5000            # bootstrap resamples of the seeds
+REACH_SHARE = 0.9           # auto reaches the target on at least this share of the seeds (9 of 10)
+FEWER_UPDATES = 0.75        # auto's updates at most this many times the peer's
+MORE_SAMPLES = 1.10         # auto's samples at most this many times the peer's
+GOALS = ("reach", "updates", "samples", "pareto")
 
 
 def smooth(curve, k=SMOOTHING):
     """The curve with each validation loss replaced by the mean of the last `k` evaluations up to it.
 
-    One evaluation of a small validation set moves by more than the differences
-    read here (a spike at one point, a lucky dip at the next): the target and
-    the crossings are read from this trailing mean, the same for every run, so a
-    run is neither credited for a dip nor charged for a spike."""
+    One evaluation moves by more than the differences read here (a spike, a
+    lucky dip): the target and the crossings are read from this trailing mean,
+    the same for every run, so a run is neither credited for a dip nor charged
+    for a spike."""
     if k < 1:
         raise ValueError(f"k must be >= 1; received {k}")
     out = []
@@ -80,91 +83,214 @@ def spread(values):
 
 
 def target(fixed_runs):
-    """(target loss, the fixed batch it comes from): the lowest mean-over-seeds final loss.
+    """(target loss, the configuration it comes from): the lowest mean-over-seeds final loss.
 
-    `fixed_runs`: {label: [curve per seed]}."""
+    `fixed_runs`: {label: [curve per seed]} (curves already smoothed)."""
     if not fixed_runs:
-        raise ValueError("the target needs at least one fixed batch")
+        raise ValueError("the target needs at least one fixed configuration")
     means = {label: statistics.fmean(final_loss(c) for c in curves) for label, curves in fixed_runs.items()}
     best = min(means, key=means.get)
     return means[best], best
 
 
 def needs(curves, target_loss):
-    """What a configuration needs over its seeds: samples and updates (spread over the seeds
-    that reached the target) and how many seeds reached it."""
+    """Per seed, the samples and updates to the target (`INF` where not reached): {"samples": [...], "updates": [...]}."""
     crossings = [first_crossing(c, target_loss) for c in curves]
-    reached = [c for c in crossings if c is not None]
-    return {"samples": spread([c["samples"] for c in reached]), "updates": spread([c["updates"] for c in reached]),
-            "reached": len(reached), "seeds": len(curves), "per_seed": crossings}
+    return {key: [c[key] if c is not None else INF for c in crossings] for key in ("samples", "updates")}
 
 
-def all_reached(need):
-    return need["seeds"] > 0 and need["reached"] == need["seeds"]
+def reached(need):
+    """How many seeds reached the target."""
+    return sum(math.isfinite(v) for v in need["samples"])
 
 
-def most_reached(need):
-    """A majority of the seeds reached the target (how a fixed batch counts as reaching it)."""
-    return need["seeds"] > 0 and 2 * need["reached"] > need["seeds"]
+def median(values):
+    """The median, `INF` counted as larger than any number (so it is INF once half the values are)."""
+    if not values:
+        raise ValueError("the median of no values")
+    ordered = sorted(values)
+    n = len(ordered)
+    if n % 2:
+        return ordered[n // 2]
+    low, high = ordered[n // 2 - 1], ordered[n // 2]
+    return INF if math.isinf(high) else (low + high) / 2
 
 
-def verdicts(auto, fixed, fewer_updates=FEWER_UPDATES, more_samples=MORE_SAMPLES):
-    """The goal's three verdicts for `auto` against `fixed` ({label: needs(...)}), on seed means.
+def ratio(a, b):
+    """a / b for medians that may be INF: INF / anything = INF (leans against the numerator), x / INF = 0."""
+    if math.isinf(a):
+        return INF
+    if math.isinf(b):
+        return 0.0
+    if b <= 0:
+        return 1.0 if a <= 0 else INF
+    return a / b
 
-    Auto counts as reaching the target only when every seed does; a fixed
-    batch when most of its seeds do (its figures: the mean over those). The
-    target is the best fixed batch's own mean final loss, which about half of
-    its seeds reach by the end: stricter, it would not count as reaching its
-    own target. Both choices lean against auto.
-    Returns {"pareto": {...}, "updates": {...}, "samples": {...}}, each with
-    "met" (bool) and the figures it was judged on:
 
-    * pareto: the fixed batches that dominate auto (reach the target with
-      strictly fewer samples and strictly fewer updates); met when none does;
-    * updates: auto's updates against the peer: among the fixed batches that
-      need no more samples than auto, the one that needs the fewest updates
-      (where none needs as few samples as auto, the most sample-efficient
-      fixed batch); met when auto needs <= (1 - fewer_updates) x its updates;
-    * samples: auto's samples against the most sample-efficient fixed batch;
-      met when <= (1 + more_samples) x its samples.
+def quantile(values, q):
+    """The q-quantile, linear between order statistics (INF stays INF)."""
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    if math.isinf(ordered[high]) or math.isinf(ordered[low]):
+        return ordered[high] if position > low else ordered[low]
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
-    Where auto does not reach the target on every seed, all three are missed.
+
+def resample_indices(seeds, resamples=RESAMPLES, seed=0):
+    """`resamples` lists of `seeds` seed indices drawn with replacement (deterministic)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(seeds) for _ in range(seeds)] for _ in range(resamples)]
+
+
+def resampled_medians(values, indices):
+    """The median of `values` in every resample."""
+    return [median([values[i] for i in draw]) for draw in indices]
+
+
+def interval(numerator, denominator, num_medians, den_medians, level=LEVEL):
+    """{"point", "low", "high"}: the ratio of the medians and its bootstrap `level` interval."""
+    ratios = [ratio(a, b) for a, b in zip(num_medians, den_medians)]
+    tail = (1.0 - level) / 2
+    return {"point": ratio(median(numerator), median(denominator)),
+            "low": quantile(ratios, tail), "high": quantile(ratios, 1.0 - tail)}
+
+
+class Resampled:
+    """Per configuration and axis ("samples", "updates"), the medians over every resample (computed once)."""
+
+    def __init__(self, needs_by_label, indices):
+        self.needs = needs_by_label
+        self.medians = {label: {axis: resampled_medians(n[axis], indices) for axis in ("samples", "updates")}
+                        for label, n in needs_by_label.items()}
+
+    def interval(self, a, b, axis, level=LEVEL):
+        """The ratio a / b of medians on `axis` with its interval."""
+        return interval(self.needs[a][axis], self.needs[b][axis], self.medians[a][axis], self.medians[b][axis],
+                        level)
+
+
+def most_sample_efficient(fixed_needs):
+    """The fixed configuration with the lowest median samples to the target (ties: fewer updates), or None."""
+    finite = {label: (median(n["samples"]), median(n["updates"])) for label, n in fixed_needs.items()}
+    finite = {label: v for label, v in finite.items() if math.isfinite(v[0])}
+    return min(finite, key=finite.get) if finite else None
+
+
+def judge(candidate, fixed_labels, resampled, level=LEVEL):
+    """The four goals for `candidate` (a label of `resampled`) against the fixed configurations.
+
+    * reach: it reaches the target on >= `REACH_SHARE` of the seeds;
+    * updates / samples: the upper bound of its median over the peer's (the most
+      sample-efficient fixed configuration) <= `FEWER_UPDATES` / `MORE_SAMPLES`;
+    * pareto: no fixed configuration needs both fewer samples and fewer updates:
+      against every one, the upper bound of candidate / it is <= 1 on one axis.
+    Returns {goal: {"met", ...figures}}.
     """
-    reached = {label: n for label, n in fixed.items() if most_reached(n)}
-    if not all_reached(auto):
-        why = f"it reached the target on {auto['reached']} of {auto['seeds']} seeds"
-        return {key: {"met": False, "why": why} for key in ("pareto", "updates", "samples")}
-    a_samples, a_updates = auto["samples"]["mean"], auto["updates"]["mean"]
-    dominating = [label for label, n in reached.items()
-                  if n["samples"]["mean"] < a_samples and n["updates"]["mean"] < a_updates]
-    result = {"pareto": {"met": not dominating, "dominated_by": dominating}}
-    if not reached:
-        why = "no fixed batch reached the target on most seeds"
-        result["updates"] = {"met": True, "why": why, "peer": None}
-        result["samples"] = {"met": True, "why": why, "peer": None}
-        return result
-    most_efficient = min(reached, key=lambda label: reached[label]["samples"]["mean"])
-    as_few = [label for label, n in reached.items() if n["samples"]["mean"] <= a_samples]
-    peer = min(as_few, key=lambda label: reached[label]["updates"]["mean"]) if as_few else most_efficient
-    update_ratio = a_updates / reached[peer]["updates"]["mean"]
-    sample_ratio = a_samples / reached[most_efficient]["samples"]["mean"]
-    result["updates"] = {"met": update_ratio <= 1.0 - fewer_updates, "peer": peer, "ratio": update_ratio,
-                         "limit": 1.0 - fewer_updates}
-    result["samples"] = {"met": sample_ratio <= 1.0 + more_samples, "peer": most_efficient, "ratio": sample_ratio,
-                         "limit": 1.0 + more_samples}
-    return result
+    need = resampled.needs[candidate]
+    seeds, hits = len(need["samples"]), reached(need)
+    out = {"reach": {"met": hits >= math.ceil(REACH_SHARE * seeds - 1e-9), "reached": hits, "seeds": seeds,
+                     "needed": math.ceil(REACH_SHARE * seeds - 1e-9)}}
+    peer = most_sample_efficient({label: resampled.needs[label] for label in fixed_labels})
+    for goal, axis, limit in (("updates", "updates", FEWER_UPDATES), ("samples", "samples", MORE_SAMPLES)):
+        if peer is None:
+            out[goal] = {"met": False, "peer": None, "limit": limit, "why": "no fixed configuration reaches the target"}
+            continue
+        figures = resampled.interval(candidate, peer, axis, level)
+        out[goal] = {"met": figures["high"] <= limit, "peer": peer, "limit": limit, **figures}
+    against = {}
+    for label in fixed_labels:
+        if label == candidate:
+            continue
+        pair = {axis: resampled.interval(candidate, label, axis, level) for axis in ("samples", "updates")}
+        pair["excluded"] = pair["samples"]["high"] <= 1.0 or pair["updates"]["high"] <= 1.0
+        pair["dominates"] = pair["samples"]["point"] > 1.0 and pair["updates"]["point"] > 1.0
+        against[label] = pair
+    out["pareto"] = {"met": all(p["excluded"] for p in against.values()),
+                     "not_excluded": [label for label, p in against.items() if not p["excluded"]],
+                     "dominated_by": [label for label, p in against.items() if p["dominates"]],
+                     "against": against}
+    return out
 
 
-def per_seed_verdicts(auto_curves, fixed_curves, target_loss, **kwargs):
-    """The same verdicts seed by seed (each seed's runs against each other): {key: seeds met}."""
-    counts = {"pareto": 0, "updates": 0, "samples": 0}
-    for i, auto_curve in enumerate(auto_curves):
-        one = verdicts(needs([auto_curve], target_loss),
-                       {label: needs([curves[i]], target_loss) for label, curves in fixed_curves.items()},
-                       **kwargs)
-        for key in counts:
-            counts[key] += bool(one[key]["met"])
+def per_seed_goals(candidate, fixed_labels, needs_by_label):
+    """Seed by seed (each seed's runs against each other), the seeds on which each goal holds: {goal: count}."""
+    fixed = {label: needs_by_label[label] for label in fixed_labels}
+    peer = most_sample_efficient(fixed)
+    mine = needs_by_label[candidate]
+    counts = {goal: 0 for goal in GOALS}
+    for s in range(len(mine["samples"])):
+        a_samples, a_updates = mine["samples"][s], mine["updates"][s]
+        counts["reach"] += math.isfinite(a_samples)
+        if peer is not None:
+            counts["updates"] += ratio(a_updates, fixed[peer]["updates"][s]) <= FEWER_UPDATES
+            counts["samples"] += ratio(a_samples, fixed[peer]["samples"][s]) <= MORE_SAMPLES
+        counts["pareto"] += math.isfinite(a_samples) and not any(
+            n["samples"][s] < a_samples and n["updates"][s] < a_updates
+            for label, n in fixed.items() if label != candidate)
     return counts
+
+
+def analyse(curves_by_label, kinds, resamples=RESAMPLES, level=LEVEL, seed=0):
+    """Everything the report states of one task.
+
+    Args:
+        curves_by_label: {label: [curve per seed]} (raw; smoothed here), the seeds paired.
+        kinds: {label: "fixed" | "auto" | "ramp"}.
+
+    Returns:
+        {"target", "target_from", "needs", "medians", "peer", "goals" (auto's),
+         "per_seed" (auto's), "hindsight" (every other schedule's goals), "best_in_hindsight"}.
+    """
+    smoothed = {label: [smooth(c) for c in curves] for label, curves in curves_by_label.items()}
+    fixed = [label for label in smoothed if kinds[label] == "fixed"]
+    target_loss, source = target({label: smoothed[label] for label in fixed})
+    seeds = {len(c) for c in smoothed.values()}
+    if len(seeds) != 1:
+        raise ValueError(f"configurations have different numbers of seeds: {sorted(seeds)}")
+    need = {label: needs(curves, target_loss) for label, curves in smoothed.items()}
+    resampled = Resampled(need, resample_indices(seeds.pop(), resamples, seed))
+    out = {"target": target_loss, "target_from": source, "needs": need,
+           "medians": {label: {axis: median(n[axis]) for axis in ("samples", "updates")} for label, n in need.items()},
+           "reached": {label: reached(n) for label, n in need.items()},
+           "final": {label: spread([final_loss(c) for c in curves]) for label, curves in smoothed.items()},
+           "peer": most_sample_efficient({label: need[label] for label in fixed})}
+    if "auto" in smoothed:
+        out["goals"] = judge("auto", fixed, resampled, level)
+        out["per_seed"] = per_seed_goals("auto", fixed, need)
+    others = [label for label in smoothed if label != "auto"]
+    out["hindsight"] = {label: judge(label, fixed, resampled, level) for label in others}
+    out["best_in_hindsight"] = best_in_hindsight(out["hindsight"])
+    return out
+
+
+def _score(goals):
+    """Goals met, then (as tie-breaks) the lowest bounds on updates and samples."""
+    met = sum(bool(goals[g]["met"]) for g in GOALS)
+    updates = goals["updates"].get("high", INF)
+    samples = goals["samples"].get("high", INF)
+    return (-met, updates if samples <= MORE_SAMPLES else INF, samples)
+
+
+def best_in_hindsight(judged):
+    """The schedule (not auto) that meets the most goals; ties: the lowest updates bound within the samples limit."""
+    if not judged:
+        return None
+    return min(judged, key=lambda label: _score(judged[label]))
+
+
+def along(traces, key, fractions, budget):
+    """Per fraction of the budget, the median over runs of `key` in their traces at that point (None: absent)."""
+    out = []
+    for fraction in fractions:
+        values = []
+        for trace in traces:
+            before = [p for p in trace if p["samples"] <= fraction * budget and p.get(key) is not None]
+            if before:
+                values.append(before[-1][key])
+        out.append(statistics.median(values) if values else None)
+    return out
 
 
 def goodput_rounds(seconds_per_update_by_round):
