@@ -16,8 +16,8 @@ seed (seed s: the same initial weights and data order for every configuration):
 * fixed: every effective batch 32, 64, 128, 256 at ×½, ×1, ×2 the square-root
   rule's learning rate lr(E) = lr0 × sqrt(E / 32), and at ×1 with cosine decay
   to 0 over the run (so a growing batch is not credited for annealing);
-* auto: `AutoAccumulation(16, 256, start_accum_steps=2)`, every other argument
-  at the library's default (recorded with the commit);
+* auto: `AutoAccumulation(16, 256, start_accum_steps=2, lr_scaling="sqrt")`,
+  every other argument at the library's default (recorded with the commit);
 * ramp, late ramp: hand-made `AccumulationSchedule(by="update")` schedules
   doubling 32 -> 256 (equal shares of the samples; half at 32, then equal shares),
   with auto's learning-rate rule.
@@ -60,6 +60,8 @@ from benchmarks.auto_batch_data import SETTINGS, Task, text_data, text_model  # 
 TASKS = tuple(SETTINGS)
 GOODPUT_ACCUMS = (1, 2, 4, 8)
 LR_FACTORS = (0.5, 1.0, 2.0)
+# The benchmark's learning-rate rule for every run (fixed batches start at theirs; auto and the ramps scale by it).
+LR_SCALING = "sqrt"
 # What the rule writes into the logs at each batch's end (those present are recorded).
 LOG_KEYS = ("accum_steps", "effective_batch_size", "lr_multiplier", "noise_scale", "noise_scale_preconditioned",
             "noise_scale_lower", "target_effective_batch_size")
@@ -119,17 +121,17 @@ def rule_defaults() -> dict:
 
 
 def make_auto_rule(task):
-    """`AutoAccumulation` from the smallest to the largest effective batch, every other argument its default."""
+    """`AutoAccumulation` from the smallest to the largest effective batch at `LR_SCALING`, the rest its defaults."""
     from tfx_gradient_accumulator.accumulator import AutoAccumulation
     s = task.settings
-    return AutoAccumulation(s["micro"], s["max"], start_accum_steps=s["start"] // s["micro"])
+    return AutoAccumulation(s["micro"], s["max"], start_accum_steps=s["start"] // s["micro"], lr_scaling=LR_SCALING)
 
 
 def make_ramp(schedule):
-    """`AccumulationSchedule(schedule, by="update")` with auto's default learning-rate rule (and ramp)."""
+    """`AccumulationSchedule(schedule, by="update")` with auto's learning-rate rule (and its default ramp)."""
     from tfx_gradient_accumulator.accumulator import AccumulationSchedule
+    kwargs = {"lr_scaling": LR_SCALING}
     defaults = rule_defaults()
-    kwargs = {"lr_scaling": defaults.get("lr_scaling", "sqrt")}
     if "lr_ramp_updates" in inspect.signature(AccumulationSchedule.__init__).parameters \
             and "lr_ramp_updates" in defaults:
         kwargs["lr_ramp_updates"] = defaults["lr_ramp_updates"]
@@ -515,7 +517,7 @@ def _start(path):
                          "python": platform.python_version()},
             "cpus": os.cpu_count(), "load_at_start": [round(v, 2) for v in os.getloadavg()],
             "settings": {"seeds": len(_seeds()), "evals": EVALS.value, "quick": QUICK.value,
-                         "lr_factors": list(LR_FACTORS)},
+                         "lr_factors": list(LR_FACTORS), "lr_scaling": LR_SCALING},
             "tasks": {}}
 
 

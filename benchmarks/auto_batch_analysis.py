@@ -6,14 +6,21 @@ validation loss after that update. What the report states (the rules fixed in
 `benchmarks/auto_batch_tasks.md` before any run):
 
 * every curve read through a trailing mean of `SMOOTHING` evaluations (`smooth`);
-* the target: the lowest mean-over-seeds final loss of the fixed configurations;
-* per run, the samples and updates at the first crossing of the target (linear
-  between evaluations); a run that never crosses needs more than it had: `INF`;
-* per configuration, the median over seeds (defined while fewer than half miss);
-* paired-seed bootstrap intervals of ratios of medians (one resample of the
-  seeds for every configuration), and the four goals, each judged on the bound
-  that leans against auto (`judge`); the same for every other schedule, so a
-  miss can be set against the best schedule in hindsight (`hindsight`).
+* per configuration, the seed-mean curve (evaluation by evaluation);
+* the target: the lowest final loss of the fixed configurations' mean curves;
+* the samples and updates at a curve's first crossing of the target (linear
+  between evaluations; `INF` where it never crosses): of every run (how many
+  seeds reach it) and of every mean curve (what a configuration needs);
+* paired-seed bootstrap intervals of the ratios (the whole reading, target and
+  peer included, redone on each draw of the seeds, the same draw for every
+  configuration), and the four goals, each judged on the bound that leans
+  against auto (`judge`); the same for every other schedule, so that a miss
+  can be set against the best schedule in hindsight.
+
+Why mean curves, not per-run crossings: the target is the best fixed
+configuration's mean final loss, which about half of its own runs never reach;
+a median of per-run crossings is then undefined for the very configuration
+that sets the target, while its mean curve reaches it at its end.
 
 `tests/test_bench_auto_batch.py` runs these on synthetic curves.
 """
@@ -25,7 +32,7 @@ import statistics
 SMOOTHING = 3               # evaluations in the trailing mean the figures are read from
 INF = float("inf")
 LEVEL = 0.90                # the bootstrap intervals' coverage
-RESAMPLES = 5000            # bootstrap resamples of the seeds
+RESAMPLES = 2000            # bootstrap draws of the seeds
 REACH_SHARE = 0.9           # auto reaches the target on at least this share of the seeds (9 of 10)
 FEWER_UPDATES = 0.75        # auto's updates at most this many times the peer's
 MORE_SAMPLES = 1.10         # auto's samples at most this many times the peer's
@@ -82,21 +89,40 @@ def spread(values):
     return {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def target(fixed_runs):
-    """(target loss, the configuration it comes from): the lowest mean-over-seeds final loss.
+def mean_curve(curves, weights=None):
+    """Evaluation by evaluation, the (weighted) mean over seeds of samples, updates and validation loss.
 
-    `fixed_runs`: {label: [curve per seed]} (curves already smoothed)."""
-    if not fixed_runs:
-        raise ValueError("the target needs at least one fixed configuration")
-    means = {label: statistics.fmean(final_loss(c) for c in curves) for label, curves in fixed_runs.items()}
-    best = min(means, key=means.get)
-    return means[best], best
+    Over the shortest curve's evaluations, the last point being every curve's last."""
+    weights = [1] * len(curves) if weights is None else weights
+    pairs = [(w, c) for w, c in zip(weights, curves) if w]
+    total = sum(w for w, _ in pairs)
+    n = min(len(c) for _, c in pairs)
+    picks = list(range(n - 1)) + [-1]
+    return [{key: sum(w * c[i][key] for w, c in pairs) / total for key in ("samples", "updates", "val_loss")}
+            for i in picks]
+
+
+def target(mean_curves):
+    """(target loss, the configuration it comes from): the lowest final loss of the seed-mean curves.
+
+    `mean_curves`: {label: mean curve} of the fixed configurations (a diverged one, NaN, is no candidate)."""
+    finals = {label: final_loss(c) for label, c in mean_curves.items() if math.isfinite(final_loss(c))}
+    if not finals:
+        raise ValueError("the target needs at least one fixed configuration with a finite final loss")
+    best = min(finals, key=finals.get)
+    return finals[best], best
+
+
+def crossing(curve, target_loss):
+    """(samples, updates) at the first crossing of `curve`, (INF, INF) where it never crosses."""
+    c = first_crossing(curve, target_loss)
+    return (INF, INF) if c is None else (c["samples"], c["updates"])
 
 
 def needs(curves, target_loss):
     """Per seed, the samples and updates to the target (`INF` where not reached): {"samples": [...], "updates": [...]}."""
-    crossings = [first_crossing(c, target_loss) for c in curves]
-    return {key: [c[key] if c is not None else INF for c in crossings] for key in ("samples", "updates")}
+    crossings = [crossing(c, target_loss) for c in curves]
+    return {"samples": [c[0] for c in crossings], "updates": [c[1] for c in crossings]}
 
 
 def reached(need):
@@ -117,7 +143,7 @@ def median(values):
 
 
 def ratio(a, b):
-    """a / b for medians that may be INF: INF / anything = INF (leans against the numerator), x / INF = 0."""
+    """a / b for needs that may be INF: INF / anything = INF (leans against the numerator), x / INF = 0."""
     if math.isinf(a):
         return INF
     if math.isinf(b):
@@ -138,72 +164,75 @@ def quantile(values, q):
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def resample_indices(seeds, resamples=RESAMPLES, seed=0):
-    """`resamples` lists of `seeds` seed indices drawn with replacement (deterministic)."""
+def resample_counts(seeds, resamples=RESAMPLES, seed=0):
+    """`resamples` draws of `seeds` seeds with replacement, each as how many times every seed is drawn."""
     rng = random.Random(seed)
-    return [[rng.randrange(seeds) for _ in range(seeds)] for _ in range(resamples)]
+    out = []
+    for _ in range(resamples):
+        counts = [0] * seeds
+        for _ in range(seeds):
+            counts[rng.randrange(seeds)] += 1
+        out.append(counts)
+    return out
 
 
-def resampled_medians(values, indices):
-    """The median of `values` in every resample."""
-    return [median([values[i] for i in draw]) for draw in indices]
+def most_sample_efficient(crossings, fixed_labels):
+    """The fixed configuration that reaches the target with the fewest samples (ties: updates), or None."""
+    finite = [label for label in fixed_labels if math.isfinite(crossings[label][0])]
+    return min(finite, key=lambda label: crossings[label]) if finite else None
 
 
-def interval(numerator, denominator, num_medians, den_medians, level=LEVEL):
-    """{"point", "low", "high"}: the ratio of the medians and its bootstrap `level` interval."""
-    ratios = [ratio(a, b) for a, b in zip(num_medians, den_medians)]
+def procedure(smoothed, fixed_labels, weights=None):
+    """The whole reading on one draw of the seeds: {"target", "target_from", "crossings", "peer"}.
+
+    The seed-mean curve of every configuration; the target (the best fixed final
+    loss); each curve's crossing; the most sample-efficient fixed configuration."""
+    means = {label: mean_curve(curves, weights) for label, curves in smoothed.items()}
+    target_loss, source = target({label: means[label] for label in fixed_labels})
+    crossings = {label: crossing(c, target_loss) for label, c in means.items()}
+    return {"target": target_loss, "target_from": source, "crossings": crossings,
+            "peer": most_sample_efficient(crossings, fixed_labels), "means": means}
+
+
+def _interval(point, ratios, level):
     tail = (1.0 - level) / 2
-    return {"point": ratio(median(numerator), median(denominator)),
-            "low": quantile(ratios, tail), "high": quantile(ratios, 1.0 - tail)}
+    return {"point": point, "low": quantile(ratios, tail), "high": quantile(ratios, 1.0 - tail)}
 
 
-class Resampled:
-    """Per configuration and axis ("samples", "updates"), the medians over every resample (computed once)."""
+def judge(candidate, fixed_labels, point, draws, per_seed_needs, level=LEVEL):
+    """The four goals for `candidate` against the fixed configurations, each on its interval's bound.
 
-    def __init__(self, needs_by_label, indices):
-        self.needs = needs_by_label
-        self.medians = {label: {axis: resampled_medians(n[axis], indices) for axis in ("samples", "updates")}
-                        for label, n in needs_by_label.items()}
+    `point`: `procedure` on every seed; `draws`: `procedure` on each bootstrap
+    draw (the target and the peer chosen again in each); `per_seed_needs`: the
+    candidate's `needs` at the point target.
 
-    def interval(self, a, b, axis, level=LEVEL):
-        """The ratio a / b of medians on `axis` with its interval."""
-        return interval(self.needs[a][axis], self.needs[b][axis], self.medians[a][axis], self.medians[b][axis],
-                        level)
-
-
-def most_sample_efficient(fixed_needs):
-    """The fixed configuration with the lowest median samples to the target (ties: fewer updates), or None."""
-    finite = {label: (median(n["samples"]), median(n["updates"])) for label, n in fixed_needs.items()}
-    finite = {label: v for label, v in finite.items() if math.isfinite(v[0])}
-    return min(finite, key=finite.get) if finite else None
-
-
-def judge(candidate, fixed_labels, resampled, level=LEVEL):
-    """The four goals for `candidate` (a label of `resampled`) against the fixed configurations.
-
-    * reach: it reaches the target on >= `REACH_SHARE` of the seeds;
-    * updates / samples: the upper bound of its median over the peer's (the most
+    * reach: the candidate's own runs reach the target on >= `REACH_SHARE` of the seeds;
+    * updates / samples: the upper bound of its needs over the peer's (the most
       sample-efficient fixed configuration) <= `FEWER_UPDATES` / `MORE_SAMPLES`;
     * pareto: no fixed configuration needs both fewer samples and fewer updates:
       against every one, the upper bound of candidate / it is <= 1 on one axis.
     Returns {goal: {"met", ...figures}}.
     """
-    need = resampled.needs[candidate]
-    seeds, hits = len(need["samples"]), reached(need)
-    out = {"reach": {"met": hits >= math.ceil(REACH_SHARE * seeds - 1e-9), "reached": hits, "seeds": seeds,
-                     "needed": math.ceil(REACH_SHARE * seeds - 1e-9)}}
-    peer = most_sample_efficient({label: resampled.needs[label] for label in fixed_labels})
-    for goal, axis, limit in (("updates", "updates", FEWER_UPDATES), ("samples", "samples", MORE_SAMPLES)):
+    seeds, hits = len(per_seed_needs["samples"]), reached(per_seed_needs)
+    needed = math.ceil(REACH_SHARE * seeds - 1e-9)
+    out = {"reach": {"met": hits >= needed, "reached": hits, "seeds": seeds, "needed": needed}}
+    for goal, axis, limit in (("updates", 1, FEWER_UPDATES), ("samples", 0, MORE_SAMPLES)):
+        peer = point["peer"]
         if peer is None:
             out[goal] = {"met": False, "peer": None, "limit": limit, "why": "no fixed configuration reaches the target"}
             continue
-        figures = resampled.interval(candidate, peer, axis, level)
+        ratios = [ratio(d["crossings"][candidate][axis], d["crossings"][d["peer"]][axis]) if d["peer"] else INF
+                  for d in draws]
+        figures = _interval(ratio(point["crossings"][candidate][axis], point["crossings"][peer][axis]), ratios, level)
         out[goal] = {"met": figures["high"] <= limit, "peer": peer, "limit": limit, **figures}
     against = {}
     for label in fixed_labels:
         if label == candidate:
             continue
-        pair = {axis: resampled.interval(candidate, label, axis, level) for axis in ("samples", "updates")}
+        pair = {name: _interval(ratio(point["crossings"][candidate][axis], point["crossings"][label][axis]),
+                                [ratio(d["crossings"][candidate][axis], d["crossings"][label][axis]) for d in draws],
+                                level)
+                for name, axis in (("samples", 0), ("updates", 1))}
         pair["excluded"] = pair["samples"]["high"] <= 1.0 or pair["updates"]["high"] <= 1.0
         pair["dominates"] = pair["samples"]["point"] > 1.0 and pair["updates"]["point"] > 1.0
         against[label] = pair
@@ -214,21 +243,19 @@ def judge(candidate, fixed_labels, resampled, level=LEVEL):
     return out
 
 
-def per_seed_goals(candidate, fixed_labels, needs_by_label):
-    """Seed by seed (each seed's runs against each other), the seeds on which each goal holds: {goal: count}."""
-    fixed = {label: needs_by_label[label] for label in fixed_labels}
-    peer = most_sample_efficient(fixed)
+def per_seed_goals(candidate, fixed_labels, needs_by_label, peer):
+    """Seed by seed (each seed's runs against each other, at the point target and peer): {goal: seeds it holds on}."""
     mine = needs_by_label[candidate]
     counts = {goal: 0 for goal in GOALS}
     for s in range(len(mine["samples"])):
         a_samples, a_updates = mine["samples"][s], mine["updates"][s]
         counts["reach"] += math.isfinite(a_samples)
         if peer is not None:
-            counts["updates"] += ratio(a_updates, fixed[peer]["updates"][s]) <= FEWER_UPDATES
-            counts["samples"] += ratio(a_samples, fixed[peer]["samples"][s]) <= MORE_SAMPLES
+            counts["updates"] += ratio(a_updates, needs_by_label[peer]["updates"][s]) <= FEWER_UPDATES
+            counts["samples"] += ratio(a_samples, needs_by_label[peer]["samples"][s]) <= MORE_SAMPLES
         counts["pareto"] += math.isfinite(a_samples) and not any(
-            n["samples"][s] < a_samples and n["updates"][s] < a_updates
-            for label, n in fixed.items() if label != candidate)
+            needs_by_label[label]["samples"][s] < a_samples and needs_by_label[label]["updates"][s] < a_updates
+            for label in fixed_labels if label != candidate)
     return counts
 
 
@@ -240,27 +267,33 @@ def analyse(curves_by_label, kinds, resamples=RESAMPLES, level=LEVEL, seed=0):
         kinds: {label: "fixed" | "auto" | "ramp"}.
 
     Returns:
-        {"target", "target_from", "needs", "medians", "peer", "goals" (auto's),
-         "per_seed" (auto's), "hindsight" (every other schedule's goals), "best_in_hindsight"}.
+        {"target", "target_from", "peer", "crossings" (of the seed-mean curves), "needs" (per seed),
+         "reached", "final", "goals" and "per_seed" (auto's), "hindsight" (every other
+         schedule's goals), "best_in_hindsight"}.
     """
     smoothed = {label: [smooth(c) for c in curves] for label, curves in curves_by_label.items()}
     fixed = [label for label in smoothed if kinds[label] == "fixed"]
-    target_loss, source = target({label: smoothed[label] for label in fixed})
     seeds = {len(c) for c in smoothed.values()}
     if len(seeds) != 1:
         raise ValueError(f"configurations have different numbers of seeds: {sorted(seeds)}")
-    need = {label: needs(curves, target_loss) for label, curves in smoothed.items()}
-    resampled = Resampled(need, resample_indices(seeds.pop(), resamples, seed))
-    out = {"target": target_loss, "target_from": source, "needs": need,
-           "medians": {label: {axis: median(n[axis]) for axis in ("samples", "updates")} for label, n in need.items()},
+    point = procedure(smoothed, fixed)
+    draws = []
+    for counts in resample_counts(seeds.pop(), resamples, seed):
+        try:
+            draws.append(procedure(smoothed, fixed, counts))
+        except ValueError:          # every fixed configuration diverged in this draw: nothing reaches
+            draws.append({"crossings": {label: (INF, INF) for label in smoothed}, "peer": None})
+    need = {label: needs(curves, point["target"]) for label, curves in smoothed.items()}
+    out = {"target": point["target"], "target_from": point["target_from"], "peer": point["peer"],
+           "crossings": point["crossings"], "needs": need,
            "reached": {label: reached(n) for label, n in need.items()},
            "final": {label: spread([final_loss(c) for c in curves]) for label, curves in smoothed.items()},
-           "peer": most_sample_efficient({label: need[label] for label in fixed})}
+           "mean_curves": point["means"]}
     if "auto" in smoothed:
-        out["goals"] = judge("auto", fixed, resampled, level)
-        out["per_seed"] = per_seed_goals("auto", fixed, need)
-    others = [label for label in smoothed if label != "auto"]
-    out["hindsight"] = {label: judge(label, fixed, resampled, level) for label in others}
+        out["goals"] = judge("auto", fixed, point, draws, need["auto"], level)
+        out["per_seed"] = per_seed_goals("auto", fixed, need, point["peer"])
+    out["hindsight"] = {label: judge(label, fixed, point, draws, need[label], level)
+                        for label in smoothed if label != "auto"}
     out["best_in_hindsight"] = best_in_hindsight(out["hindsight"])
     return out
 
