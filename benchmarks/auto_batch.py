@@ -273,7 +273,7 @@ def train(task, seed, config, model=None):
 
 # ------------------------------------------------------------------ the runs, resumable
 class Progress:
-    """Counts runs and logs each with an ETA (mean seconds of this task's runs so far × those left)."""
+    """Counts runs and logs each with an ETA (mean wall seconds of this task's runs so far × those left)."""
 
     def __init__(self, total_by_task):
         self.left = dict(total_by_task)
@@ -285,7 +285,7 @@ class Progress:
     def ran(self, task, label, run):
         self.left[task.name] -= 1
         self.done += 1
-        self.seconds[task.name].append(run["seconds"])
+        self.seconds[task.name].append(run.get("wall", run["seconds"]))
         every = [s for v in self.seconds.values() for s in v]
         mean = sum(every) / len(every)
         eta = sum(n * (sum(self.seconds[t]) / len(self.seconds[t]) if self.seconds[t] else mean)
@@ -293,7 +293,7 @@ class Progress:
         last = run["curve"][-1]
         logging.info("[%d/%d] %s %-16s seed %d: %d samples, %d updates, final batch %d (%.0f s); ETA %s",
                      self.done, self.total, task.name, label, run["seed"], last["samples"], last["updates"],
-                     last["effective_batch"], run["seconds"], _hms(eta))
+                     last["effective_batch"], run.get("wall", run["seconds"]), _hms(eta))
 
 
 def _hms(seconds):
@@ -330,7 +330,9 @@ def run_tasks(results, path):
     progress = Progress({name: len(v) for name, v in todo.items()})
     for name, task in tasks.items():
         for seed, config in todo[name]:
+            started = time.perf_counter()
             run = train(task, seed, config)
+            run["wall"] = round(time.perf_counter() - started, 1)
             entry = results["tasks"][name]["runs"][config["label"]]
             entry["lr"] = task.lr(config.get("effective_batch") or task.settings["start"]) * config.get("lr_factor", 1)
             entry["runs"] = sorted(entry["runs"] + [run], key=lambda r: r["seed"])

@@ -153,6 +153,11 @@ def ratio(a, b):
     return a / b
 
 
+def against_ratio(a, b):
+    """`ratio` for the Pareto goal: a configuration that never reaches the target (b INF) needs fewer of nothing: 0."""
+    return 0.0 if math.isinf(b) else ratio(a, b)
+
+
 def quantile(values, q):
     """The q-quantile, linear between order statistics (INF stays INF)."""
     ordered = sorted(values)
@@ -229,9 +234,9 @@ def judge(candidate, fixed_labels, point, draws, per_seed_needs, level=LEVEL):
     for label in fixed_labels:
         if label == candidate:
             continue
-        pair = {name: _interval(ratio(point["crossings"][candidate][axis], point["crossings"][label][axis]),
-                                [ratio(d["crossings"][candidate][axis], d["crossings"][label][axis]) for d in draws],
-                                level)
+        pair = {name: _interval(against_ratio(point["crossings"][candidate][axis], point["crossings"][label][axis]),
+                                [against_ratio(d["crossings"][candidate][axis], d["crossings"][label][axis])
+                                 for d in draws], level)
                 for name, axis in (("samples", 0), ("updates", 1))}
         pair["excluded"] = pair["samples"]["high"] <= 1.0 or pair["updates"]["high"] <= 1.0
         pair["dominates"] = pair["samples"]["point"] > 1.0 and pair["updates"]["point"] > 1.0

@@ -75,7 +75,7 @@ def goal_figure(goal, figures):
 def _goal_lines(goals, per_seed, seeds, who="auto"):
     lines = []
     for goal in aba.GOALS:
-        lines.append(f"- **{who} {GOAL_NAMES[goal]}**: {_met(goals[goal]['met'])}: {goal_figure(goal, goals[goal])}"
+        lines.append(f"- **{who}: {GOAL_NAMES[goal]}**: {_met(goals[goal]['met'])}: {goal_figure(goal, goals[goal])}"
                      + (f" (seed by seed: holds on {per_seed[goal]} of {seeds})" if per_seed else "") + ".")
     return lines
 
@@ -124,6 +124,7 @@ def _hindsight_lines(a):
 
 
 def _config_table(task, a):
+    s = task["settings"]
     lines = ["| configuration | learning rate | final loss, mean [min–max] | samples to the target | "
              "updates to the target | seeds that reach it | updates in all |", "|---|---|---|---|---|---|---|"]
     for label, entry in task["runs"].items():
@@ -132,6 +133,8 @@ def _config_table(task, a):
         final = a["final"][label]
         total = _median_of([r["curve"][-1]["updates"] for r in entry["runs"] if r["seed"] in a["seeds"]])
         lr = f"{entry['lr']:.2g}" + (" → 0" if entry.get("decay") else "") if entry.get("lr") else "–"
+        if entry["kind"] != "fixed" and entry.get("lr"):
+            lr += f" at {s['start']}, then sqrt"
         lines.append(f"| {label} | {lr} | {final['mean']:.4f} [{final['min']:.4f}–{final['max']:.4f}] | "
                      f"{_num(a['crossings'][label][0], 0)} | {_num(a['crossings'][label][1], 0)} | "
                      f"{a['reached'][label]} of {len(a['seeds'])} | {_num(total, 0)} |")
@@ -274,6 +277,11 @@ def _goodput_section(g):
     return lines
 
 
+def _finite(x):
+    """x, or None where it is not finite (results.json is strict JSON)."""
+    return x if x is not None and math.isfinite(x) else None
+
+
 def _summary(name, task, a):
     """One task's verdicts for results.json (the keys `report.py` reads: verdicts, per_seed, seeds)."""
     verdicts = {}
@@ -283,7 +291,7 @@ def _summary(name, task, a):
         if goal == "reach":
             v["why"] = f"{g['reached']} of {g['seeds']} seeds"
         elif "high" in g:
-            v.update({"ratio": g["high"], "point": g["point"], "peer": g["peer"]})
+            v.update({"ratio": _finite(g["high"]), "point": _finite(g["point"]), "peer": g["peer"]})
         elif goal == "pareto":
             v["dominated_by"] = g["not_excluded"]
         else:
@@ -330,13 +338,10 @@ def write(results, folder):
 STYLES = {0.5: ":", 1.0: "-", 2.0: "-."}
 
 
-def _median_curve(runs, key):
-    """(x, median smoothed loss) over seeds, evaluation by evaluation (x: the median of `key`)."""
-    curves = [aba.smooth(r["curve"]) for r in runs]
-    n = min(len(c) for c in curves)
-    xs = [statistics.median(c[i][key] for c in curves) for i in range(n)]
-    ys = [statistics.median(c[i]["val_loss"] for c in curves) for i in range(n)]
-    return xs, ys
+def _mean_curve(runs, key):
+    """(x, loss) of the seed-mean curve (of the smoothed curves), as the analysis reads it."""
+    curve = aba.mean_curve([aba.smooth(r["curve"]) for r in runs])
+    return [p[key] for p in curve], [p["val_loss"] for p in curve]
 
 
 def _style(label, entry, batches):
@@ -357,7 +362,7 @@ def _draw_losses(ax_samples, ax_updates, task, a):
         runs = [r for r in entry["runs"] if r["seed"] in a["seeds"]]
         color, ls, width, alpha = _style(label, entry, batches)
         for ax, key in ((ax_samples, "samples"), (ax_updates, "updates")):
-            xs, ys = _median_curve(runs, key)
+            xs, ys = _mean_curve(runs, key)
             ax.plot([max(x, 1) for x in xs] if key == "updates" else xs, ys, color=color, ls=ls, lw=width,
                     alpha=alpha, label=label)
             if entry["kind"] == "auto":
@@ -367,11 +372,11 @@ def _draw_losses(ax_samples, ax_updates, task, a):
                             [p["val_loss"] for p in c], color="k", lw=0.5, alpha=0.25)
     smoothed = [aba.smooth(r["curve"]) for e in entries.values() for r in e["runs"]]
     low = min(p["val_loss"] for c in smoothed for p in c if math.isfinite(p["val_loss"]))
-    high = statistics.median(c[0]["val_loss"] for c in smoothed)
+    high = max(c[0]["val_loss"] for c in smoothed)
     for ax in (ax_samples, ax_updates):
         ax.axhline(a["target"], color="grey", ls="--", lw=1)
         ax.set(yscale="log", ylim=(low * 0.95, high * 1.05),
-               ylabel=f"validation loss (median over seeds; trailing mean of {aba.SMOOTHING})")
+               ylabel=f"validation loss (mean over seeds; trailing mean of {aba.SMOOTHING})")
         ax.grid(alpha=0.3)
 
 
@@ -387,7 +392,7 @@ def _draw_trace(ax, task):
                         drawstyle="steps-post" if key in ("effective_batch", "target_effective_batch_size") else None,
                         ls="--" if key == "target_effective_batch_size" else "-", label=name if j == 0 else None)
     ax.set(yscale="log", xlabel="samples", ylabel="samples (log)",
-           title="auto: noise scales, the gate's bound, the target and the batch (every seed)")
+           title="auto, every seed: noise scales, bound, target, batch")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
 

@@ -160,6 +160,10 @@ def test_pareto_missed_when_a_fixed_configuration_needs_fewer_of_both():
     assert not goals["pareto"]["met"] and goals["pareto"]["not_excluded"] == ["small"]
     assert goals["pareto"]["dominated_by"] == ["small"]
     assert not goals["samples"]["met"] and goals["samples"]["point"] == pytest.approx(1.5, rel=0.03)
+    # A configuration that never reaches the target needs fewer of nothing, even against an auto that never does.
+    curves, kinds = _task(decaying(16, rate=0.5), {"small": small, "never": decaying(256, rate=0.5)})
+    pareto = aba.analyse(curves, kinds, resamples=100)["goals"]["pareto"]
+    assert pareto["not_excluded"] == ["small"] and pareto["dominated_by"] == ["small"]
 
 
 def test_updates_limit_is_a_quarter_and_samples_limit_ten_percent():
@@ -267,3 +271,11 @@ def test_report_writes_the_verdicts_and_the_plots(tmp_path):
     assert summary["pydoc"]["verdicts"]["updates"]["met"] and summary["pydoc"]["verdicts"]["reach"]["met"]
     assert "held out" in text and "best schedule in hindsight" in text and "fixed 32 ×1" in text
     assert "B_simple, preconditioned" in text and "the gate's lower bound" in text
+    # results.json keeps the summary (strict JSON: no infinities) and report.py states its verdicts.
+    import json
+
+    from benchmarks import report
+    json.dumps(summary, allow_nan=False)
+    targets = []
+    report._auto_batch(summary, targets)
+    assert len(targets) == 4 and all(t[0].startswith("pydoc (held out): ") for t in targets)
