@@ -23,8 +23,7 @@ seed (seed s: the same initial weights and data order for every configuration):
   with auto's learning-rate rule.
 
 Each run records the validation loss at the first window boundary past every
-`--evals`-th share of its samples, and (auto, ramps) the rule's logs along the
-run. `benchmarks.auto_batch_analysis` derives the target, the samples and
+`--evals`-th share of its samples, and (auto) the rule's logs along the run. `benchmarks.auto_batch_analysis` derives the target, the samples and
 updates each run needs to reach it, bootstrap intervals and the verdicts;
 `benchmarks.auto_batch_report` writes auto_batch.md and the plots. Results go to
 auto_batch.json after every run, so `--resume` goes on with a cut run.
@@ -173,9 +172,10 @@ def configurations(task) -> list:
 
 
 # ------------------------------------------------------------------ one run
-def _finite(value):
+def _finite(value, digits=5):
+    """`value` to `digits` significant digits (the JSON stays small), None where not finite."""
     value = float(value)
-    return value if math.isfinite(value) else None
+    return float(f"{value:.{digits}g}") if math.isfinite(value) else None
 
 
 def _recorder(task, evaluate, trace_every):
@@ -199,7 +199,8 @@ def _recorder(task, evaluate, trace_every):
             return point
 
         def _evaluate(self, samples, logs):
-            self.points.append({**self._state(samples, logs), "val_loss": float(evaluate())})
+            loss = float(evaluate())
+            self.points.append({**self._state(samples, logs), "val_loss": _finite(loss, 6) if math.isfinite(loss) else loss})
 
         def on_train_batch_end(self, batch, logs=None):
             self.micro_batches += 1
@@ -258,7 +259,7 @@ def train(task, seed, config, model=None):
         callbacks.append(rule)
     elif config["kind"] == "ramp":
         callbacks.append(make_ramp(config["schedule"]))
-    trace_every = 0 if config["kind"] == "fixed" else max(1, task.budget // s["start"] // TRACE_POINTS)
+    trace_every = max(1, task.budget // s["start"] // TRACE_POINTS) if config["kind"] == "auto" else 0
     recorder = _recorder(task, evaluate, trace_every)
     callbacks.append(recorder)
     started = time.perf_counter()
