@@ -1,6 +1,6 @@
 """`AutoAccumulation` at its defaults against fixed effective batches, hand ramps and a KerasTuner search.
 
-    python -m benchmarks.auto_batch                    # the full run: ~2 hours on 2 idle CPU cores
+    python -m benchmarks.auto_batch                    # the full run: ~1.5-2 hours on 2 CPU cores
     python -m benchmarks.auto_batch --resume           # goes on with a cut run (auto_batch.json)
     python -m benchmarks.auto_batch --quick --tasks=digits,text   # a smoke run (~3 minutes)
     python -m benchmarks.auto_batch --check_pipeline --tasks=pydoc  # a few steps, timed, no loss shown
@@ -23,17 +23,23 @@ seed (seed s: the same initial weights and data order for every configuration):
   with auto's learning-rate rule.
 
 Each run records the validation loss at the first window boundary past every
-`--evals`-th share of its samples, and (auto) the rule's logs along the run. `benchmarks.auto_batch_analysis` derives the target, the samples and
-updates each run needs to reach it, bootstrap intervals and the verdicts;
-`benchmarks.auto_batch_report` writes auto_batch.md and the plots. Results go to
-auto_batch.json after every run, so `--resume` goes on with a cut run.
+`--evals`-th share of its samples (and auto the rule's logs along the run).
+`benchmarks.auto_batch_analysis` derives the target, what each configuration
+needs to reach it, bootstrap intervals and the verdicts;
+`benchmarks.auto_batch_report` writes auto_batch.md and the plots. Results go
+to auto_batch.json after every run, so `--resume` goes on with a cut run.
 
-Cost: 19 configurations × 10 seeds × 3 tasks = 570 runs (digits 10,752
-samples, text 40,960, pydoc 13,056 per run; shrunk from the old report's
-24-pass digits by halving its passes), plus the tuner (5 runs) and the goodput
-timing (~4 minutes). `--goodput` times why updates cost: 2 worker processes on
-127.0.0.1 under MultiWorkerMirroredStrategy train the text model at accum_steps
-1, 2, 4, 8; time per sample as a ratio against accum_steps=1 in the same round.
+Cost: 19 configurations x 10 seeds x 3 tasks = 570 runs, plus the tuner (5
+runs) and the goodput timing (a few minutes). Measured on 2 cores shared with
+other work (load ~3): a digits run ~8 s, a text run ~14 s, a pydoc run ~11 s
+(estimated from its per-step time and 41 evaluations of 1,457 sequences), so
+~1.9 hours; less on idle cores. To fit, the digits budget is 12 passes over
+899 images (the old report's 24 over 1,198) and every task tops out at an
+effective batch of 256 (4 fixed batches).
+
+`--goodput` times why updates cost: 2 worker processes on 127.0.0.1 under
+MultiWorkerMirroredStrategy train the text model at accum_steps 1, 2, 4, 8;
+time per sample as a ratio against accum_steps=1 in the same round.
 """
 
 import datetime
