@@ -85,8 +85,8 @@ GOODPUT_MICRO_STEPS = flags.DEFINE_integer("goodput_micro_steps", 128, "Micro-st
 GOODPUT_WIDTH = flags.DEFINE_integer("goodput_width", 128, "The text model's width for the goodput timing.")
 GOODPUT_ONLY = flags.DEFINE_bool("goodput_only", False, "Re-run the goodput timing alone and replace its part of "
                                  "an existing auto_batch.json (the training runs' figures stay).")
-QUICK = flags.DEFINE_bool("quick", False, "A smoke run: 2 seeds, a fifth of the samples, batches 32 and 256 only, "
-                          "2 goodput rounds.")
+QUICK = flags.DEFINE_bool("quick", False, "A smoke run: 2 seeds, a fifth of the samples, batches 32 and 256 at ×1 "
+                          "and cosine only, 2 goodput rounds.")
 CHECK_PIPELINE = flags.DEFINE_bool("check_pipeline", False, "Train a few micro-steps of each --tasks at a fixed "
                                    "batch and time them; shows no loss (for the held-out task).")
 REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Rewrite the report and plots from auto_batch.json.")
@@ -159,14 +159,18 @@ def ramp_schedule(task, late=False):
     return schedule
 
 
+def _batches(task):
+    """The fixed effective batches (--quick: the smallest and the largest)."""
+    batches = task.batches()
+    return [batches[0], batches[-1]] if QUICK.value else batches
+
+
 def configurations(task) -> list:
     """Every configuration of a task: [{"label", "kind", ...}] (fixed, auto, ramps)."""
-    batches = task.batches()
-    if QUICK.value:
-        batches = [batches[0], batches[-1]]
+    batches = _batches(task)
     out = []
     for e in batches:
-        for factor in LR_FACTORS:
+        for factor in (1.0,) if QUICK.value else LR_FACTORS:
             out.append({"label": f"fixed {e} ×{factor:g}", "kind": "fixed", "effective_batch": e,
                         "lr_factor": factor, "decay": False})
         out.append({"label": f"fixed {e} cosine", "kind": "fixed", "effective_batch": e, "lr_factor": 1.0,
@@ -353,7 +357,7 @@ def run_tuner(task_name="digits", seed=0):
     import keras_tuner
 
     task = make_task(task_name)
-    grid = task.batches()
+    grid = _batches(task)
     trials = []
 
     class BatchSearch(keras_tuner.HyperModel):
