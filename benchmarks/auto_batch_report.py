@@ -168,7 +168,8 @@ def _task_section(name, task, a):
 def _header(results):
     code = results.get("code", {})
     settings = results["settings"]
-    defaults = ", ".join(f"{k}={v!r}" for k, v in results.get("rule_defaults", {}).items())
+    passed = ("start_accum_steps", "lr_scaling", "epoch_end")      # set by the benchmark, or not a setting
+    defaults = ", ".join(f"{k}={v!r}" for k, v in results.get("rule_defaults", {}).items() if k not in passed)
     return ["# AutoAccumulation against fixed effective batches", "",
             f"{results['date']}; TensorFlow {results['versions']['tensorflow']}, Keras {results['versions']['keras']}, "
             f"Python {results['versions']['python']}; {results['cpus']} CPU cores (1-minute load "
@@ -178,8 +179,8 @@ def _header(results):
             + (" **A smoke run (--quick): too short to read.**" if settings.get("quick") else ""), "",
             f"Library at commit `{(code.get('commit') or '?')[:10]}` (\"{code.get('subject') or '?'}\")"
             + (", **with uncommitted changes**" if code.get("dirty") else "")
-            + f". AutoAccumulation's defaults there: {defaults}. auto runs at them, with "
-            f"`lr_scaling=\"{settings.get('lr_scaling', 'sqrt')}\"`.", "",
+            + f". AutoAccumulation's defaults there: {defaults}. auto runs at them, from the smallest batch "
+            f"(`start_accum_steps`) with `lr_scaling=\"{settings.get('lr_scaling', 'sqrt')}\"`.", "",
             "The tasks, the configurations and the rules below were fixed before any run in "
             "`benchmarks/auto_batch_tasks.md`. Per task, every fixed effective batch at ×½, ×1, ×2 the square-root "
             "rule's learning rate and at ×1 with cosine decay to 0; auto; two hand ramps. Seed s gives every "
