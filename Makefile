@@ -97,8 +97,9 @@ demo: $(VENV)/.installed
 demo-retrieval: $(VENV)/.installed
 	$(VENV)/bin/python -m tfx_gradient_accumulator.pipelines.run_local --pipeline=retrieval --output_dir=work/retrieval
 
-# Benchmarks (about 35 minutes on 2 cores): tables and plots under docs/benchmarks/.
-# BENCH_ARGS=--parts=memory re-runs one part alone (parts: benchmarks/run.py).
+# Benchmarks (about 2.5 hours on 2 cores, 2 of them the auto_batch part): tables and plots
+# under docs/benchmarks/. BENCH_ARGS=--parts=memory re-runs one part alone (parts:
+# benchmarks/run.py); a cut auto_batch part goes on with `python -m benchmarks.auto_batch --resume`.
 BENCH_ARGS ?=
 bench: $(VENV)/.installed
 	$(VENV)/bin/python -m benchmarks.run $(BENCH_ARGS)

@@ -1,48 +1,53 @@
-"""`AutoAccumulation` against fixed effective batches, a hand ramp and a KerasTuner search.
+"""`AutoAccumulation` at its defaults against fixed effective batches, hand ramps and a KerasTuner search.
 
-    python -m benchmarks.auto_batch            # ~18 minutes on 2 shared CPU cores
-    python -m benchmarks.auto_batch --quick    # a smoke run (~3 minutes)
+    python -m benchmarks.auto_batch                    # the full run: ~1.5-2 hours on 2 CPU cores
+    python -m benchmarks.auto_batch --resume           # goes on with a cut run (auto_batch.json)
+    python -m benchmarks.auto_batch --quick --tasks=digits,text   # a smoke run (~3 minutes)
+    python -m benchmarks.auto_batch --check_pipeline --tasks=pydoc  # a few steps, timed, no loss shown
 
-Two tasks: the demo's digits CNN (`pipelines.digits.model.build_model`) on the
-shipped 8x8 digits (the demo's two thirds for training, the rest for
-validation), and a small causal language model (token embedding, two causal
-convolutions) on synthetic text drawn from a fixed random trigram source.
-Every run trains with `GradientAccumulator` at one micro-batch, so runs differ
-only in their effective batch (accum_steps x micro-batch), for the same number
-of samples, with Adam and one learning-rate rule for all: the square-root rule,
-lr(E) = lr0 x sqrt(E / E0), E0 the smallest effective batch (`lr_scaling="sqrt"`
-for the ramp and auto; fixed batches start at their lr(E)). Per task and seed:
+Three tasks (`benchmarks/auto_batch_data.py`; their recipes, fixed before any
+run, in `benchmarks/auto_batch_tasks.md`): the demo's digits CNN and a causal
+language model on synthetic text (both tuned on), and a byte-level language
+model over the Python language reference (`pydoc`, held out: never tuned on).
+Every run trains with `GradientAccumulator` at one micro-batch (16) and Adam,
+so runs differ only in their effective batch and learning rate. Per task and
+seed (seed s: the same initial weights and data order for every configuration):
 
-* auto: `AutoAccumulation` from E0 up to the largest batch;
-* fixed: every effective batch from E0 to the largest, doubling (among them
-  the smallest, the one auto ended with and the largest);
-* auto's variants (`--auto_variants`): other margin/patience/growth settings,
-  shown next to the headline setting (the library's defaults);
-* ramp: a hand-made `AccumulationSchedule(by="update")` that doubles the
-  effective batch from E0 to the largest in equal shares of the samples.
+* fixed: every effective batch 32, 64, 128, 256 at ×½, ×1, ×2 the square-root
+  rule's learning rate lr(E) = lr0 × sqrt(E / 32), and at ×1 with cosine decay
+  to 0 over the run (so a growing batch is not credited for annealing);
+* auto: `AutoAccumulation(16, 256, start_accum_steps=2, lr_scaling="sqrt")`,
+  every other argument at the library's default (recorded with the commit);
+* ramp, late ramp: hand-made `AccumulationSchedule(by="update")` schedules
+  doubling 32 -> 256 (equal shares of the samples; half at 32, then equal shares),
+  with auto's learning-rate rule.
 
-Each run records the validation loss after the first update past every
-`--evals`-th share of its samples. `benchmarks.auto_batch_analysis` derives the
-target (the best fixed batch's final validation loss), the samples and updates
-each run needs to reach it, and the verdicts. A KerasTuner grid search over
-the effective batch (seed 0, digits) is set against one auto run: the samples
-each spends, and the final validation loss each ends with.
+Each run records the validation loss at the first window boundary past every
+`--evals`-th share of its samples (and auto the rule's logs along the run).
+`benchmarks.auto_batch_analysis` derives the target, what each configuration
+needs to reach it, bootstrap intervals and the verdicts;
+`benchmarks.auto_batch_report` writes auto_batch.md and the plots. Results go
+to auto_batch.json after every run, so `--resume` goes on with a cut run.
 
-`--goodput` (on by default) times why updates cost: 2 worker processes on
-127.0.0.1 under MultiWorkerMirroredStrategy (TF_CONFIG) train the text model at
-accum_steps 1, 2, 4, 8 at one micro-batch, interleaved rounds, one all-reduce
-per update; time per sample as a ratio against accum_steps=1 in the same round.
+Cost: 19 configurations x 10 seeds x 3 tasks = 570 runs, plus the tuner (5
+runs) and the goodput timing (a few minutes). Measured on 2 cores shared with
+other work (load ~3): a digits run ~8 s, a text run ~14 s, a pydoc run ~11 s
+(estimated from its per-step time and 41 evaluations of 1,457 sequences), so
+~1.9 hours; less on idle cores. To fit, the digits budget is 12 passes over
+899 images (the old report's 24 over 1,198) and every task tops out at an
+effective batch of 256 (4 fixed batches).
 
-Writes <out>/auto_batch.json, auto_batch.md, auto_batch.png and
-auto_batch_goodput.png (`--report_only` rewrites the last three from the JSON).
+`--goodput` times why updates cost: 2 worker processes on 127.0.0.1 under
+MultiWorkerMirroredStrategy train the text model at accum_steps 1, 2, 4, 8;
+time per sample as a ratio against accum_steps=1 in the same round.
 """
 
 import datetime
+import inspect
 import json
 import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,24 +60,23 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks.auto_batch_analysis import final_loss, smooth  # noqa: E402  (pure Python)
+from benchmarks.auto_batch_data import SETTINGS, Task, text_data, text_model  # noqa: E402  (TF imported lazily)
 
-TASKS = ("digits", "text")
+TASKS = tuple(SETTINGS)
 GOODPUT_ACCUMS = (1, 2, 4, 8)
+LR_FACTORS = (0.5, 1.0, 2.0)
+# The benchmark's learning-rate rule for every run (fixed batches start at theirs; auto and the ramps scale by it).
+LR_SCALING = "sqrt"
+# What the rule writes into the logs at each batch's end (those present are recorded).
+LOG_KEYS = ("accum_steps", "effective_batch_size", "lr_multiplier", "noise_scale", "noise_scale_preconditioned",
+            "noise_scale_lower", "target_effective_batch_size")
+TRACE_POINTS = 160          # at most about this many trace points per run (plus every change of the batch)
 
 OUT = flags.DEFINE_string("out", "docs/benchmarks/cpu", "Folder for auto_batch.json, .md and the plots.")
 TASKS_FLAG = flags.DEFINE_list("tasks", list(TASKS), f"Tasks, of {list(TASKS)}.")
-SEEDS = flags.DEFINE_integer("seeds", 3, "Seeds per configuration (weights and shuffling).")
-EPOCHS = flags.DEFINE_float("epochs", None, "Samples per run in passes over the training set "
-                            "(default: digits 24, text 5; --quick: a fifth).")
+SEEDS = flags.DEFINE_integer("seeds", 10, "Paired seeds (weights and data order) per configuration.")
 EVALS = flags.DEFINE_integer("evals", 40, "Validation evaluations per run.")
-MARGIN = flags.DEFINE_float("margin", 2.0, "AutoAccumulation's margin.")
-PATIENCE = flags.DEFINE_integer("patience", 3, "AutoAccumulation's patience.")
-GROWTH = flags.DEFINE_integer("growth", 2, "AutoAccumulation's growth.")
-LR_SCALING = flags.DEFINE_enum("lr_scaling", "sqrt", ["sqrt", "linear", "none"],
-                               "The learning-rate rule of every run (auto, ramp, fixed batches).")
-AUTO_VARIANTS = flags.DEFINE_list("auto_variants", ["4:3:2", "8:10:2"],
-                                  "Other AutoAccumulation settings to run alongside, as margin:patience:growth "
-                                  "(the report's verdicts are those of --margin/--patience/--growth).")
+RESUME = flags.DEFINE_bool("resume", False, "Go on with the runs of an existing auto_batch.json of the same plan.")
 TUNER = flags.DEFINE_bool("tuner", True, "Run the KerasTuner search against one auto run (digits, seed 0).")
 GOODPUT = flags.DEFINE_bool("goodput", True, "Time accum_steps 1, 2, 4, 8 on 2 worker processes.")
 GOODPUT_ROUNDS = flags.DEFINE_integer("goodput_rounds", 11, "Interleaved rounds of the goodput timing.")
@@ -81,32 +85,22 @@ GOODPUT_MICRO_STEPS = flags.DEFINE_integer("goodput_micro_steps", 128, "Micro-st
 GOODPUT_WIDTH = flags.DEFINE_integer("goodput_width", 128, "The text model's width for the goodput timing.")
 GOODPUT_ONLY = flags.DEFINE_bool("goodput_only", False, "Re-run the goodput timing alone and replace its part of "
                                  "an existing auto_batch.json (the training runs' figures stay).")
-QUICK = flags.DEFINE_bool("quick", False, "A smoke run: 1 seed, a fifth of the samples, 2 goodput rounds.")
+QUICK = flags.DEFINE_bool("quick", False, "A smoke run: 2 seeds, a fifth of the samples, batches 32 and 256 at ×1 "
+                          "and cosine only, 2 goodput rounds.")
+CHECK_PIPELINE = flags.DEFINE_bool("check_pipeline", False, "Train a few micro-steps of each --tasks at a fixed "
+                                   "batch and time them; shows no loss (for the held-out task).")
 REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Rewrite the report and plots from auto_batch.json.")
 WORKER = flags.DEFINE_bool("goodput_worker", False, "Internal: one goodput worker (TF_CONFIG set).")
-
-# Per task: micro-batch, smallest and largest effective batch, lr0 at the smallest, default passes.
-SETTINGS = {
-    "digits": {"micro": 16, "start": 32, "max": 256, "lr0": 7e-3, "epochs": 24},
-    "text": {"micro": 16, "start": 32, "max": 512, "lr0": 1e-2, "epochs": 5},
-}
-TEXT = {"vocab": 32, "length": 24, "train": 8192, "val": 512, "width": 64, "concentration": 0.1}
 
 
 def _check_flags():
     unknown = set(TASKS_FLAG.value) - set(TASKS)
     if unknown:
         raise app.UsageError(f"--tasks: unknown {sorted(unknown)}; choose from {list(TASKS)}")
-    if SEEDS.value < 1:
-        raise app.UsageError(f"--seeds must be >= 1; received {SEEDS.value}")
-    if EPOCHS.value is not None and not EPOCHS.value > 0:
-        raise app.UsageError(f"--epochs must be > 0; received {EPOCHS.value}")
+    if SEEDS.value < 2:
+        raise app.UsageError(f"--seeds must be >= 2 (the intervals resample seeds); received {SEEDS.value}")
     if EVALS.value < 2:
         raise app.UsageError(f"--evals must be >= 2; received {EVALS.value}")
-    if GROWTH.value < 2 or PATIENCE.value < 1 or not MARGIN.value > 0:
-        raise app.UsageError("--growth must be >= 2, --patience >= 1 and --margin > 0")
-    for variant in AUTO_VARIANTS.value:
-        _variant(variant)
     if GOODPUT_ROUNDS.value < 2:
         raise app.UsageError(f"--goodput_rounds must be >= 2 (ratios need spread); received {GOODPUT_ROUNDS.value}")
     if GOODPUT_MICRO_STEPS.value < 8 or GOODPUT_MICRO_STEPS.value % max(GOODPUT_ACCUMS):
@@ -114,145 +108,122 @@ def _check_flags():
                              f"received {GOODPUT_MICRO_STEPS.value}")
 
 
-def _variant(text):
-    """"margin:patience:growth" -> (float, int, int), or a usage error naming the flag."""
-    try:
-        margin, patience, growth = text.split(":")
-        margin, patience, growth = float(margin), int(patience), int(growth)
-    except ValueError:
-        raise app.UsageError(f"--auto_variants: {text!r} is not margin:patience:growth (e.g. 4:3:2)") from None
-    if not margin > 0 or patience < 1 or growth < 2:
-        raise app.UsageError(f"--auto_variants: {text!r} needs margin > 0, patience >= 1, growth >= 2")
-    return margin, patience, growth
+def _seeds():
+    return list(range(2 if QUICK.value else SEEDS.value))
 
 
-# ------------------------------------------------------------------ tasks
-def digits_data():
-    """(train features, train labels, val features, val labels): the demo's split of the digits."""
-    import numpy as np
-    from sklearn.datasets import load_digits
-
-    from tfx_gradient_accumulator.pipelines.digits.data import FEATURE_KEYS
-
-    digits = load_digits()
-    order = np.random.RandomState(0).permutation(len(digits.target))
-    cut = 2 * len(order) // 3
-    images, labels = digits.data.astype("float32"), digits.target.astype("int64")[:, None]
-
-    def features(rows):
-        return {key: images[rows, i:i + 1] for i, key in enumerate(FEATURE_KEYS)}
-
-    return features(order[:cut]), labels[order[:cut]], features(order[cut:]), labels[order[cut:]]
+def make_task(name):
+    return Task(name, budget_share=0.2 if QUICK.value else 1.0)
 
 
-def text_data(vocab=TEXT["vocab"], length=TEXT["length"], train=TEXT["train"], val=TEXT["val"],
-              concentration=TEXT["concentration"], seed=1234):
-    """Sequences from a fixed random trigram source: (train x, train y, val x, val y, entropy rate in nats).
-
-    Every pair of tokens has its own next-token distribution, drawn once from a
-    Dirichlet(`concentration`) (peaked: the text is learnable, not deterministic);
-    y is x shifted by one token."""
-    import numpy as np
-    rng = np.random.default_rng(seed)
-    table = rng.dirichlet(np.full(vocab, concentration), size=(vocab, vocab))
-    cumulative = table.cumsum(-1)
-    n = train + val
-    tokens = np.zeros((n, length + 1), dtype="int32")
-    tokens[:, :2] = rng.integers(0, vocab, size=(n, 2))
-    for t in range(2, length + 1):
-        u = rng.random(n)[:, None]
-        rows = cumulative[tokens[:, t - 2], tokens[:, t - 1]]
-        tokens[:, t] = np.minimum((u > rows).sum(-1), vocab - 1)
-    entropy = float(-(table * np.log(np.maximum(table, 1e-12))).sum(-1).mean())
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    return x[:train], y[:train], x[train:], y[train:], entropy
+# ------------------------------------------------------------------ the rule (the one place that knows its API)
+def rule_defaults() -> dict:
+    """AutoAccumulation's keyword defaults in this library (what auto runs with), JSON-able."""
+    from tfx_gradient_accumulator.accumulator import AutoAccumulation
+    parameters = inspect.signature(AutoAccumulation.__init__).parameters
+    return {name: p.default for name, p in parameters.items()
+            if p.default is not inspect.Parameter.empty and isinstance(p.default, (int, float, str, type(None)))}
 
 
-def text_model(vocab=TEXT["vocab"], width=TEXT["width"], length=TEXT["length"]):
-    """A small causal language model: embedding, two causal convolutions, next-token logits."""
-    import keras
-    inputs = keras.Input((length,), dtype="int32")
-    x = keras.layers.Embedding(vocab, width)(inputs)
-    x = keras.layers.Conv1D(width, 3, padding="causal", activation="relu")(x)
-    x = keras.layers.Conv1D(width, 3, padding="causal", activation="relu")(x)
-    return keras.Model(inputs, keras.layers.Dense(vocab)(x))
+def make_auto_rule(task):
+    """`AutoAccumulation` from the smallest to the largest effective batch at `LR_SCALING`, the rest its defaults."""
+    from tfx_gradient_accumulator.accumulator import AutoAccumulation
+    s = task.settings
+    return AutoAccumulation(s["micro"], s["max"], start_accum_steps=s["start"] // s["micro"], lr_scaling=LR_SCALING)
 
 
-class Task:
-    """The data, the model and the validation loss of one task."""
+def make_ramp(schedule):
+    """`AccumulationSchedule(schedule, by="update")` with auto's learning-rate rule (and its default ramp)."""
+    from tfx_gradient_accumulator.accumulator import AccumulationSchedule
+    kwargs = {"lr_scaling": LR_SCALING}
+    defaults = rule_defaults()
+    if "lr_ramp_updates" in inspect.signature(AccumulationSchedule.__init__).parameters \
+            and "lr_ramp_updates" in defaults:
+        kwargs["lr_ramp_updates"] = defaults["lr_ramp_updates"]
+    return AccumulationSchedule(schedule, by="update", **kwargs)
 
-    def __init__(self, name):
-        import keras
-        self.name = name
-        self.settings = dict(SETTINGS[name])
-        if name == "digits":
-            self.x, self.y, self.x_val, self.y_val = digits_data()
-            self.loss = keras.losses.SparseCategoricalCrossentropy()
-            self.description = ("the demo's digits CNN (2 convolutions with AccumBatchNormalization, 64 "
-                                "per-pixel inputs) on the 8x8 digits: 1,198 training, 599 validation images")
-            self.entropy = None
-        else:
-            self.x, self.y, self.x_val, self.y_val, self.entropy = text_data()
-            self.loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-            self.description = (f"a causal language model (embedding {TEXT['width']}, two causal convolutions "
-                                f"of width 3, {TEXT['vocab']}-token vocabulary) on synthetic text from a fixed "
-                                f"random trigram source: {TEXT['train']:,} training and {TEXT['val']:,} "
-                                f"validation sequences of {TEXT['length']} tokens (entropy rate "
-                                f"{self.entropy:.3f} nats/token, the lowest loss possible)")
-        self.train_size = len(self.y)
-        epochs = EPOCHS.value or self.settings["epochs"] / (5 if QUICK.value else 1)
-        micro, largest = self.settings["micro"], self.settings["max"]
-        self.budget = max(largest, int(round(epochs * self.train_size / largest)) * largest)
 
-    def build(self):
-        """A fresh model (the seed set before)."""
-        if self.name == "digits":
-            import keras_tuner
+# ------------------------------------------------------------------ configurations
+def ramp_schedule(task, late=False):
+    """{update: accum_steps}: doubling from the smallest to the largest batch in equal shares of the samples
+    (`late`: half the samples at the smallest, the other half in equal shares)."""
+    s, batches = task.settings, task.batches()
+    if late:
+        shares = [task.budget / 2] + [task.budget / 2 / (len(batches) - 1)] * (len(batches) - 1)
+    else:
+        shares = [task.budget / len(batches)] * len(batches)
+    schedule, update = {}, 0.0
+    for e, share in zip(batches, shares):
+        schedule[int(round(update))] = e // s["micro"]
+        update += share / e
+    return schedule
 
-            from tfx_gradient_accumulator.pipelines.digits.model import build_model
-            hp = keras_tuner.HyperParameters()
-            hp.Fixed("learning_rate", self.settings["lr0"])
-            return build_model(hp)
-        return text_model()
 
-    def dataset(self, seed):
-        import tensorflow as tf
-        return (tf.data.Dataset.from_tensor_slices((self.x, self.y))
-                .shuffle(self.train_size, seed=seed, reshuffle_each_iteration=True).repeat()
-                .batch(self.settings["micro"], drop_remainder=True).prefetch(2))
+def _batches(task):
+    """The fixed effective batches (--quick: the smallest and the largest)."""
+    batches = task.batches()
+    return [batches[0], batches[-1]] if QUICK.value else batches
 
-    def lr(self, effective):
-        from tfx_gradient_accumulator.accumulator.lr_scaling import lr_multiplier
-        return self.settings["lr0"] * lr_multiplier(LR_SCALING.value, effective, self.settings["start"])
+
+def configurations(task) -> list:
+    """Every configuration of a task: [{"label", "kind", ...}] (fixed, auto, ramps)."""
+    batches = _batches(task)
+    out = []
+    for e in batches:
+        for factor in (1.0,) if QUICK.value else LR_FACTORS:
+            out.append({"label": f"fixed {e} ×{factor:g}", "kind": "fixed", "effective_batch": e,
+                        "lr_factor": factor, "decay": False})
+        out.append({"label": f"fixed {e} cosine", "kind": "fixed", "effective_batch": e, "lr_factor": 1.0,
+                    "decay": True})
+    out.append({"label": "auto", "kind": "auto"})
+    out.append({"label": "ramp", "kind": "ramp", "schedule": ramp_schedule(task)})
+    out.append({"label": "late ramp", "kind": "ramp", "schedule": ramp_schedule(task, late=True)})
+    return out
 
 
 # ------------------------------------------------------------------ one run
-def _recorder(task, evaluate):
-    """A callback that evaluates at window boundaries past every share of the samples and stops at the budget."""
+def _finite(value, digits=5):
+    """`value` to `digits` significant digits (the JSON stays small), None where not finite."""
+    value = float(value)
+    return float(f"{value:.{digits}g}") if math.isfinite(value) else None
+
+
+def _recorder(task, evaluate, trace_every):
+    """Evaluates at window boundaries past every share of the samples, traces the logs, stops at the budget."""
     import keras
     micro, budget = task.settings["micro"], task.budget
     every = budget / EVALS.value
 
     class Recorder(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
-            self.micro_batches, self.next, self.points = 0, every, []
-            self._record(0)
+            self.micro_batches, self.next, self.points, self.trace, self.last = 0, every, [], [], {}
+            self._evaluate(0, {})
 
-        def _record(self, samples):
+        def _state(self, samples, logs):
             optimizer = self.model.optimizer
-            noise = float(optimizer.noise_scale)
-            self.points.append({"samples": samples, "updates": int(optimizer.iterations.numpy()),
-                                "val_loss": float(evaluate()),
-                                "effective_batch": int(optimizer.accum_steps) * micro,
-                                "noise_scale": noise if math.isfinite(noise) else None})
+            point = {"samples": samples, "updates": int(optimizer.iterations.numpy()),
+                     "effective_batch": int(optimizer.accum_steps) * micro}
+            for key in LOG_KEYS:
+                if key in logs:
+                    point[key] = _finite(logs[key])
+            return point
+
+        def _evaluate(self, samples, logs):
+            loss = float(evaluate())
+            self.points.append({**self._state(samples, logs), "val_loss": _finite(loss, 6) if math.isfinite(loss) else loss})
 
         def on_train_batch_end(self, batch, logs=None):
             self.micro_batches += 1
-            if self.model.optimizer.held_micro_batches:
+            optimizer = self.model.optimizer
+            if optimizer.held_micro_batches:
                 return
-            samples = self.micro_batches * micro
+            samples, logs = self.micro_batches * micro, logs or {}
+            updates = int(optimizer.iterations.numpy())
+            if trace_every and (updates % trace_every == 0 or optimizer.accum_steps != self.last.get("accum")):
+                self.trace.append(self._state(samples, logs))
+                self.last["accum"] = optimizer.accum_steps
             if samples >= self.next or samples >= budget:
-                self._record(samples)
+                self._evaluate(samples, logs)
                 while self.next <= samples:
                     self.next += every
             if samples >= budget:
@@ -261,136 +232,132 @@ def _recorder(task, evaluate):
     return Recorder()
 
 
-def train(task, seed, kind, effective=None, schedule=None, model=None, rule_settings=None):
-    """One run; returns {"curve", "schedule", "seconds"}.
+def _optimizer(task, config):
+    import keras
 
-    kind: "fixed" (at `effective`), "ramp" (`schedule` by update) or "auto";
-    `model`: one built after `keras.utils.set_random_seed(seed)` (default: built here);
-    `rule_settings`: auto's (margin, patience, growth) (default: the flags')."""
+    from tfx_gradient_accumulator.accumulator import GradientAccumulator
+    s = task.settings
+    first = config.get("effective_batch") or s["start"]
+    lr = task.lr(first) * config.get("lr_factor", 1.0)
+    if config.get("decay"):
+        lr = keras.optimizers.schedules.CosineDecay(lr, decay_steps=max(1, task.budget // first))
+    return GradientAccumulator(keras.optimizers.Adam(lr), first // s["micro"], schedulable=True,
+                               measure_noise_scale=True)
+
+
+def train(task, seed, config, model=None):
+    """One run of `config` ({"kind": "fixed" | "auto" | "ramp", ...}); {"seed", "curve", "trace", "schedule", "seconds"}.
+
+    `model`: one built after `keras.utils.set_random_seed(seed)` (default: built here)."""
     import keras
     import tensorflow as tf
 
-    from tfx_gradient_accumulator.accumulator import AccumulationSchedule, AutoAccumulation, GradientAccumulator
-
     s = task.settings
-    micro, start = s["micro"], s["start"]
+    keras.utils.set_random_seed(seed)
     if model is None:
-        keras.utils.set_random_seed(seed)
         model = task.build()
-    else:
-        keras.utils.set_random_seed(seed)       # the shuffling and dropout as in a run built here
-    first = effective if kind == "fixed" else start
-    optimizer = GradientAccumulator(keras.optimizers.Adam(task.lr(first)), first // micro, schedulable=True,
-                                    measure_noise_scale=True)
-    model.compile(optimizer=optimizer, loss=task.loss)
+    model.compile(optimizer=_optimizer(task, config), loss=task.loss)
     x_val, y_val = task.x_val, task.y_val
 
     @tf.function
     def evaluate():
         return task.loss(y_val, model(x_val, training=False))
 
-    callbacks = []
-    rule = None
-    if kind == "auto":
-        margin, patience, growth = rule_settings or (MARGIN.value, PATIENCE.value, GROWTH.value)
-        rule = AutoAccumulation(micro, s["max"], start_accum_steps=start // micro, growth=growth,
-                                margin=margin, patience=patience, lr_scaling=LR_SCALING.value)
+    callbacks, rule = [], None
+    if config["kind"] == "auto":
+        rule = make_auto_rule(task)
         callbacks.append(rule)
-    elif kind == "ramp":
-        callbacks.append(AccumulationSchedule(schedule, by="update", lr_scaling=LR_SCALING.value))
-    recorder = _recorder(task, evaluate)
+    elif config["kind"] == "ramp":
+        callbacks.append(make_ramp(config["schedule"]))
+    trace_every = max(1, task.budget // s["start"] // TRACE_POINTS) if config["kind"] == "auto" else 0
+    recorder = _recorder(task, evaluate, trace_every)
     callbacks.append(recorder)
     started = time.perf_counter()
-    model.fit(task.dataset(seed), steps_per_epoch=task.budget // micro + s["max"] // micro, epochs=1,
+    model.fit(task.dataset(seed), steps_per_epoch=task.budget // s["micro"] + s["max"] // s["micro"], epochs=1,
               verbose=0, callbacks=callbacks)
     seconds = time.perf_counter() - started
-    done = rule.schedule if rule is not None else (schedule or {0: first // micro})
-    return {"curve": recorder.points, "schedule": {str(k): int(v) for k, v in done.items()},
-            "seconds": round(seconds, 1)}
+    first = config.get("effective_batch") or s["start"]
+    done = rule.schedule if rule is not None else (config.get("schedule") or {0: first // s["micro"]})
+    return {"seed": seed, "curve": recorder.points, "trace": recorder.trace,
+            "schedule": {str(k): int(v) for k, v in done.items()}, "seconds": round(seconds, 1)}
 
 
-def batch_grid(task):
-    """The effective batches from the smallest to the largest, doubling."""
-    batches, e = [], task.settings["start"]
-    while e <= task.settings["max"]:
-        batches.append(e)
-        e *= 2
-    return batches
+# ------------------------------------------------------------------ the runs, resumable
+class Progress:
+    """Counts runs and logs each with an ETA (mean wall seconds of this task's runs so far × those left)."""
+
+    def __init__(self, total_by_task):
+        self.left = dict(total_by_task)
+        self.seconds = {name: [] for name in total_by_task}
+        self.done = 0
+        self.total = sum(total_by_task.values())
+        self.started = time.perf_counter()
+
+    def ran(self, task, label, run):
+        self.left[task.name] -= 1
+        self.done += 1
+        self.seconds[task.name].append(run.get("wall", run["seconds"]))
+        every = [s for v in self.seconds.values() for s in v]
+        mean = sum(every) / len(every)
+        eta = sum(n * (sum(self.seconds[t]) / len(self.seconds[t]) if self.seconds[t] else mean)
+                  for t, n in self.left.items())
+        last = run["curve"][-1]
+        logging.info("[%d/%d] %s %-16s seed %d: %d samples, %d updates, final batch %d (%.0f s); ETA %s",
+                     self.done, self.total, task.name, label, run["seed"], last["samples"], last["updates"],
+                     last["effective_batch"], run.get("wall", run["seconds"]), _hms(eta))
 
 
-def ramp_schedule(task):
-    """{update: accum_steps}: the effective batch doubles from the smallest to the largest in equal shares of samples."""
-    s = task.settings
-    batches = batch_grid(task)
-    share = task.budget / len(batches)
-    schedule, update = {}, 0
-    for e in batches:
-        schedule[int(round(update))] = e // s["micro"]
-        update += share / e
-    return schedule
+def _hms(seconds):
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def _log_run(task, label, seed, run):
-    curve = run["curve"]
-    logging.info("%s %-12s seed %d: val loss %.4f after %d samples, %d updates, final batch %d (%.0f s)",
-                 task.name, label, seed, curve[-1]["val_loss"], curve[-1]["samples"], curve[-1]["updates"],
-                 curve[-1]["effective_batch"], run["seconds"])
+def _save(results, path):
+    with open(path + ".partial", "w") as f:
+        json.dump(results, f, indent=None, separators=(",", ":"))
+    os.replace(path + ".partial", path)
 
 
-def run_task(name):
-    """Every configuration of one task, every seed; {"runs": {label: {...}}, ...}."""
-    task = Task(name)
-    s = task.settings
-    logging.info("%s: %s; %d samples per run (%.1f passes), micro-batch %d", name, task.description, task.budget,
-                 task.budget / task.train_size, s["micro"])
-    seeds = list(range(1 if QUICK.value else SEEDS.value))
-    runs = {}
+def plan() -> dict:
+    """What decides the runs' figures; --resume refuses a JSON of another plan."""
+    return {"quick": QUICK.value, "seeds": len(_seeds()), "evals": EVALS.value,
+            "settings": {name: SETTINGS[name] for name in TASKS_FLAG.value}}
 
-    def record(label, kind, run_list, effective=None, schedule=None):
-        runs[label] = {"kind": kind, "effective_batch": effective, "runs": run_list}
 
-    auto = []
-    for seed in seeds:
-        auto.append(train(task, seed, "auto"))
-        _log_run(task, "auto", seed, auto[-1])
-    record("auto", "auto", auto)
-    finals = [r["curve"][-1]["effective_batch"] for r in auto]
-    auto_final = max(set(finals), key=lambda e: (finals.count(e), e))
-    for variant in AUTO_VARIANTS.value:
-        margin, patience, growth = _variant(variant)
-        label = f"auto m{margin:g} p{patience} g{growth}"
-        runs_of_variant = []
-        for seed in seeds:
-            runs_of_variant.append(train(task, seed, "auto", rule_settings=(margin, patience, growth)))
-            _log_run(task, label, seed, runs_of_variant[-1])
-        runs[label] = {"kind": "auto variant", "effective_batch": None, "runs": runs_of_variant,
-                       "settings": {"margin": margin, "patience": patience, "growth": growth}}
-    for effective in batch_grid(task):
-        label = f"fixed {effective}"
-        fixed = []
-        for seed in seeds:
-            fixed.append(train(task, seed, "fixed", effective=effective))
-            _log_run(task, label, seed, fixed[-1])
-        record(label, "fixed", fixed, effective=effective)
-    schedule = ramp_schedule(task)
-    ramp = []
-    for seed in seeds:
-        ramp.append(train(task, seed, "ramp", schedule=schedule))
-        _log_run(task, "ramp", seed, ramp[-1])
-    record("ramp", "ramp", ramp, schedule=schedule)
-    return {"description": task.description, "settings": s, "budget": task.budget, "train_size": task.train_size,
-            "entropy": task.entropy, "auto_final_batches": finals, "auto_final_batch": auto_final,
-            "ramp_schedule": {str(k): v for k, v in schedule.items()},
-            "lr": {str(e): task.lr(e) for e in batch_grid(task)}, "runs": runs}
+def run_tasks(results, path):
+    """Every configuration of every task, seed-major (a cut run has whole seeds), saved after each run."""
+    tasks = {name: make_task(name) for name in TASKS_FLAG.value}
+    configs = {name: configurations(task) for name, task in tasks.items()}
+    for name, task in tasks.items():
+        entry = results["tasks"].setdefault(name, {**task.record(), "runs": {}})
+        logging.info("%s: %s; %d samples per run (%.2f passes), micro-batch %d", name, task.description,
+                     task.budget, task.budget / task.train_size, task.settings["micro"])
+        for config in configs[name]:
+            entry["runs"].setdefault(config["label"], {**{k: v for k, v in config.items() if k != "schedule"},
+                                                       "schedule": config.get("schedule"), "lr": None, "runs": []})
+    todo = {name: [(seed, c) for seed in _seeds() for c in configs[name]
+                   if seed not in {r["seed"] for r in results["tasks"][name]["runs"][c["label"]]["runs"]}]
+            for name in tasks}
+    progress = Progress({name: len(v) for name, v in todo.items()})
+    for name, task in tasks.items():
+        for seed, config in todo[name]:
+            started = time.perf_counter()
+            run = train(task, seed, config)
+            run["wall"] = round(time.perf_counter() - started, 1)
+            entry = results["tasks"][name]["runs"][config["label"]]
+            entry["lr"] = task.lr(config.get("effective_batch") or task.settings["start"]) * config.get("lr_factor", 1)
+            entry["runs"] = sorted(entry["runs"] + [run], key=lambda r: r["seed"])
+            _save(results, path)
+            progress.ran(task, config["label"], run)
 
 
 # ------------------------------------------------------------------ KerasTuner
 def run_tuner(task_name="digits", seed=0):
-    """A KerasTuner grid over fixed effective batches, each trial the full budget; against one auto run."""
+    """A KerasTuner grid over fixed effective batches (×1, constant), each trial the full budget; against one auto run."""
     import keras_tuner
 
-    task = Task(task_name)
-    grid = batch_grid(task)
+    task = make_task(task_name)
+    grid = _batches(task)
     trials = []
 
     class BatchSearch(keras_tuner.HyperModel):
@@ -402,8 +369,8 @@ def run_tuner(task_name="digits", seed=0):
 
         def fit(self, hp, model, *args, **kwargs):
             effective = hp.get("effective_batch_size")
-            run = train(task, seed, "fixed", effective=effective, model=model)
-            _log_run(task, f"tuner {effective}", seed, run)
+            run = train(task, seed, {"kind": "fixed", "effective_batch": effective}, model=model)
+            logging.info("tuner: fixed %d, seed %d: %.0f s", effective, seed, run["seconds"])
             final = final_loss(smooth(run["curve"]))
             trials.append({"effective_batch": effective, "samples": run["curve"][-1]["samples"],
                            "final_val_loss": final, "seconds": run["seconds"]})
@@ -415,12 +382,40 @@ def run_tuner(task_name="digits", seed=0):
                                        overwrite=True, seed=seed)
         tuner.search(verbose=0)
         best = tuner.get_best_hyperparameters(1)[0].get("effective_batch_size")
-    auto = train(task, seed, "auto")
-    _log_run(task, "auto (tuner)", seed, auto)
+    auto = train(task, seed, {"kind": "auto"})
+    logging.info("tuner: auto, seed %d: %.0f s", seed, auto["seconds"])
     return {"task": task_name, "seed": seed, "grid": grid, "trials": trials, "best_effective_batch": best,
             "search_samples": sum(t["samples"] for t in trials),
             "auto": {"samples": auto["curve"][-1]["samples"], "final_val_loss": final_loss(smooth(auto["curve"])),
                      "schedule": auto["schedule"], "seconds": auto["seconds"]}}
+
+
+# ------------------------------------------------------------------ a pipeline check (no loss shown)
+def check_pipeline(micro_steps=32):
+    """Trains `micro_steps` micro-steps of each task at its smallest fixed batch and times them; no loss is read."""
+    import keras
+    import tensorflow as tf
+    for name in TASKS_FLAG.value:
+        task = make_task(name)
+        keras.utils.set_random_seed(0)
+        model = task.build()
+        model.compile(optimizer=_optimizer(task, {"kind": "fixed", "effective_batch": task.settings["start"]}),
+                      loss=task.loss)
+        data = task.dataset(0)
+        model.fit(data, steps_per_epoch=4, epochs=1, verbose=0)             # trace
+        started = time.perf_counter()
+        model.fit(data, steps_per_epoch=micro_steps, epochs=1, verbose=0)
+        per_step = (time.perf_counter() - started) / micro_steps
+        evaluate = tf.function(lambda: task.loss(task.y_val, model(task.x_val, training=False)))
+        evaluate()
+        started = time.perf_counter()
+        evaluate()
+        per_eval = time.perf_counter() - started
+        steps = task.budget // task.settings["micro"]
+        logging.info("%s: %s; budget %d samples (%d micro-steps): %.1f ms per micro-step, %.0f ms per evaluation, "
+                     "so ~%.0f s of steps and %.0f s of evaluations per run; facts %s", name, task.description,
+                     task.budget, steps, per_step * 1e3, per_eval * 1e3, per_step * steps, per_eval * EVALS.value,
+                     task.facts)
 
 
 # ------------------------------------------------------------------ goodput (2 workers)
@@ -508,6 +503,54 @@ def run_goodput():
 
 
 # ------------------------------------------------------------------ main
+def _commit():
+    """The library's commit (and whether the tree has changes), for the report."""
+    def git(*args):
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+        return out.stdout.strip() if out.returncode == 0 else None
+    return {"commit": git("rev-parse", "HEAD"), "subject": git("log", "-1", "--format=%s"),
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def _start(path):
+    """The results so far: a new record, or (--resume) the one at `path` if it is of the same plan."""
+    import keras
+    import tensorflow as tf
+    if RESUME.value and os.path.exists(path):
+        with open(path) as f:
+            results = json.load(f)
+        if results.get("plan") != json.loads(json.dumps(plan())):
+            raise app.UsageError(f"--resume: {path} is of another plan ({results.get('plan')}); "
+                                 "run without --resume to start over")
+        results.setdefault("resumed", []).append(datetime.datetime.now().isoformat(timespec="seconds"))
+        return results
+    return {"date": datetime.date.today().isoformat(), "plan": plan(), "code": _commit(),
+            "rule_defaults": rule_defaults(),
+            "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
+                         "python": platform.python_version()},
+            "cpus": os.cpu_count(), "load_at_start": [round(v, 2) for v in os.getloadavg()],
+            "settings": {"seeds": len(_seeds()), "evals": EVALS.value, "quick": QUICK.value,
+                         "lr_factors": list(LR_FACTORS), "lr_scaling": LR_SCALING},
+            "tasks": {}}
+
+
+def _measure(path):
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    started = time.perf_counter()
+    results = _start(path)
+    _save(results, path)
+    run_tasks(results, path)
+    if TUNER.value and "digits" in TASKS_FLAG.value and not results.get("tuner"):
+        results["tuner"] = run_tuner()
+        _save(results, path)
+    if GOODPUT.value and not results.get("goodput"):
+        results["goodput"] = run_goodput()
+    results["load_at_end"] = [round(v, 2) for v in os.getloadavg()]
+    results["wall_seconds"] = round(results.get("wall_seconds", 0) + time.perf_counter() - started, 1)
+    _save(results, path)
+    return results
+
+
 def main(argv):
     del argv
     logging.set_verbosity(logging.INFO)
@@ -515,6 +558,9 @@ def main(argv):
         goodput_worker()
         return
     _check_flags()
+    if CHECK_PIPELINE.value:
+        check_pipeline()
+        return
     from benchmarks import auto_batch_report
     folder = os.path.join(ROOT, OUT.value) if not os.path.isabs(OUT.value) else OUT.value
     os.makedirs(folder, exist_ok=True)
@@ -527,35 +573,9 @@ def main(argv):
         if GOODPUT_ONLY.value:
             results["goodput"] = run_goodput()
             results["goodput"]["date"] = datetime.date.today().isoformat()
-            with open(path + ".partial", "w") as f:
-                json.dump(results, f, indent=1)
-            os.replace(path + ".partial", path)
+            _save(results, path)
     else:
-        os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-        import keras
-        import tensorflow as tf
-        started = time.perf_counter()
-        results = {"date": datetime.date.today().isoformat(),
-                   "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
-                                "python": platform.python_version()},
-                   "cpus": os.cpu_count(), "load_at_start": [round(v, 2) for v in os.getloadavg()],
-                   "settings": {"seeds": 1 if QUICK.value else SEEDS.value,
-                                "auto_variants": AUTO_VARIANTS.value, "evals": EVALS.value, "margin": MARGIN.value,
-                                "patience": PATIENCE.value, "growth": GROWTH.value,
-                                "lr_scaling": LR_SCALING.value, "quick": QUICK.value,
-                                "epochs": EPOCHS.value},
-                   "tasks": {}}
-        for name in TASKS_FLAG.value:
-            results["tasks"][name] = run_task(name)
-        if TUNER.value and "digits" in TASKS_FLAG.value:
-            results["tuner"] = run_tuner()
-        if GOODPUT.value:
-            results["goodput"] = run_goodput()
-        results["load_at_end"] = [round(v, 2) for v in os.getloadavg()]
-        results["wall_seconds"] = round(time.perf_counter() - started, 1)
-        with open(path + ".partial", "w") as f:
-            json.dump(results, f, indent=1)
-        os.replace(path + ".partial", path)
+        results = _measure(path)
     summary = auto_batch_report.write(results, folder)
     print(json.dumps(summary))
     logging.info("wrote %s", os.path.join(folder, "auto_batch.md"))

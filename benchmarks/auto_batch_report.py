@@ -5,120 +5,214 @@ The figures come from `auto_batch_analysis`; this module words and draws them.
 `report.py` shows in results.md.
 """
 
+import math
 import os
+import statistics
 
 from benchmarks import auto_batch_analysis as aba
 from benchmarks import stats
 
-TITLES = {"digits": "Digits CNN", "text": "Causal language model on synthetic text"}
+TITLES = {"digits": "Digits CNN (tuned on)", "text": "Causal language model on synthetic text (tuned on)",
+          "pydoc": "Byte-level language model on the Python language reference (held out)"}
+GOAL_NAMES = {"reach": "reaches the target", "updates": "updates ≤ 0.75× the peer's",
+              "samples": "samples ≤ 1.10× the peer's", "pareto": "no fixed configuration needs fewer of both"}
+FRACTIONS = (0.1, 0.25, 0.5, 0.75, 1.0)
+TRACE_KEYS = (("noise_scale", "B_simple, raw"), ("noise_scale_preconditioned", "B_simple, preconditioned"),
+              ("noise_scale_lower", "the gate's lower bound"), ("target_effective_batch_size", "target batch"),
+              ("effective_batch", "batch taken"))
 
 
-def _fmt(s, digits=0, scale=1.0):
-    if s["mean"] is None:
-        return "not reached"
-    return f"{s['mean'] * scale:,.{digits}f} [{s['min'] * scale:,.{digits}f}–{s['max'] * scale:,.{digits}f}]"
-
-
-def _curves(entry):
-    return [aba.smooth(r["curve"]) for r in entry["runs"]]
+def _paired(entries):
+    """{label: [curve]} over the seeds every configuration has (a cut run: its whole seeds)."""
+    common = set.intersection(*({r["seed"] for r in e["runs"]} for e in entries.values()))
+    return {label: [r["curve"] for r in e["runs"] if r["seed"] in common] for label, e in entries.items()}, sorted(common)
 
 
 def analyse(task):
-    """Target, needs and verdicts of one task's results (curves through `aba.smooth`)."""
-    runs = task["runs"]
-    fixed = {label: _curves(e) for label, e in runs.items() if e["kind"] == "fixed"}
-    target, source = aba.target(fixed)
-    needs = {label: aba.needs(_curves(e), target) for label, e in runs.items()}
-    fixed_needs = {label: needs[label] for label in fixed}
-    judged = [label for label, e in runs.items() if e["kind"] != "fixed"]
-    return {"target": target, "target_from": source, "needs": needs,
-            "verdicts": aba.verdicts(needs["auto"], fixed_needs),
-            "all_verdicts": {label: aba.verdicts(needs[label], fixed_needs) for label in judged},
-            "all_per_seed": {label: aba.per_seed_verdicts(_curves(runs[label]), fixed, target) for label in judged},
-            "per_seed": aba.per_seed_verdicts(_curves(runs["auto"]), fixed, target),
-            "seeds": len(runs["auto"]["runs"])}
+    """`aba.analyse` of one task's results, over the seeds every configuration ran."""
+    runs = {label: e for label, e in task["runs"].items() if e["runs"]}
+    curves, seeds = _paired(runs)
+    out = aba.analyse(curves, {label: e["kind"] for label, e in runs.items()})
+    out["seeds"] = seeds
+    return out
 
 
-def _verdict_cell(v, key, per_seed, seeds):
-    one = v[key]
-    met = "**met**" if one["met"] else "**missed**"
-    if "ratio" in one:
-        figure = f"{one['ratio']:.2f}× {one['peer']}"
-    elif one.get("dominated_by"):
-        figure = "dominated by " + ", ".join(one["dominated_by"])
-    elif one.get("why"):
-        figure = one["why"]
-    else:
-        figure = "none dominates"
-    return f"{met}: {figure} (seeds: {per_seed[key]} of {seeds})"
+# ------------------------------------------------------------------ words
+def _num(x, digits=2):
+    if x is None:
+        return "–"
+    if math.isinf(x):
+        return "∞"
+    return f"{x:,.{digits}f}"
 
 
-def _verdict_lines(v, per_seed, seeds, who="auto"):
+def _ratio(figures):
+    """"point [low–high]" of a ratio interval."""
+    if "point" not in figures:
+        return figures.get("why", "–")
+    return f"{_num(figures['point'])}× [{_num(figures['low'])}–{_num(figures['high'])}]"
+
+
+def _met(met):
+    return "**met**" if met else "**missed**"
+
+
+def goal_figure(goal, figures):
+    """The figure a goal is judged on, in words."""
+    if goal == "reach":
+        return f"{figures['reached']} of {figures['seeds']} seeds (≥ {figures['needed']} needed)"
+    if goal in ("updates", "samples"):
+        if "point" not in figures:
+            return figures.get("why", "")
+        return (f"{_ratio(figures)} {figures['peer']}; upper bound {_num(figures['high'])} against "
+                f"{figures['limit']:.2f}")
+    if figures["met"]:
+        return "every fixed configuration excluded (on one axis, the upper bound of auto / it ≤ 1)"
+    return ("not excluded: " + ", ".join(figures["not_excluded"])
+            + (f"; on the mean curves, dominated by {', '.join(figures['dominated_by'])}" if figures["dominated_by"] else ""))
+
+
+def _goal_lines(goals, per_seed, seeds, who="auto"):
     lines = []
-    p = v["pareto"]
-    lines.append(f"- **Pareto** ({who} not dominated: no fixed batch reaches the target with both fewer samples and "
-                 f"fewer updates): **{'met' if p['met'] else 'missed'}**"
-                 + (f" (dominated by {', '.join(p['dominated_by'])})" if p.get("dominated_by") else "")
-                 + (f" ({p['why']})" if p.get("why") else "")
-                 + (f"; seed by seed: met on {per_seed['pareto']} of {seeds}" if per_seed else "") + ".")
-    u = v["updates"]
-    if "ratio" in u:
-        lines.append(f"- **Updates** (≤ {u['limit']:.2f}× those of {u['peer']}, the fixed batch that needs as few "
-                     f"samples): {u['ratio']:.2f}×, **{'met' if u['met'] else 'missed'}**"
-                     + (f"; seed by seed: met on {per_seed['updates']} of {seeds}" if per_seed else "") + ".")
-    else:
-        lines.append(f"- **Updates**: **{'met' if u['met'] else 'missed'}** ({u.get('why', '')}).")
-    s = v["samples"]
-    if "ratio" in s:
-        lines.append(f"- **Samples** (≤ {s['limit']:.2f}× those of {s['peer']}, the most sample-efficient fixed "
-                     f"batch): {s['ratio']:.2f}×, **{'met' if s['met'] else 'missed'}**"
-                     + (f"; seed by seed: met on {per_seed['samples']} of {seeds}" if per_seed else "") + ".")
-    else:
-        lines.append(f"- **Samples**: **{'met' if s['met'] else 'missed'}** ({s.get('why', '')}).")
+    for goal in aba.GOALS:
+        lines.append(f"- **{who}: {GOAL_NAMES[goal]}**: {_met(goals[goal]['met'])}: {goal_figure(goal, goals[goal])}"
+                     + (f" (seed by seed: holds on {per_seed[goal]} of {seeds})" if per_seed else "") + ".")
     return lines
 
 
-def _task_section(name, task, a, settings):
+def _median_of(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _phi_table(task, a):
+    """The rule's logs along auto's runs (medians over seeds), and the noise scale of fixed 32 ×1."""
+    budget = task["budget"]
+    auto = task["runs"].get("auto", {}).get("runs", [])
+    traces = [r.get("trace") or r["curve"] for r in auto]
+    header = "| along the run (share of the samples) | " + " | ".join(f"{f:.0%}" for f in FRACTIONS) + " |"
+    lines = [header, "|---|" + "---|" * len(FRACTIONS)]
+    for key, name in TRACE_KEYS:
+        values = aba.along(traces, key, FRACTIONS, budget)
+        if any(v is not None for v in values):
+            lines.append(f"| auto: {name} | " + " | ".join(_num(v, 0) for v in values) + " |")
+    small = f"fixed {task['settings']['start']} ×1"
+    if small in task["runs"]:
+        for key, name in TRACE_KEYS[:2]:
+            values = aba.along([r["curve"] for r in task["runs"][small]["runs"]], key, FRACTIONS, budget)
+            if any(v is not None for v in values):
+                lines.append(f"| {small}: {name} | " + " | ".join(_num(v, 0) for v in values) + " |")
+    return lines + ["", "Noise scales and batches in samples (medians over seeds of the last value logged by "
+                    "then; the rule's logs at window boundaries)." if len(lines) > 2 else ""]
+
+
+def _hindsight_lines(a):
+    judged = a["hindsight"]
+    order = sorted(judged, key=lambda label: aba._score(judged[label]))
+    best = a["best_in_hindsight"]
+    lines = [f"**The best schedule in hindsight** (of the {len(judged)} others, judged as auto is): **{best}**, "
+             f"{sum(judged[best][g]['met'] for g in aba.GOALS)} of 4 goals met.", "",
+             "| schedule | reaches | updates / peer's | samples / peer's | not excluded by | goals met |",
+             "|---|---|---|---|---|---|"]
+    for label in order[:8]:
+        g = judged[label]
+        lines.append(f"| {label} | {g['reach']['reached']} of {g['reach']['seeds']} | {_ratio(g['updates'])} | "
+                     f"{_ratio(g['samples'])} | {', '.join(g['pareto']['not_excluded']) or '–'} | "
+                     f"{sum(g[k]['met'] for k in aba.GOALS)} |")
+    return lines + ["", f"(The {min(8, len(order))} best of {len(order)}; ratios: of the needs of the mean "
+                    f"curves, against the peer, {a['peer']}, with the 90% interval.)", ""]
+
+
+def _config_table(task, a):
+    s = task["settings"]
+    lines = ["| configuration | learning rate | final loss, mean [min–max] | samples to the target | "
+             "updates to the target | seeds that reach it | updates in all |", "|---|---|---|---|---|---|---|"]
+    for label, entry in task["runs"].items():
+        if label not in a["needs"]:
+            continue
+        final = a["final"][label]
+        total = _median_of([r["curve"][-1]["updates"] for r in entry["runs"] if r["seed"] in a["seeds"]])
+        lr = f"{entry['lr']:.2g}" + (" → 0" if entry.get("decay") else "") if entry.get("lr") else "–"
+        if entry["kind"] != "fixed" and entry.get("lr"):
+            lr += f" at {s['start']}, then sqrt"
+        lines.append(f"| {label} | {lr} | {final['mean']:.4f} [{final['min']:.4f}–{final['max']:.4f}] | "
+                     f"{_num(a['crossings'][label][0], 0)} | {_num(a['crossings'][label][1], 0)} | "
+                     f"{a['reached'][label]} of {len(a['seeds'])} | {_num(total, 0)} |")
+    return lines + ["", "Samples and updates to the target: where the configuration's seed-mean curve first "
+                    "reaches it (∞: never); seeds that reach it: its own runs, each at the same target; every "
+                    f"loss read from the trailing mean of {aba.SMOOTHING} evaluations.", ""]
+
+
+def _task_section(name, task, a):
     s = task["settings"]
     lines = [f"## {TITLES.get(name, name)}", "",
              f"{task['description'][0].upper()}{task['description'][1:]}. Every run: {task['budget']:,} samples "
-             f"({task['budget'] / task['train_size']:.1f} passes), micro-batch {s['micro']}, Adam; effective batches "
-             f"from {s['start']} to {s['max']}; learning rate {s['lr0']:g} at {s['start']}, "
-             f"`lr_scaling=\"{settings['lr_scaling']}\"` for every run ("
-             + ", ".join(f"{float(lr):.2g} at {e}" for e, lr in task["lr"].items()) + "). "
-             f"auto ended at effective batches {task['auto_final_batches']} (seed by seed); the ramp's schedule "
-             f"(update: accum_steps) is {task['ramp_schedule']}.", "",
-             f"**Target**: {a['target']:.4f}, the final validation loss of {a['target_from']} (mean over "
-             f"{a['seeds']} seeds), the lowest of the fixed batches'.", "",
-             "| run | final validation loss | samples to the target | updates to the target | seeds that reach it "
-             "| updates in all |", "|---|---|---|---|---|---|"]
-    for label, entry in task["runs"].items():
-        n = a["needs"][label]
-        finals = aba.spread([aba.final_loss(aba.smooth(r["curve"])) for r in entry["runs"]])
-        total = aba.spread([r["curve"][-1]["updates"] for r in entry["runs"]])
-        lines.append(f"| {label} | {_fmt(finals, 4)} | {_fmt(n['samples'])} | {_fmt(n['updates'])} | "
-                     f"{n['reached']} of {n['seeds']} | {_fmt(total)} |")
-    lines += ["", "Mean over seeds [min–max], read from each curve's trailing mean over "
-              f"{aba.SMOOTHING} evaluations; samples and updates to the target over the seeds that reach it "
-              "(first crossing, linear between evaluations). A configuration that misses the target on any "
-              f"seed counts as not reaching it in the verdicts. {task['auto_final_batch']}: the effective "
-              "batch auto ended with (most seeds).", "", "**auto** (the headline setting):"]
-    lines += _verdict_lines(a["verdicts"], a["per_seed"], a["seeds"])
-    lines += ["", "Every run that changes its batch, judged the same way (means over seeds; in brackets, the seeds "
-              "on which the same verdict holds seed by seed):", "",
-              "| run | Pareto | updates (≤ 0.75× the peer's) | samples (≤ 1.10× the most sample-efficient) |",
-              "|---|---|---|---|"]
-    for label, v in a["all_verdicts"].items():
-        per_seed = a["all_per_seed"][label]
-        lines.append(f"| {label} | " + " | ".join(_verdict_cell(v, key, per_seed, a["seeds"])
-                                                   for key in ("pareto", "updates", "samples")) + " |")
-    lines += [""]
-    for label, entry in task["runs"].items():
-        if entry["kind"] in ("auto", "auto variant"):
-            lines.append(f"{label}'s decisions (update: accum_steps), seed by seed: "
-                         + "; ".join(str(r["schedule"]) for r in entry["runs"]) + ".")
-            lines.append("")
+             f"({task['budget'] / task['train_size']:.2f} passes over {task['train_size']:,}), micro-batch "
+             f"{s['micro']}, Adam, lr(E) = {s['lr0']:g} × sqrt(E / {s['start']}); effective batches "
+             f"{s['start']} to {s['max']}; {len(a['seeds'])} paired seeds.", "",
+             f"**Target**: {a['target']:.4f}, the mean final validation loss of **{a['target_from']}**, the lowest of "
+             f"the fixed configurations'. **Peer** (the most sample-efficient fixed configuration): "
+             f"**{a['peer']}**.", ""]
+    if "goals" in a:
+        lines += _goal_lines(a["goals"], a["per_seed"], len(a["seeds"])) + [""]
+    lines += _hindsight_lines(a)
+    lines += _phi_table(task, a) + [""]
+    lines += _config_table(task, a)
+    auto = task["runs"].get("auto", {}).get("runs", [])
+    if auto:
+        lines += ["auto's decisions (update: accum_steps), seed by seed: "
+                  + "; ".join(str(r["schedule"]) for r in auto) + ".", ""]
     return lines
+
+
+def _header(results):
+    code = results.get("code", {})
+    settings = results["settings"]
+    passed = ("start_accum_steps", "lr_scaling", "epoch_end")      # set by the benchmark, or not a setting
+    defaults = ", ".join(f"{k}={v!r}" for k, v in results.get("rule_defaults", {}).items() if k not in passed)
+    return ["# AutoAccumulation against fixed effective batches", "",
+            f"{results['date']}; TensorFlow {results['versions']['tensorflow']}, Keras {results['versions']['keras']}, "
+            f"Python {results['versions']['python']}; {results['cpus']} CPU cores (1-minute load "
+            f"{results['load_at_start'][0]} at the start, {results.get('load_at_end', ['?'])[0]} at the end); "
+            f"{results.get('wall_seconds', 0) / 60:.0f} minutes"
+            + (f" (resumed {len(results['resumed'])}×)" if results.get("resumed") else "") + "."
+            + (" **A smoke run (--quick): too short to read.**" if settings.get("quick") else ""), "",
+            f"Library at commit `{(code.get('commit') or '?')[:10]}` (\"{code.get('subject') or '?'}\")"
+            + (", **with uncommitted changes**" if code.get("dirty") else "")
+            + f". AutoAccumulation's defaults there: {defaults}. auto runs at them, from the smallest batch "
+            f"(`start_accum_steps`) with `lr_scaling=\"{settings.get('lr_scaling', 'sqrt')}\"`.", "",
+            "The tasks, the configurations and the rules below were fixed before any run in "
+            "`benchmarks/auto_batch_tasks.md`. Per task, every fixed effective batch at ×½, ×1, ×2 the square-root "
+            "rule's learning rate and at ×1 with cosine decay to 0; auto; two hand ramps. Seed s gives every "
+            "configuration the same initial weights and data order.", "",
+            "**How it is judged.** Per configuration, the seed-mean validation curve. Target: the lowest final "
+            "loss of the fixed configurations' mean curves. The samples and updates a configuration needs: where "
+            "its mean curve first reaches the target (linear between evaluations; ∞ if never). Paired-seed "
+            f"bootstrap ({aba.RESAMPLES:,} draws of the seeds, the same draw for every configuration, the target "
+            "and the peer chosen again in each), 90% intervals of the ratios; each goal judged on the bound that "
+            "leans against auto: its own runs reach the target on ≥ 9 of 10 seeds; the upper bound of its updates "
+            "over the peer's (the most sample-efficient fixed configuration) ≤ 0.75; of its samples ≤ 1.10; "
+            "against every fixed configuration, the upper bound ≤ 1 in samples or in updates.", ""]
+
+
+def _summary_table(analyses, results):
+    lines = ["| task | " + " | ".join(GOAL_NAMES[g] for g in aba.GOALS) + " | best in hindsight |",
+             "|---|" + "---|" * (len(aba.GOALS) + 1)]
+    for name, a in analyses.items():
+        if "goals" not in a:
+            continue
+        held = " (held out)" if results["tasks"][name].get("held_out") else ""
+        cells = []
+        for goal in aba.GOALS:
+            g = a["goals"][goal]
+            figure = (f"{g['reached']}/{g['seeds']}" if goal == "reach" else
+                      f"≤ {_num(g['high'])}×" if "high" in g else
+                      ("–" if g["met"] else ", ".join(g.get("not_excluded", [])) or g.get("why", "")))
+            cells.append(f"{_met(g['met'])} ({figure})")
+        best = a["best_in_hindsight"]
+        met = sum(a["hindsight"][best][g]["met"] for g in aba.GOALS)
+        lines.append(f"| {name}{held} | " + " | ".join(cells) + f" | {best} ({met} of 4) |")
+    return lines + [""]
 
 
 def _tuner_section(tuner):
@@ -126,9 +220,9 @@ def _tuner_section(tuner):
     best = min(trials, key=lambda t: t["final_val_loss"])
     lines = ["## One auto run against a KerasTuner search", "",
              f"{TITLES.get(tuner['task'], tuner['task'])}, seed {tuner['seed']}: `keras_tuner.GridSearch` over the "
-             f"fixed effective batch ({', '.join(map(str, tuner['grid']))}; objective: final validation loss), each "
-             "trial a full run, against one AutoAccumulation run of the same length. Final validation loss: the "
-             f"trailing mean of the last {aba.SMOOTHING} evaluations, as above.", "",
+             f"fixed effective batch ({', '.join(map(str, tuner['grid']))}, each at lr(E); objective: final "
+             "validation loss), each trial a full run, against one AutoAccumulation run of the same length. Final "
+             f"validation loss: the trailing mean of the last {aba.SMOOTHING} evaluations.", "",
              "| | samples trained | final validation loss |", "|---|---|---|"]
     for t in trials:
         lines.append(f"| trial: fixed {t['effective_batch']} | {t['samples']:,} | {t['final_val_loss']:.4f} |")
@@ -173,8 +267,9 @@ def _goodput_section(g):
               f"t_update = {model['t_update'] * 1e3:.2f} ms (what an update adds: the all-reduce of the "
               "gradients and the inner optimizer's step). Fitted round by round instead: t_micro "
               f"{stats.fmt(by_round['t_micro'], 2, 1e3)} ms, t_update {stats.fmt(by_round['t_update'], 2, 1e3)} ms "
-              "(median [min–max] over the rounds: the spread of the fit). So a run that needs U updates of N micro-steps takes "
-              "U × (N × t_micro + t_update): at the same samples, fewer, larger updates save U × t_update. "
+              "(median [min–max] over the rounds: the spread of the fit). So a run that needs U updates of N "
+              "micro-steps takes U × (N × t_micro + t_update): at the same samples, fewer, larger updates save "
+              "U × t_update. "
               + (f"Here an update costs as much as {model['t_update'] / model['t_micro']:.1f} micro-steps"
                  if model["t_update"] > 0 and model["t_micro"] > 0 else
                  "Here the fit does not resolve a positive t_update (the rounds' spread is larger than it)")
@@ -183,39 +278,45 @@ def _goodput_section(g):
     return lines
 
 
+def _finite(x):
+    """x, or None where it is not finite (results.json is strict JSON)."""
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _summary(name, task, a):
+    """One task's verdicts for results.json (the keys `report.py` reads: verdicts, per_seed, seeds)."""
+    verdicts = {}
+    for goal in aba.GOALS:
+        g = a["goals"][goal]
+        v = {"met": bool(g["met"])}
+        if goal == "reach":
+            v["why"] = f"{g['reached']} of {g['seeds']} seeds"
+        elif "high" in g:
+            v.update({"ratio": _finite(g["high"]), "point": _finite(g["point"]), "peer": g["peer"]})
+        elif goal == "pareto":
+            v["dominated_by"] = g["not_excluded"]
+        else:
+            v["why"] = g.get("why", "")
+        verdicts[goal] = v
+    return {"held_out": bool(task.get("held_out")), "target": a["target"], "target_from": a["target_from"],
+            "peer": a["peer"], "verdicts": verdicts, "per_seed": a["per_seed"], "seeds": len(a["seeds"]),
+            "best_in_hindsight": a["best_in_hindsight"]}
+
+
 def write(results, folder):
     """Writes auto_batch.md and the plots; returns the summary (verdicts per task)."""
     analyses = {name: analyse(task) for name, task in results["tasks"].items()}
-    settings = results["settings"]
-    lines = ["# AutoAccumulation against fixed effective batches", "",
-             f"{results['date']}; TensorFlow {results['versions']['tensorflow']}, Keras "
-             f"{results['versions']['keras']}, Python {results['versions']['python']}; {results['cpus']} CPU cores "
-             f"shared with other processes (1-minute load {results['load_at_start'][0]} at the start, "
-             f"{results.get('load_at_end', ['?'])[0]} at the end); {results.get('wall_seconds', 0) / 60:.1f} "
-             "minutes." + (" **A smoke run (--quick): too short to read.**" if settings.get("quick") else ""), "",
-             "Every run trains with `GradientAccumulator` at one micro-batch, so runs differ only in their "
-             "effective batch (accum_steps × micro-batch), on the same samples. **auto**: `AutoAccumulation("
-             f"margin={settings['margin']:g}, patience={settings['patience']}, growth={settings['growth']}, "
-             f"lr_scaling=\"{settings['lr_scaling']}\")` from the smallest effective batch (the library's defaults for "
-             "margin, patience and growth, chosen before any run; the variants named `auto m… p… g…` are other "
-             "settings, run alongside and shown, not picked from); **fixed**: every effective batch from the "
-             "smallest to the largest, doubling (the one auto ends with among them); **ramp**: a hand-made `AccumulationSchedule(by=\"update\")` "
-             "doubling the effective batch in equal shares of the samples. One learning-rate rule for all: "
-             f"`{settings['lr_scaling']}` scaling from the smallest batch's learning rate (fixed batches start at "
-             f"theirs). {settings['seeds']} seeds (weights and shuffling).", "",
-             "**The goal**: auto is Pareto-better than every fixed batch (none reaches the target with both "
-             f"fewer samples and fewer updates), needs at least {aba.FEWER_UPDATES:.0%} fewer updates than the "
-             f"fixed batch that needs as few samples, and at most {aba.MORE_SAMPLES:.0%} more samples than the "
-             "most sample-efficient fixed batch. Judged on the means over seeds, with the seed-by-seed count.", ""]
+    lines = _header(results)
     if results.get("reading"):
         lines += ["## Reading", ""] + [p for paragraph in results["reading"] for p in (paragraph, "")]
+    lines += ["## Verdicts", ""] + _summary_table(analyses, results)
     summary = {}
     for name, a in analyses.items():
-        lines += _task_section(name, results["tasks"][name], a, settings)
-        summary[name] = {"target": a["target"], "target_from": a["target_from"],
-                         "verdicts": {k: {kk: vv for kk, vv in v.items()} for k, v in a["verdicts"].items()},
-                         "per_seed": a["per_seed"], "seeds": a["seeds"]}
-    lines += ["![validation loss against samples and updates](auto_batch.png)", ""]
+        lines += _task_section(name, results["tasks"][name], a)
+        if "goals" in a:
+            summary[name] = _summary(name, results["tasks"][name], a)
+    lines += ["![validation loss against samples and updates, and the rule's noise scales and batches]"
+              "(auto_batch.png)", ""]
     if results.get("tuner"):
         lines += _tuner_section(results["tuner"])
         summary["tuner"] = {"search_samples": results["tuner"]["search_samples"],
@@ -235,70 +336,107 @@ def write(results, folder):
 
 
 # ------------------------------------------------------------------ plots
+STYLES = {0.5: ":", 1.0: "-", 2.0: "-."}
+
+
+def _mean_curve(runs, key):
+    """(x, loss) of the seed-mean curve (of the smoothed curves), as the analysis reads it."""
+    curve = aba.mean_curve([aba.smooth(r["curve"]) for r in runs])
+    return [p[key] for p in curve], [p["val_loss"] for p in curve]
+
+
+def _style(label, entry, batches):
+    """(color, linestyle, width, alpha) of a configuration's line."""
+    import matplotlib.pyplot as plt
+    if entry["kind"] == "fixed":
+        color = plt.cm.viridis(batches.index(entry["effective_batch"]) / max(1, len(batches) - 1) * 0.9)
+        return color, "--" if entry.get("decay") else STYLES.get(entry.get("lr_factor", 1.0), "-"), 1.0, 0.75
+    if entry["kind"] == "auto":
+        return "k", "-", 2.4, 1.0
+    return ("tab:pink" if label == "ramp" else "tab:purple"), "-", 1.6, 0.9
+
+
+def _draw_losses(ax_samples, ax_updates, task, a):
+    entries = {label: e for label, e in task["runs"].items() if e["runs"]}
+    batches = sorted({e["effective_batch"] for e in entries.values() if e["kind"] == "fixed"})
+    for label, entry in entries.items():
+        runs = [r for r in entry["runs"] if r["seed"] in a["seeds"]]
+        color, ls, width, alpha = _style(label, entry, batches)
+        for ax, key in ((ax_samples, "samples"), (ax_updates, "updates")):
+            xs, ys = _mean_curve(runs, key)
+            ax.plot([max(x, 1) for x in xs] if key == "updates" else xs, ys, color=color, ls=ls, lw=width,
+                    alpha=alpha, label=label)
+            if entry["kind"] == "auto":
+                for r in runs:
+                    c = aba.smooth(r["curve"])
+                    ax.plot([max(p[key], 1) if key == "updates" else p[key] for p in c],
+                            [p["val_loss"] for p in c], color="k", lw=0.5, alpha=0.25)
+    smoothed = [aba.smooth(r["curve"]) for e in entries.values() for r in e["runs"]]
+    low = min(p["val_loss"] for c in smoothed for p in c if math.isfinite(p["val_loss"]))
+    high = max(c[0]["val_loss"] for c in smoothed)
+    for ax in (ax_samples, ax_updates):
+        ax.axhline(a["target"], color="grey", ls="--", lw=1)
+        ax.set(yscale="log", ylim=(low * 0.95, high * 1.05),
+               ylabel=f"validation loss (mean over seeds; trailing mean of {aba.SMOOTHING})")
+        ax.grid(alpha=0.3)
+
+
+def _draw_trace(ax, task):
+    colors = {"noise_scale": "tab:blue", "noise_scale_preconditioned": "tab:orange", "noise_scale_lower": "tab:green",
+              "target_effective_batch_size": "tab:red", "effective_batch": "k"}
+    for j, run in enumerate(task["runs"].get("auto", {}).get("runs", [])):
+        trace = run.get("trace") or run["curve"]
+        for key, name in TRACE_KEYS:
+            points = [(p["samples"], p[key]) for p in trace if p.get(key) is not None and p[key] > 0]
+            if points:
+                ax.plot(*zip(*points), color=colors[key], lw=1.4 if key == "effective_batch" else 0.8, alpha=0.6,
+                        drawstyle="steps-post" if key in ("effective_batch", "target_effective_batch_size") else None,
+                        ls="--" if key == "target_effective_batch_size" else "-", label=name if j == 0 else None)
+    ax.set(yscale="log", xlabel="samples", ylabel="samples (log)",
+           title="auto, every seed: noise scales, bound, target, batch")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 def _draw(results, analyses, folder):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     tasks = list(results["tasks"])
-    fig, axes = plt.subplots(len(tasks), 3, figsize=(16, 4.6 * len(tasks)), squeeze=False)
+    fig, axes = plt.subplots(len(tasks), 3, figsize=(18, 5 * len(tasks)), squeeze=False)
     for row, name in enumerate(tasks):
         task, a = results["tasks"][name], analyses[name]
-        fixed_labels = [label for label, e in task["runs"].items() if e["kind"] == "fixed"]
-        variants = [label for label, e in task["runs"].items() if e["kind"] == "auto variant"]
-        for label, entry in task["runs"].items():
-            if entry["kind"] == "fixed":
-                color = plt.cm.viridis(fixed_labels.index(label) / max(1, len(fixed_labels) - 1) * 0.9)
-            elif entry["kind"] == "auto variant":
-                color = ("tab:orange", "tab:red", "tab:brown")[variants.index(label) % 3]
-            else:
-                color = {"auto": "k", "ramp": "tab:pink"}.get(label, "tab:gray")
-            width = 2.2 if label == "auto" else 1.1
-            for j, run in enumerate(entry["runs"]):
-                curve = aba.smooth(run["curve"])
-                kwargs = {"color": color, "lw": width, "alpha": 0.8, "label": label if j == 0 else None,
-                          "ls": "--" if entry["kind"] == "auto variant" else "-"}
-                axes[row][0].plot([p["samples"] for p in curve], [p["val_loss"] for p in curve], **kwargs)
-                axes[row][1].plot([max(p["updates"], 1) for p in curve], [p["val_loss"] for p in curve], **kwargs)
-                if entry["kind"] != "fixed":
-                    axes[row][2].plot([p["samples"] for p in curve], [p["effective_batch"] for p in curve],
-                                      drawstyle="steps-post", **kwargs)
-        for ax in axes[row][:2]:
-            ax.axhline(a["target"], color="grey", ls="--", lw=1, label=f"target ({a['target_from']})")
-            ax.set_ylabel(f"validation loss (trailing mean of {aba.SMOOTHING} evaluations)")
-            smoothed = [aba.smooth(r["curve"]) for e in task["runs"].values() for r in e["runs"]]
-            low = min(p["val_loss"] for c in smoothed for p in c)
-            high = max(c[0]["val_loss"] for c in smoothed)
-            ax.set(yscale="log", ylim=(low * 0.85, high * 1.1))
-            ax.grid(alpha=0.3)
+        _draw_losses(axes[row][0], axes[row][1], task, a)
         axes[row][0].set(title=f"{TITLES.get(name, name)}: against samples", xlabel="samples")
-        axes[row][1].set(title="against optimizer updates", xlabel="updates (log)", xscale="log")
-        axes[row][2].set(title="effective batch (auto, its variants, ramp; every seed)", xlabel="samples", ylabel="effective batch",
-                         yscale="log")
-        axes[row][0].legend(fontsize=8)
-        axes[row][2].legend(fontsize=8)
-        axes[row][2].grid(alpha=0.3)
+        axes[row][1].set(title=f"against updates (target: {a['target_from']})", xlabel="updates (log)", xscale="log")
+        axes[row][0].legend(fontsize=6, ncol=2)
+        _draw_trace(axes[row][2], task)
     fig.tight_layout()
-    fig.savefig(os.path.join(folder, "auto_batch.png"), dpi=90)
+    fig.savefig(os.path.join(folder, "auto_batch.png"), dpi=80)
     plt.close(fig)
     if results.get("goodput"):
-        per_sample, per_update, ratios, model = goodput(results["goodput"])
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        ns = sorted(ratios)
-        axes[0].errorbar(ns, [ratios[n]["median"] for n in ns],
-                         yerr=[[ratios[n]["median"] - ratios[n]["min"] for n in ns],
-                               [ratios[n]["max"] - ratios[n]["median"] for n in ns]], marker="o", capsize=3)
-        axes[0].set(xscale="log", xticks=ns, title="time per sample / accum_steps=1 (per round)",
-                    xlabel="accum_steps N (micro-steps per update)", ylabel="ratio (median, min–max)")
-        axes[0].set_xticklabels(ns)
-        axes[0].grid(alpha=0.3)
-        medians = [stats.summary(per_update[n])["median"] * 1e3 for n in ns]
-        axes[1].plot(ns, medians, "o", label="measured (median)")
-        axes[1].plot(ns, [(n * model["t_micro"] + model["t_update"]) * 1e3 for n in ns], "-",
-                     label=f"N × {model['t_micro'] * 1e3:.2f} + {model['t_update'] * 1e3:.2f} ms")
-        axes[1].set(title="time per update", xlabel="accum_steps N", ylabel="ms")
-        axes[1].legend(fontsize=8)
-        axes[1].grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(os.path.join(folder, "auto_batch_goodput.png"), dpi=90)
-        plt.close(fig)
+        _draw_goodput(results["goodput"], folder, plt)
+
+
+def _draw_goodput(g, folder, plt):
+    per_sample, per_update, ratios, model = goodput(g)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    ns = sorted(ratios)
+    axes[0].errorbar(ns, [ratios[n]["median"] for n in ns],
+                     yerr=[[ratios[n]["median"] - ratios[n]["min"] for n in ns],
+                           [ratios[n]["max"] - ratios[n]["median"] for n in ns]], marker="o", capsize=3)
+    axes[0].set(xscale="log", xticks=ns, title="time per sample / accum_steps=1 (per round)",
+                xlabel="accum_steps N (micro-steps per update)", ylabel="ratio (median, min–max)")
+    axes[0].set_xticklabels(ns)
+    axes[0].grid(alpha=0.3)
+    medians = [stats.summary(per_update[n])["median"] * 1e3 for n in ns]
+    axes[1].plot(ns, medians, "o", label="measured (median)")
+    axes[1].plot(ns, [(n * model["t_micro"] + model["t_update"]) * 1e3 for n in ns], "-",
+                 label=f"N × {model['t_micro'] * 1e3:.2f} + {model['t_update'] * 1e3:.2f} ms")
+    axes[1].set(title="time per update", xlabel="accum_steps N", ylabel="ms")
+    axes[1].legend(fontsize=8)
+    axes[1].grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(folder, "auto_batch_goodput.png"), dpi=90)
+    plt.close(fig)

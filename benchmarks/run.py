@@ -21,13 +21,15 @@ the library's memory use):
 * ``distributed``: cross-replica reductions per update (MirroredStrategy, 2
   logical CPUs; MultiWorkerMirroredStrategy, 2 workers on 127.0.0.1), tiny model.
 * ``leak``: resident memory after 1,000 vs 10,000 micro-steps.
-* ``auto_batch``: `AutoAccumulation` against fixed effective batches, a hand
-  ramp and a KerasTuner search (validation loss against samples and updates,
-  3 seeds, the digits CNN and a small language model), and the goodput model
-  (time per sample at accum_steps 1, 2, 4, 8 on 2 worker processes):
-  `benchmarks/auto_batch.py` in its own process, which writes auto_batch.json,
-  auto_batch.md and its plots next to results.json; results.json keeps its
-  verdicts (about 18 minutes; ``--quick`` a smoke run).
+* ``auto_batch``: `AutoAccumulation` at its defaults against fixed effective
+  batches (each at 3 learning rates and with cosine decay), hand ramps and a
+  KerasTuner search (validation loss against samples and updates, 10 paired
+  seeds, two tuned-on tasks and a held-out one: `benchmarks/auto_batch_tasks.md`),
+  and the goodput model (time per sample at accum_steps 1, 2, 4, 8 on 2 worker
+  processes): `benchmarks/auto_batch.py` in its own process, which writes
+  auto_batch.json, auto_batch.md and its plots next to results.json;
+  results.json keeps its verdicts (about 2 hours on 2 idle cores; ``--quick`` a
+  smoke run; `python -m benchmarks.auto_batch --resume` goes on with a cut run).
 
 Writes docs/benchmarks/<device>/results.json (here), results.md (`report.py`)
 and PNG plots (`plots.py`); ``--report_only`` rewrites the last two from the
@@ -152,7 +154,7 @@ def _run_auto_batch(results, folder):
     """`benchmarks.auto_batch` in its own process; its summary (the verdicts) from its last line."""
     command = [sys.executable, "-m", "benchmarks.auto_batch", f"--out={folder}"] + (["--quick"] if QUICK.value else [])
     logging.info("measuring: %s  (load %s)", " ".join(command[1:]), _load())
-    out = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, text=True, timeout=3600,
+    out = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, text=True, timeout=4 * 3600,
                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow"))
     if out.returncode:
         raise RuntimeError(f"benchmarks.auto_batch failed (exit {out.returncode}); its log is above")
