@@ -11,7 +11,8 @@ import keras
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import batch_target
-from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule, EpochWindows, _AccumulationScheduleRule
+from tfx_gradient_accumulator.accumulator.callbacks import (
+    AccumulationSchedule, EpochWindows, _AccumulationScheduleRule, accum_steps_at)
 
 GEOMETRIES = ("auto", "raw", "preconditioned")
 RETIRED = ("margin", "patience", "growth")
@@ -155,8 +156,10 @@ class _AutoAccumulationRule(_AccumulationScheduleRule):
         # Looks every `min_windows` windows, not every window: fewer chances of a false growth.
         self._looked_at = windows
         largest = max(1, self.max_effective_batch_size // self.micro_batch_size)
+        # The schedule's value, which a resumed run's optimizer takes only after this look.
+        current = accum_steps_at(self.schedule, update)
         grown, bound, target = batch_target.next_accum_steps(
-            estimate.moments.values(), optimizer.accum_steps, self.micro_batch_size, largest,
+            estimate.moments.values(), current, self.micro_batch_size, largest,
             self.max_sample_overhead, self.confidence, self.scaler.start_accum_steps)
         self.readings = {
             "noise_scale": optimizer.noise_scale,
@@ -191,7 +194,8 @@ class _AutoAccumulationRule(_AccumulationScheduleRule):
         Args:
             state: the dict `state()` returned (read back from JSON).
         """
-        self.schedule = {int(k): int(v) for k, v in state["schedule"].items()}
+        # Sorted: JSON gives "12" before "4", and the schedule is read in key order.
+        self.schedule = dict(sorted((int(k), int(v)) for k, v in state["schedule"].items()))
         self._last_seen = int(state["last_seen"])
         self._looked_at = int(state.get("looked_at", 0))
 
