@@ -107,7 +107,9 @@ def test_auto_and_a_schedule_exclude_each_other():
 def test_auto_ignores_a_tuned_accum_steps_and_measures_the_noise_scale():
     settings = settings_lib.resolve({"accum_steps": 8}, "auto", 8, 1, max_effective_batch_size=32)
     assert (settings.accum_steps, settings.micro_batch, settings.measure_noise_scale) == (2, 4, True)
-    assert settings.compile_arguments()["auto"] == {"micro_batch_size": 4, "max_effective_batch_size": 32}
+    # No learning-rate ramp: the Trainer's record replays as a schedule by update without one.
+    assert settings.compile_arguments()["auto"] == {"micro_batch_size": 4, "max_effective_batch_size": 32,
+                                                   "lr_ramp_updates": 0}
     assert settings.sources["accum_steps"] == "auto"
 
 
