@@ -131,7 +131,7 @@ def test_the_retired_rule_grows_falsely():
     g2, trace = _windows(0.8 * THRESHOLD, 100, 100, 1000, 1)
     grew = 0
     for run in range(100):
-        ema_g, ema_t, streak, weight = 0.0, 0.0, 0, 0.0
+        ema_g, ema_t, streak = 0.0, 0.0, 0
         for window in range(100):
             ema_g, ema_t = 0.99 * ema_g + 0.01 * g2[run, window], 0.99 * ema_t + 0.01 * trace[run, window]
             phi = ema_t / ema_g if ema_g else float("inf")
