@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import GradientAccumulator, noise_scale as ns
 from tfx_gradient_accumulator.accumulator import preconditioning as pc
+from tests import second_moments
 
 DEVICES = ["/cpu:0", "/cpu:1"]
 SHAPES = [(3, 4), (5,)]
@@ -40,55 +41,22 @@ def _applied(optimizer, steps=STEPS, seed=0):
     return variables, grads
 
 
-# The scale each optimizer's update_step applies, recomputed from the gradients (float64).
-def _adam_scale(grads, beta_2=0.999, eps=1e-7, on_corrected=False, amsgrad=False):
-    v, v_max = 0.0, 0.0
-    for g in grads:
-        v = beta_2 * v + (1 - beta_2) * np.square(g.astype("float64"))
-        v_max = np.maximum(v_max, v)
-    v = v_max if amsgrad else v
-    correction = 1 - beta_2 ** len(grads)
-    if on_corrected:
-        return 1 / (np.sqrt(v / correction) + eps)
-    return np.sqrt(correction) / (np.sqrt(v) + eps)
-
-
-def _adamax_scale(grads, beta_2=0.999, eps=1e-7):
-    u = 0.0
-    for g in grads:
-        u = np.maximum(beta_2 * u, np.abs(g.astype("float64")))
-    return 1 / (u + eps)
-
-
-def _rmsprop_scale(grads, rho=0.9, eps=1e-7, centered=False):
-    v, mean = 0.0, 0.0
-    for g in grads:
-        v = rho * v + (1 - rho) * np.square(g.astype("float64"))
-        mean = rho * mean + (1 - rho) * g.astype("float64")
-    return 1 / np.sqrt((v - np.square(mean) if centered else v) + eps)
-
-
-def _adagrad_scale(grads, initial=0.1, eps=1e-7):
-    total = initial + sum(np.square(g.astype("float64")) for g in grads)
-    return 1 / np.sqrt(total + eps)
-
-
 CASES = {
-    "Adam": (lambda: keras.optimizers.Adam(0.01), "adam", _adam_scale),
+    "Adam": (lambda: keras.optimizers.Adam(0.01), "adam", second_moments.adam_scale),
     "Adam_amsgrad": (lambda: keras.optimizers.Adam(0.01, amsgrad=True), "adam",
-                     lambda g: _adam_scale(g, amsgrad=True)),
+                     lambda g: second_moments.adam_scale(g, amsgrad=True)),
     "AdamW": (lambda: keras.optimizers.AdamW(0.01, beta_2=0.99, epsilon=1e-6), "adam",
-              lambda g: _adam_scale(g, 0.99, 1e-6)),
+              lambda g: second_moments.adam_scale(g, 0.99, 1e-6)),
     # Nadam folds g^2 into v with 1 - beta_2 in float32: a beta_2 float32 holds exactly.
     "Nadam": (lambda: keras.optimizers.Nadam(0.01, beta_2=0.99609375), "adam",
-              lambda g: _adam_scale(g, 0.99609375, on_corrected=True)),
+              lambda g: second_moments.adam_scale(g, 0.99609375, on_corrected=True)),
     "Lamb": (lambda: keras.optimizers.Lamb(0.01, epsilon=1e-6), "adam",
-             lambda g: _adam_scale(g, eps=1e-6, on_corrected=True)),
-    "Adamax": (lambda: keras.optimizers.Adamax(0.01), "adamax", _adamax_scale),
-    "RMSprop": (lambda: keras.optimizers.RMSprop(0.01), "rmsprop", _rmsprop_scale),
+             lambda g: second_moments.adam_scale(g, eps=1e-6, on_corrected=True)),
+    "Adamax": (lambda: keras.optimizers.Adamax(0.01), "adamax", second_moments.adamax_scale),
+    "RMSprop": (lambda: keras.optimizers.RMSprop(0.01), "rmsprop", second_moments.rmsprop_scale),
     "RMSprop_centered": (lambda: keras.optimizers.RMSprop(0.01, rho=0.8, momentum=0.5, centered=True), "rmsprop",
-                         lambda g: _rmsprop_scale(g, rho=0.8, centered=True)),
-    "Adagrad": (lambda: keras.optimizers.Adagrad(0.01), "adagrad", _adagrad_scale),
+                         lambda g: second_moments.rmsprop_scale(g, rho=0.8, centered=True)),
+    "Adagrad": (lambda: keras.optimizers.Adagrad(0.01), "adagrad", second_moments.adagrad_scale),
 }
 
 
@@ -133,7 +101,7 @@ def test_a_loss_scale_optimizer_and_an_accumulator_are_unwrapped():
     # The inner optimizer saw the gradients unscaled.
     unscaled = [[g / 4.0 for g in step] for step in grads]
     for scale, history in zip(preconditioner.scales(variables), _per_step(unscaled)):
-        np.testing.assert_allclose(scale.numpy(), _adam_scale(history), rtol=1e-6)
+        np.testing.assert_allclose(scale.numpy(), second_moments.adam_scale(history), rtol=1e-6)
     accumulating = GradientAccumulator(keras.optimizers.LossScaleOptimizer(keras.optimizers.RMSprop()), 2)
     assert pc.preconditioner_of(accumulating).optimizer is accumulating.inner_optimizer
     assert pc.preconditioner_of(accumulating).kind == "rmsprop"
@@ -159,7 +127,7 @@ def test_min_updates_keeps_the_scales_uniform_that_long():
     optimizer.apply_gradients(zip([tf.constant(g) for g in _gradients(1, 1)[0]], variables))
     history = _per_step(grads + _gradients(1, 1))
     for scale, steps in zip(preconditioner.scales(variables), history):
-        np.testing.assert_allclose(scale.numpy(), _adam_scale(steps), rtol=1e-6)
+        np.testing.assert_allclose(scale.numpy(), second_moments.adam_scale(steps), rtol=1e-6)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "5"])
@@ -177,7 +145,7 @@ def test_float16_variables_give_float32_scales():
     scales = pc.preconditioner_of(optimizer).scales(variables)
     for scale, history in zip(scales, _per_step(grads)):
         assert scale.dtype == tf.float32
-        np.testing.assert_allclose(scale.numpy(), _adam_scale(history, eps=1e-7), rtol=2e-3)
+        np.testing.assert_allclose(scale.numpy(), second_moments.adam_scale(history, eps=1e-7), rtol=2e-3)
 
 
 # ------------------------------------------------------------- the squared norm
@@ -280,7 +248,7 @@ def test_the_scales_are_read_at_call_time_inside_a_tf_function():
     after = read()
     history = _per_step(grads + [more])
     for got, old, steps in zip(after, before, history):
-        np.testing.assert_allclose(got.numpy(), _adam_scale(steps), rtol=1e-6)
+        np.testing.assert_allclose(got.numpy(), second_moments.adam_scale(steps), rtol=1e-6)
         assert not np.allclose(got.numpy(), old)
     probe = [tf.constant(g) for g in more]
     expected = pc.preconditioned_squared_norm(probe, preconditioner.scales(variables))

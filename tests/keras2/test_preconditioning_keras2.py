@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import GradientAccumulator, flavours
 from tfx_gradient_accumulator.accumulator import preconditioning as pc
+from tests import second_moments
 
 k2 = flavours.keras2_module()
 pytestmark = pytest.mark.skipif(k2 is None, reason="no Keras 2 installed")
@@ -34,35 +35,14 @@ def _applied(optimizer, divisor=1.0):
     return variables, [[step[i] / divisor for step in grads] for i in range(len(SHAPES))]
 
 
-def _adam_scale(grads, beta_2=0.999, eps=1e-7, on_corrected=False):
-    v = 0.0
-    for g in grads:
-        v = beta_2 * v + (1 - beta_2) * np.square(g.astype("float64"))
-    correction = 1 - beta_2 ** len(grads)
-    if on_corrected:
-        return 1 / (np.sqrt(v / correction) + eps)
-    return np.sqrt(correction) / (np.sqrt(v) + eps)
-
-
-def _rmsprop_scale(grads, rho=0.9, eps=1e-7):
-    v = 0.0
-    for g in grads:
-        v = rho * v + (1 - rho) * np.square(g.astype("float64"))
-    return 1 / np.sqrt(v + eps)
-
-
-def _adagrad_scale(grads, initial=0.1, eps=1e-7):
-    return 1 / np.sqrt(initial + sum(np.square(g.astype("float64")) for g in grads) + eps)
-
-
 CASES = {
-    "Adam": (lambda: k2.optimizers.Adam(0.01), "adam", _adam_scale),
-    "AdamW": (lambda: k2.optimizers.AdamW(0.01, beta_2=0.99), "adam", lambda g: _adam_scale(g, 0.99)),
+    "Adam": (lambda: k2.optimizers.Adam(0.01), "adam", second_moments.adam_scale),
+    "AdamW": (lambda: k2.optimizers.AdamW(0.01, beta_2=0.99), "adam", lambda g: second_moments.adam_scale(g, 0.99)),
     # Keras 2's Nadam folds g^2 into v with 1 - beta_2 in float32: a beta_2 float32 holds exactly.
     "Nadam": (lambda: k2.optimizers.Nadam(0.01, beta_2=0.99609375), "adam",
-              lambda g: _adam_scale(g, 0.99609375, on_corrected=True)),
-    "RMSprop": (lambda: k2.optimizers.RMSprop(0.01), "rmsprop", _rmsprop_scale),
-    "Adagrad": (lambda: k2.optimizers.Adagrad(0.01), "adagrad", _adagrad_scale),
+              lambda g: second_moments.adam_scale(g, 0.99609375, on_corrected=True)),
+    "RMSprop": (lambda: k2.optimizers.RMSprop(0.01), "rmsprop", second_moments.rmsprop_scale),
+    "Adagrad": (lambda: k2.optimizers.Adagrad(0.01), "adagrad", second_moments.adagrad_scale),
 }
 
 
@@ -86,8 +66,8 @@ def test_adaptive_epsilon_puts_epsilon_on_the_corrected_moment():
     optimizer = k2.optimizers.Adam(0.01, epsilon=1e-3, adaptive_epsilon=True)
     variables, history = _applied(optimizer)
     for scale, steps in zip(pc.preconditioner_of(optimizer).scales(variables), history):
-        np.testing.assert_allclose(scale.numpy(), _adam_scale(steps, eps=1e-3, on_corrected=True), rtol=1e-6)
-        assert not np.allclose(scale.numpy(), _adam_scale(steps, eps=1e-3), rtol=1e-3)
+        np.testing.assert_allclose(scale.numpy(), second_moments.adam_scale(steps, eps=1e-3, on_corrected=True), rtol=1e-6)
+        assert not np.allclose(scale.numpy(), second_moments.adam_scale(steps, eps=1e-3), rtol=1e-3)
 
 
 def test_a_keras2_loss_scale_optimizer_and_accumulator_are_unwrapped():
@@ -97,7 +77,7 @@ def test_a_keras2_loss_scale_optimizer_and_accumulator_are_unwrapped():
     preconditioner = pc.preconditioner_of(scaled)
     assert preconditioner.optimizer is inner
     for scale, steps in zip(preconditioner.scales(variables), history):
-        np.testing.assert_allclose(scale.numpy(), _adam_scale(steps), rtol=1e-6)
+        np.testing.assert_allclose(scale.numpy(), second_moments.adam_scale(steps), rtol=1e-6)
     accumulating = GradientAccumulator(k2.optimizers.RMSprop(), 2)
     assert pc.preconditioner_of(accumulating).kind == "rmsprop"
 
@@ -128,8 +108,8 @@ def test_the_keras2_scales_are_read_at_call_time_inside_a_tf_function():
     preconditioner = pc.preconditioner_of(optimizer)
     read = tf.function(lambda: preconditioner.scales(variables))
     for got, steps in zip(read(), history):
-        np.testing.assert_allclose(got.numpy(), _adam_scale(steps), rtol=1e-6)
+        np.testing.assert_allclose(got.numpy(), second_moments.adam_scale(steps), rtol=1e-6)
     more = _gradients(5, 1)[0]
     optimizer.apply_gradients(zip([tf.constant(g) for g in more], variables))
     for got, steps, extra in zip(read(), history, more):
-        np.testing.assert_allclose(got.numpy(), _adam_scale(steps + [extra]), rtol=1e-6)
+        np.testing.assert_allclose(got.numpy(), second_moments.adam_scale(steps + [extra]), rtol=1e-6)
