@@ -724,14 +724,15 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
             # as in the window gradient; see `accumulator.noise_scale`).
             # Sizes in samples, so B_simple is in samples (D_k counts tokens for sequences).
             size = weight if samples is None else samples
-            terms = micro_batch_terms([g for g, i in zip(grads, indices) if i not in s.overwrite_indices],
-                                      size, replicas.replicas_in_sync())
+            kept = [(g, i) for g, i in zip(grads, indices) if i not in s.overwrite_indices]
+            replica_count = replicas.replicas_in_sync()
+            squared, inverse, counted = micro_batch_terms([g for g, _ in kept], size, replica_count)
+            terms = [squared, inverse, counted, tf.cast(size, tf.float32)]      # `noise_sums`' order
             if s.preconditioner is not None:
-                kept = [(g, s.variables[i]) for g, i in zip(grads, indices) if i not in s.overwrite_indices]
-                preconditioned = float(replicas.replicas_in_sync()) ** 2 * preconditioning.preconditioned_squared_norm(
-                    [g for g, _ in kept], s.preconditioner.scales([v for _, v in kept]))
-                terms += (tf.where(terms[2] > 0.0, preconditioned, 0.0),)
-            for total, term in zip(s.noise_sums, terms[:3] + (tf.cast(size, tf.float32),) + terms[3:]):
+                preconditioned = float(replica_count) ** 2 * preconditioning.preconditioned_squared_norm(
+                    [g for g, _ in kept], s.preconditioner.scales([s.variables[i] for _, i in kept]))
+                terms.append(tf.where(counted > 0.0, preconditioned, 0.0))
+            for total, term in zip(s.noise_sums, terms):
                 total.assign_add(term)
 
     # Whether the inner optimizer sums repeated rows of a sparse gradient itself
@@ -810,20 +811,20 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
             grads[i] = mean if grads[i] is None else window_rows.add_rows(grads[i], mean)
         if s.noise_estimate is not None:
             self._update_noise_scale(noise_sums, means + row_means,
-                                     [None if i in s.overwrite_indices else g for i, g in enumerate(grads)])
+                                     [None if i in s.overwrite_indices else g for i, g in enumerate(grads)],
+                                     replica_count)
         self._hand_to_updater(grads, s.variables, reduced=True)
         # Refill once the update has read the means: reading the variables it
         # wrote orders the refill after it (automatic control dependencies).
         self._reset_window(dense, rows, after=[
             tf.convert_to_tensor(_tf.backing_variable(s.variables[i])) for i, _ in summed])
 
-    def _update_noise_scale(self, noise_sums, window_means, window_grads):
+    def _update_noise_scale(self, noise_sums, window_means, window_grads, replica_count):
         """Folds the closing window into the estimates (before the update changes the loss scale
         and the preconditioner); `window_grads`: the window's gradients, by variable."""
         s = self._state
         micro_sq_sum, inv_size_sum, micro_count, sample_sum = noise_sums[:4]
         # The window's samples, counted over the replicas as its weight is.
-        replica_count = replicas.replicas_in_sync() if tf.distribute.has_strategy() else 1
         window_samples = sample_sum / replica_count
         window_sq = squared_norm(window_means)
         pairs = [(micro_sq_sum, window_sq)]
