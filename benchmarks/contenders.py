@@ -21,6 +21,7 @@ timing, for every `fit` contender alike; `micro_steps` is a multiple of N, so
 whole windows are timed and no window is left open.
 """
 
+import os
 import time
 
 import keras
@@ -99,7 +100,10 @@ class Contender:
 def _fit_contender(name, model, optimizer, x, y, batch, micro_steps_per_step=1, warm_steps=1):
     """`fit` runs `warm_steps` (a whole window when accumulating, so no window
     is left open at the end) untimed, then the timed steps."""
-    model.compile(optimizer=optimizer, loss=_loss())
+    # BENCH_JIT_COMPILE=false: XLA off for every contender alike (on one GPU Keras' "auto" turns
+    # it on, and the window refuses sparse rows inside XLA unless merge_duplicate_rows=True).
+    jit = {"false": False, "true": True}.get(os.environ.get("BENCH_JIT_COMPILE", "auto"), "auto")
+    model.compile(optimizer=optimizer, loss=_loss(), jit_compile=jit)
     data = dataset(x, y, batch)
 
     def run(steps):

@@ -83,6 +83,10 @@ def _verdict_text(verdict):
     return {"met": "**met**", "missed": "**missed**", "within noise": "within noise"}[verdict]
 
 
+# What BENCH_JIT_COMPILE (recorded as "jit_compile") asked of every contender's `compile`.
+_JIT_TEXT = {"auto": '"auto"', "false": "False (XLA off)", "true": "True"}
+
+
 def _machine_note(results):
     """Where it ran: the GPU's facts, or the cores that other processes share."""
     accelerator = results.get("accelerator")
@@ -91,7 +95,8 @@ def _machine_note(results):
         return (f"GPU {accelerator.get('gpu')} (compute capability {'.'.join(map(str, cc)) if cc else '?'}, "
                 f"{accelerator.get('gpu_memory', '?')}), driver {accelerator.get('driver', '?')}; TensorFlow built "
                 f"for CUDA {accelerator.get('cuda_build', '?')}, cuDNN {accelerator.get('cudnn_build', '?')}; "
-                f"{results.get('cpus', '?')} CPU cores.")
+                f"{results.get('cpus', '?')} CPU cores. Every contender compiled with "
+                f"`jit_compile={_JIT_TEXT.get(results.get('jit_compile', 'auto'), 'auto')}`.")
     return f"Other processes share the {results.get('cpus', '?')} cores; every measurement records its load."
 
 

@@ -180,7 +180,8 @@ def _measure_parts(path, device_name, started, folder):
                     "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
                                  "python": platform.python_version()},
                     "cpus": os.cpu_count(), "parts_run": parts, "load_at_start": _load(),
-                    "accelerator": accelerator_facts()})
+                    "accelerator": accelerator_facts(),
+                    "jit_compile": os.environ.get("BENCH_JIT_COMPILE", "auto")})
     for part in PARTS:
         if part in parts:
             part_started = time.perf_counter()
