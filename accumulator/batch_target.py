@@ -47,6 +47,8 @@ def exceeds(moments: dict, threshold: float, confidence: float) -> bool:
     B_simple > c exactly when tr(Sigma) - c |G|^2 > 0: a mean of the windows'
     T_i - c G_i, tested one-sided with the windows' own spread (Fieller's way,
     which stays sound where |G|^2 is barely resolved from 0 and a ratio is not).
+    The weighted mean's standard error uses the weights' effective count
+    n_eff = (sum w)^2 / sum w^2 (Kish), with n_eff - 1 degrees of freedom.
 
     Args:
         moments: `WindowMoments.values()` (sums weighted by each window's size).
@@ -56,14 +58,15 @@ def exceeds(moments: dict, threshold: float, confidence: float) -> bool:
     Returns:
         True when the bound clears `threshold`; False with fewer than 2 windows.
     """
-    n, weight = moments["count"], moments["weight"]
-    if n < 2 or weight <= 0:
+    weight, weight_sq = moments["weight"], moments["weight_sq"]
+    if moments["count"] < 2 or weight <= 0 or weight_sq <= 0:
         return False
+    n_eff = weight * weight / weight_sq
     c = float(threshold)
     mean = (moments["trace"] - c * moments["g2"]) / weight
     mean_sq = (moments["trace_trace"] - 2 * c * moments["g2_trace"] + c * c * moments["g2_g2"]) / weight
-    spread = max(mean_sq - mean * mean, 0.0) / (n - 1)
-    return mean - one_sided_quantile(confidence, n - 1) * math.sqrt(spread) > 0.0
+    spread = max(mean_sq - mean * mean, 0.0) / max(n_eff - 1, 1e-12)
+    return mean - one_sided_quantile(confidence, max(n_eff - 1, 1.0)) * math.sqrt(spread) > 0.0
 
 
 def lower_bound(moments: dict, confidence: float, ceiling: float) -> float:

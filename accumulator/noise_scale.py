@@ -314,19 +314,22 @@ class WindowMoments:
 
     Per valid window i, with w_i its size, G_i its |G|^2 estimate and T_i its
     tr(Sigma) estimate: sum w, sum w G, sum w T, sum w G^2, sum w T^2,
-    sum w G T and the count n, in one float64 vector variable (`FIELDS`), mirrored
-    like the EMAs, decaying by the EMAs' smoothing per window (so they follow a
-    drifting B_simple over the same ~1 / (1 - smoothing) windows, and n counts
-    the windows that still weigh). Weighting by size weighs each window by about
-    its inverse variance (a window's estimates scatter as 1/B). `AutoAccumulation`
-    resets it when the batch changes, so the sums hold windows of one batch only.
+    sum w G T, the count n and sum w^2, in one float64 vector variable (`FIELDS`),
+    mirrored like the EMAs, decaying by the EMAs' smoothing per window (so they
+    follow a drifting B_simple over the same ~1 / (1 - smoothing) windows; sum w^2
+    decays by its square). Weighting by size weighs each window by about its
+    inverse variance (a window's estimates scatter as 1/B); the decayed weights'
+    effective count, (sum w)^2 / sum w^2, is what the bound's standard error
+    divides by (~(1 + s) / (1 - s) windows at smoothing s, twice the decayed n).
+    `AutoAccumulation` resets it when the batch changes, so the sums hold windows
+    of one batch only.
 
     Args:
         make_variable: `make_variable(name, dtype, shape)` returning a variable of zeros.
         decay: the factor the sums keep per window, in [0, 1).
     """
 
-    FIELDS = ("weight", "g2", "trace", "g2_g2", "trace_trace", "g2_trace", "count")
+    FIELDS = ("weight", "g2", "trace", "g2_g2", "trace_trace", "g2_trace", "count", "weight_sq")
 
     def __init__(self, make_variable: Callable[..., tf.Variable], decay: float = DEFAULT_SMOOTHING):
         self.variable = make_variable("window_moments", "float64", (len(self.FIELDS),))
@@ -342,9 +345,10 @@ class WindowMoments:
             valid: whether it gives an estimate.
         """
         g, t, w = (tf.cast(value, tf.float64) for value in (g2_est, trace_est, size))
-        terms = tf.stack([w, w * g, w * t, w * g * g, w * t * t, w * g * t, tf.ones_like(w)])
+        terms = tf.stack([w, w * g, w * t, w * g * g, w * t * t, w * g * t, tf.ones_like(w), w * w])
+        decays = tf.constant([self.decay] * (len(self.FIELDS) - 1) + [self.decay ** 2], tf.float64)
         valid = tf.cast(valid, tf.bool)
-        self.variable.assign(tf.where(valid, self.decay * self.variable + terms, self.variable))
+        self.variable.assign(tf.where(valid, decays * self.variable + terms, self.variable))
 
     def values(self) -> dict:
         """The sums by `FIELDS` name, as Python floats (eager)."""

@@ -41,10 +41,10 @@ def test_the_target_is_the_largest_batch_within_the_overhead_budget():
 def _moments_of(pairs, spread=0.0, size=8.0):
     """WindowMoments.values() of windows (g2, trace), with a relative jitter."""
     rng = np.random.default_rng(0)
-    sums = np.zeros(7)
+    sums = np.zeros(8)
     for g2, trace in pairs:
         g2, trace = g2 * (1 + spread * rng.standard_normal()), trace * (1 + spread * rng.standard_normal())
-        sums += size * np.array([1, g2, trace, g2 * g2, trace * trace, g2 * trace, 1 / size])
+        sums += size * np.array([1, g2, trace, g2 * g2, trace * trace, g2 * trace, 1 / size, size])
     return dict(zip(WindowMoments.FIELDS, sums))
 
 
@@ -66,7 +66,7 @@ class _Estimate:
     """What the rule reads of a `NoiseScaleEstimate`: its moments and its window count."""
 
     def __init__(self):
-        self.sums, self.count = np.zeros(7), 0
+        self.sums, self.count = np.zeros(8), 0
         estimate = self
 
         class Moments:
@@ -74,7 +74,7 @@ class _Estimate:
                 return dict(zip(WindowMoments.FIELDS, estimate.sums))
 
             def reset(self):
-                estimate.sums = np.zeros(7)
+                estimate.sums = np.zeros(8)
 
         self.moments = Moments()
 
@@ -85,7 +85,9 @@ class _Estimate:
 
     def add(self, g2, trace, decay=0.99):
         size = K * MICRO
-        self.sums = decay * self.sums + size * np.array([1, g2, trace, g2 * g2, trace * trace, g2 * trace, 1 / size])
+        decays = np.array([decay] * 7 + [decay ** 2])
+        self.sums = decays * self.sums + size * np.array([1, g2, trace, g2 * g2, trace * trace, g2 * trace, 1 / size,
+                                                          size])
         self.count += 1
 
 
@@ -153,3 +155,22 @@ def test_window_moments_keep_what_the_rule_reads():
     assert moments.values() == pytest.approx(stand_in.moments.values())
     moments.reset()
     assert set(moments.values().values()) == {0.0}
+
+
+def test_the_bound_is_calibrated_on_decayed_windows():
+    """Past ~1 / (1 - smoothing) windows the decayed weights count (sum w)^2 / sum w^2 ~ 199
+    windows, not sum w ~ 100: the bound then misses the true noise scale in about
+    1 - confidence of runs (0.025), where the decayed count alone would make it ~4x rarer."""
+    phi, runs, windows = 2.0 * THRESHOLD, 400, 300
+    g2, trace = _windows(phi, runs, windows, 1000, 3)
+    misses = {"n_eff": 0, "decayed count": 0}
+    for run in range(runs):
+        estimate = _Estimate()
+        for window in range(windows):
+            estimate.add(g2[run, window], trace[run, window])
+        moments = estimate.moments.values()
+        misses["n_eff"] += bt.lower_bound(moments, 0.975, 10 * phi) > phi
+        decayed_only = dict(moments, weight_sq=moments["weight"] ** 2 / (moments["count"] * 1.0))
+        misses["decayed count"] += bt.lower_bound(decayed_only, 0.975, 10 * phi) > phi
+    assert 0.01 <= misses["n_eff"] / runs <= 0.05
+    assert misses["decayed count"] < misses["n_eff"] / 2
