@@ -90,6 +90,9 @@ QUICK = flags.DEFINE_bool("quick", False, "A smoke run: 2 seeds, a fifth of the 
 CHECK_PIPELINE = flags.DEFINE_bool("check_pipeline", False, "Train a few micro-steps of each --tasks at a fixed "
                                    "batch and time them; shows no loss (for the held-out task).")
 REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Rewrite the report and plots from auto_batch.json.")
+REVISED = flags.DEFINE_bool("revised_auto", False, "Add to an existing auto_batch.json the runs of the rule at the "
+                            "library's current commit, as the configuration 'auto (revised)' (the first 'auto' and "
+                            "every other configuration stay as they were run).")
 WORKER = flags.DEFINE_bool("goodput_worker", False, "Internal: one goodput worker (TF_CONFIG set).")
 
 
@@ -165,8 +168,14 @@ def _batches(task):
     return [batches[0], batches[-1]] if QUICK.value else batches
 
 
+REVISED_LABEL = "auto (revised)"
+
+
 def configurations(task) -> list:
-    """Every configuration of a task: [{"label", "kind", ...}] (fixed, auto, ramps)."""
+    """Every configuration of a task: [{"label", "kind", ...}] (fixed, auto, ramps); with --revised_auto,
+    only the rule at the library's current commit, its commit and defaults recorded."""
+    if REVISED.value:
+        return [{"label": REVISED_LABEL, "kind": "auto", "code": _commit(), "rule_defaults": rule_defaults()}]
     batches = _batches(task)
     out = []
     for e in batches:
@@ -516,13 +525,16 @@ def _start(path):
     """The results so far: a new record, or (--resume) the one at `path` if it is of the same plan."""
     import keras
     import tensorflow as tf
-    if RESUME.value and os.path.exists(path):
+    if REVISED.value and not os.path.exists(path):
+        raise app.UsageError(f"--revised_auto adds to an existing {path}: run the benchmark first")
+    if (RESUME.value or REVISED.value) and os.path.exists(path):
         with open(path) as f:
             results = json.load(f)
         if results.get("plan") != json.loads(json.dumps(plan())):
             raise app.UsageError(f"--resume: {path} is of another plan ({results.get('plan')}); "
                                  "run without --resume to start over")
-        results.setdefault("resumed", []).append(datetime.datetime.now().isoformat(timespec="seconds"))
+        if RESUME.value:
+            results.setdefault("resumed", []).append(datetime.datetime.now().isoformat(timespec="seconds"))
         return results
     return {"date": datetime.date.today().isoformat(), "plan": plan(), "code": _commit(),
             "rule_defaults": rule_defaults(),
@@ -540,13 +552,15 @@ def _measure(path):
     results = _start(path)
     _save(results, path)
     run_tasks(results, path)
-    if TUNER.value and "digits" in TASKS_FLAG.value and not results.get("tuner"):
+    if TUNER.value and "digits" in TASKS_FLAG.value and not results.get("tuner") and not REVISED.value:
         results["tuner"] = run_tuner()
         _save(results, path)
-    if GOODPUT.value and not results.get("goodput"):
+    if GOODPUT.value and not results.get("goodput") and not REVISED.value:
         results["goodput"] = run_goodput()
-    results["load_at_end"] = [round(v, 2) for v in os.getloadavg()]
-    results["wall_seconds"] = round(results.get("wall_seconds", 0) + time.perf_counter() - started, 1)
+    key = "revised_wall_seconds" if REVISED.value else "wall_seconds"
+    if not REVISED.value:
+        results["load_at_end"] = [round(v, 2) for v in os.getloadavg()]
+    results[key] = round(results.get(key, 0) + time.perf_counter() - started, 1)
     _save(results, path)
     return results
 

@@ -96,6 +96,13 @@ def _phi_table(task, a):
         values = aba.along(traces, key, FRACTIONS, budget)
         if any(v is not None for v in values):
             lines.append(f"| auto: {name} | " + " | ".join(_num(v, 0) for v in values) + " |")
+    for label, entry in task["runs"].items():
+        if entry["kind"] == "auto" and label != "auto" and entry["runs"]:
+            revised = [r.get("trace") or r["curve"] for r in entry["runs"]]
+            for key, name in TRACE_KEYS[1:]:
+                values = aba.along(revised, key, FRACTIONS, budget)
+                if any(v is not None for v in values):
+                    lines.append(f"| {label}: {name} | " + " | ".join(_num(v, 0) for v in values) + " |")
     small = f"fixed {task['settings']['start']} ×1"
     if small in task["runs"]:
         for key, name in TRACE_KEYS[:2]:
@@ -155,6 +162,11 @@ def _task_section(name, task, a):
              f"**{a['peer']}**.", ""]
     if "goals" in a:
         lines += _goal_lines(a["goals"], a["per_seed"], len(a["seeds"])) + [""]
+    for label, judged in a.get("revised", {}).items():
+        code = task["runs"][label].get("code", {})
+        lines += [f"**{label}**: the rule re-run at commit `{(code.get('commit') or '?')[:10]}` "
+                  f"(\"{code.get('subject') or '?'}\"), after the runs above; the same seeds, judged the same way:", ""]
+        lines += _goal_lines(judged["goals"], judged["per_seed"], len(a["seeds"]), who=label) + [""]
     lines += _hindsight_lines(a)
     lines += _phi_table(task, a) + [""]
     lines += _config_table(task, a)
@@ -162,6 +174,10 @@ def _task_section(name, task, a):
     if auto:
         lines += ["auto's decisions (update: accum_steps), seed by seed: "
                   + "; ".join(str(r["schedule"]) for r in auto) + ".", ""]
+    for label, entry in task["runs"].items():
+        if entry["kind"] == "auto" and label != "auto" and entry["runs"]:
+            lines += [f"{label}'s decisions, seed by seed: "
+                      + "; ".join(str(r["schedule"]) for r in entry["runs"]) + ".", ""]
     return lines
 
 
@@ -300,12 +316,15 @@ def _summary(name, task, a):
         verdicts[goal] = v
     return {"held_out": bool(task.get("held_out")), "target": a["target"], "target_from": a["target_from"],
             "peer": a["peer"], "verdicts": verdicts, "per_seed": a["per_seed"], "seeds": len(a["seeds"]),
-            "best_in_hindsight": a["best_in_hindsight"]}
+            "best_in_hindsight": a["best_in_hindsight"],
+            "revised": {label: {goal: bool(j["goals"][goal]["met"]) for goal in aba.GOALS}
+                        for label, j in a.get("revised", {}).items()}}
 
 
 def write(results, folder):
     """Writes auto_batch.md and the plots; returns the summary (verdicts per task)."""
-    analyses = {name: analyse(task) for name, task in results["tasks"].items()}
+    analyses = {name: analyse(task) for name, task in results["tasks"].items()
+                if any(e["runs"] for e in task["runs"].values())}      # a cut run: tasks not started yet
     lines = _header(results)
     if results.get("reading"):
         lines += ["## Reading", ""] + [p for paragraph in results["reading"] for p in (paragraph, "")]
@@ -352,7 +371,7 @@ def _style(label, entry, batches):
         color = plt.cm.viridis(batches.index(entry["effective_batch"]) / max(1, len(batches) - 1) * 0.9)
         return color, "--" if entry.get("decay") else STYLES.get(entry.get("lr_factor", 1.0), "-"), 1.0, 0.75
     if entry["kind"] == "auto":
-        return "k", "-", 2.4, 1.0
+        return ("k", "-", 2.4, 1.0) if label == "auto" else ("tab:red", "-", 2.0, 0.9)
     return ("tab:pink" if label == "ramp" else "tab:purple"), "-", 1.6, 0.9
 
 
@@ -366,7 +385,7 @@ def _draw_losses(ax_samples, ax_updates, task, a):
             xs, ys = _mean_curve(runs, key)
             ax.plot([max(x, 1) for x in xs] if key == "updates" else xs, ys, color=color, ls=ls, lw=width,
                     alpha=alpha, label=label)
-            if entry["kind"] == "auto":
+            if label == "auto":
                 for r in runs:
                     c = aba.smooth(r["curve"])
                     ax.plot([max(p[key], 1) if key == "updates" else p[key] for p in c],
@@ -403,7 +422,7 @@ def _draw(results, analyses, folder):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tasks = list(results["tasks"])
+    tasks = list(analyses)
     fig, axes = plt.subplots(len(tasks), 3, figsize=(18, 5 * len(tasks)), squeeze=False)
     for row, name in enumerate(tasks):
         task, a = results["tasks"][name], analyses[name]

@@ -279,3 +279,32 @@ def test_report_writes_the_verdicts_and_the_plots(tmp_path):
     targets = []
     report._auto_batch(summary, targets)
     assert len(targets) == 4 and all(t[0].startswith("pydoc (held out): ") for t in targets)
+
+
+def test_report_judges_a_revised_rule_as_auto_and_skips_tasks_not_started(tmp_path):
+    """`--revised_auto` adds the rule at a later commit as "auto (revised)": judged on the same
+    goals as auto, not offered as a schedule in hindsight; a cut run's tasks with no runs are left out."""
+    from benchmarks import auto_batch_report
+    pytest.importorskip("matplotlib")
+    seeds = range(4)
+    runs = {"fixed 32 ×1": {"kind": "fixed", "effective_batch": 32, "lr_factor": 1.0, "decay": False, "lr": 1e-2,
+                            "runs": [_run(s, 32, 3.0) for s in seeds]},
+            "fixed 256 ×1": {"kind": "fixed", "effective_batch": 256, "lr_factor": 1.0, "decay": False,
+                             "lr": 3e-2, "runs": [_run(s, 256, 1.2) for s in seeds]},
+            "auto": {"kind": "auto", "lr": None, "runs": [_run(s, 32, 3.0) for s in seeds]},
+            "auto (revised)": {"kind": "auto", "lr": None, "code": {"commit": "def4567890", "subject": "n_eff"},
+                               "runs": [_run(s, 128, 3.3, schedule={"0": 2, "30": 8}) for s in seeds]}}
+    task = {"description": "a test task", "settings": {"micro": 16, "start": 32, "max": 256, "lr0": 1e-2},
+            "budget": 10_000, "train_size": 1000, "held_out": False, "runs": runs}
+    waiting = {**task, "runs": {"auto": {"kind": "auto", "lr": None, "runs": []}}}
+    results = {"date": "2026-11-26", "versions": {"tensorflow": "x", "keras": "y", "python": "z"}, "cpus": 2,
+               "load_at_start": [1.0], "wall_seconds": 60, "code": {"commit": "abc", "subject": "s", "dirty": False},
+               "rule_defaults": {}, "settings": {"seeds": 4, "quick": True, "lr_scaling": "sqrt"},
+               "tasks": {"text": task, "digits": waiting}}
+    summary = auto_batch_report.write(results, str(tmp_path))
+    text = (tmp_path / "auto_batch.md").read_text()
+    assert "digits" not in summary and set(summary["text"]["revised"]) == {"auto (revised)"}
+    assert summary["text"]["revised"]["auto (revised)"]["updates"] and not summary["text"]["verdicts"]["updates"]["met"]
+    assert summary["text"]["best_in_hindsight"] != "auto (revised)"
+    assert "**auto (revised): " in text
+    assert "def4567890" in text
