@@ -24,8 +24,8 @@ from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule,
 from tfx_gradient_accumulator.accumulator.gradient_cache import GradientCache, validate_gather_across_replicas
 from tfx_gradient_accumulator.accumulator.optimizer import GradientAccumulator
 from tfx_gradient_accumulator.accumulator.options import (
-    DEFAULT_SMOOTHING, WindowOptions, validate_accum_steps, validate_bool, validate_lr_scaling, validate_schedule,
-    validate_schedule_by,
+    DEFAULT_SMOOTHING, WindowOptions, validate_accum_steps, validate_bool, validate_lr_ramp_updates,
+    validate_lr_scaling, validate_schedule, validate_schedule_by,
 )
 from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
 
@@ -45,6 +45,7 @@ class _Plan:
     schedule_by: str = "epoch"
     lr_scaling: str = "none"
     auto: Optional[Dict[str, Any]] = None
+    lr_ramp_updates: int = 0
 
 
 @contextlib.contextmanager
@@ -54,7 +55,7 @@ def accumulating_compile(accum_steps: int | None = None, schedule: dict[int, int
                          merge_duplicate_rows: bool = False, gradient_cache: bool = False,
                          backup: TrainingBackup | None = None, schedule_by: str = "epoch",
                          lr_scaling: str = "none", auto: dict | None = None, gather_across_replicas: bool = False,
-                         options: Optional[WindowOptions] = None):
+                         options: Optional[WindowOptions] = None, lr_ramp_updates: int = 0):
     """Context: `keras.Model.compile` wraps the optimizers it is given in `GradientAccumulator`.
 
     Works with Keras 3's `compile` and, where installed, Keras 2's (`tf_keras`). For a
@@ -94,6 +95,9 @@ def accumulating_compile(accum_steps: int | None = None, schedule: dict[int, int
         options: a `WindowOptions` instead of `accum_steps`, `partial_window`,
             `measure_noise_scale`, `noise_scale_smoothing` and `merge_duplicate_rows`
             (not both).
+        lr_ramp_updates: with a `schedule` by update: the updates over which the
+            learning rate ramps to its new value after each change (see
+            `AccumulationSchedule`; 0 jumps). `auto` takes its own in `auto`.
 
     Yields:
         The list of wrappers made (with `gradient_cache`: the optimizers of the
@@ -119,7 +123,7 @@ def accumulating_compile(accum_steps: int | None = None, schedule: dict[int, int
                              "GradientCache has no windows and measures no noise scale.")
     if options is not None:
         options = WindowOptions.from_arguments(options, **window_arguments)    # not both
-    plan = _plan(accum_steps, schedule, schedule_by, lr_scaling, auto, options, window_arguments)
+    plan = _plan(accum_steps, schedule, schedule_by, lr_scaling, auto, options, window_arguments, lr_ramp_updates)
     accum_steps = plan.options.accum_steps
     made = []
 
@@ -184,12 +188,17 @@ def _wrapped(model, optimizer, kwargs, plan):
     return wrapper
 
 
-def _plan(accum_steps, schedule, schedule_by, lr_scaling, auto, options, window_arguments) -> _Plan:
+def _plan(accum_steps, schedule, schedule_by, lr_scaling, auto, options, window_arguments,
+          lr_ramp_updates=0) -> _Plan:
     """Checks what `accumulating_compile` was given (`options`, or `accum_steps` and the
     `window_arguments`), once; the wrappers are schedulable with a schedule or `auto`,
     and measure the noise scale with `auto`."""
     validate_lr_scaling(lr_scaling)
     validate_schedule_by(schedule_by)
+    if validate_lr_ramp_updates(lr_ramp_updates, schedule_by) and schedule is None:
+        raise ValueError("accumulating_compile(lr_ramp_updates=...) ramps the learning rate after a change "
+                         "of a `schedule` by update; without one nothing changes (`auto` takes its own ramp "
+                         "in `auto`).")
     if options is not None and accum_steps is None:
         accum_steps = options.accum_steps
     if auto is not None:
@@ -213,7 +222,7 @@ def _plan(accum_steps, schedule, schedule_by, lr_scaling, auto, options, window_
     else:
         options = dataclasses.replace(options, accum_steps=accum_steps, schedulable=options.schedulable or changing,
                                       measure_noise_scale=options.measure_noise_scale or auto is not None)
-    return _Plan(options, schedule, schedule_by, lr_scaling, auto)
+    return _Plan(options, schedule, schedule_by, lr_scaling, auto, lr_ramp_updates)
 
 
 def _fit_callback(package, plan):
@@ -227,7 +236,8 @@ def _fit_callback(package, plan):
     if plan.schedule is None:
         return None
     schedule_class = AccumulationSchedule.for_keras(package)
-    return lambda: schedule_class(plan.schedule, by=plan.schedule_by, lr_scaling=plan.lr_scaling)
+    return lambda: schedule_class(plan.schedule, by=plan.schedule_by, lr_scaling=plan.lr_scaling,
+                                  lr_ramp_updates=plan.lr_ramp_updates)
 
 
 def _set_up_gradient_cache(model, optimizer, accum_steps, gradient_cache, gather_across_replicas=False):

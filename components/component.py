@@ -2,8 +2,8 @@
 
 Same inputs, same outputs (`model`, `model_run`), same run_fn contract as the
 stock Trainer, plus the accumulation's parameters (`accum_steps`, `effective_batch_size`,
-`strategy`, `accum_schedule`, `accum_schedule_by`, `lr_scaling`, `max_effective_batch_size`,
-`partial_window`, `measure_noise_scale`, `merge_duplicate_rows`, `gradient_cache`,
+`strategy`, `accum_schedule`, `accum_schedule_by`, `lr_scaling`, `lr_ramp_updates`,
+`max_effective_batch_size`, `partial_window`, `measure_noise_scale`, `merge_duplicate_rows`, `gradient_cache`,
 `gather_across_replicas`, `backup_dir`, `backup_every`). On a cluster the chief
 alone exports and records (components.cluster).
 Change the class name in a pipeline and it trains with
@@ -51,6 +51,7 @@ class AccumulatingTrainerSpec(standard_component_specs.TrainerSpec):
         executor.MAX_EFFECTIVE_BATCH_SIZE_KEY: ExecutionParameter(type=int, optional=True),
         executor.ACCUM_SCHEDULE_BY_KEY: ExecutionParameter(type=str, optional=True),
         executor.LR_SCALING_KEY: ExecutionParameter(type=str, optional=True),
+        executor.LR_RAMP_UPDATES_KEY: ExecutionParameter(type=int, optional=True),
         executor.BACKUP_DIR_KEY: ExecutionParameter(type=str, optional=True),
         executor.BACKUP_EVERY_KEY: ExecutionParameter(type=int, optional=True),
         exactness.VERIFY_EXACTNESS_KEY: ExecutionParameter(type=str, optional=True),
@@ -105,6 +106,14 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             optimizer's learning rate (constant or schedule) times the ratio of
             the effective batch to the starting one, or its square root, at
             every change (`accum_schedule` or "auto").
+        lr_ramp_updates: the optimizer updates over which that learning rate
+            moves linearly to its new value after each change, instead of
+            jumping (`AccumulationSchedule(..., lr_ramp_updates=...)`). Default:
+            `AutoAccumulation`'s own (50) with "auto", 0 (a jump) with an
+            `accum_schedule`. Needs "auto" or `accum_schedule_by="update"`
+            (refused with a fixed `accum_steps` and with a schedule by epoch).
+            Recorded as `lr_ramp_updates`: with the same value, replaying
+            `accum_schedule_taken` gives the same run.
         max_effective_batch_size: the limit of `accum_steps="auto"` (required
             with it, refused without it).
         partial_window: "apply" (the default), "carry" or "drop": what the end
@@ -215,6 +224,7 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
         accum_schedule_by: str = "epoch",
         lr_scaling: str = "none",
         max_effective_batch_size: Optional[int] = None,
+        lr_ramp_updates: Optional[int] = None,
     ):
         if [bool(module_file), bool(run_fn)].count(True) != 1:
             raise ValueError("Exactly one of 'module_file', or 'run_fn' must be supplied.")
@@ -231,17 +241,19 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
 
         # Whether measuring has windows depends on tuned values, when there are any.
         measure = None if hyperparameters is not None else static(measure_noise_scale)
+        # Whether a ramp has a change to ramp after too (a tuned "auto" would give it one).
+        ramp = None if hyperparameters is not None and accum_schedule is None else lr_ramp_updates
         auto = accum_steps == settings_lib.AUTO
         if auto and accum_schedule is not None:
             raise ValueError("`accum_steps='auto'` makes its own schedule: leave `accum_schedule` unset.")
         settings_lib.resolve(None, static(accum_steps), static(effective_batch_size), replicas=1,
                              partial_window=partial_window,
-                             schedule=accum_schedule if measure or gradient_cache else None,
+                             schedule=accum_schedule if measure or gradient_cache or ramp is not None else None,
                              measure_noise_scale=measure, noise_scale_smoothing=static(noise_scale_smoothing),
                              merge_duplicate_rows=merge_duplicate_rows, gradient_cache=gradient_cache,
                              schedule_by=accum_schedule_by, lr_scaling=lr_scaling,
                              max_effective_batch_size=max_effective_batch_size,
-                             gather_across_replicas=gather_across_replicas)
+                             gather_across_replicas=gather_across_replicas, lr_ramp_updates=ramp)
         if auto:
             accum_steps = None
         if accum_schedule is not None:
@@ -283,6 +295,7 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             max_effective_batch_size=max_effective_batch_size,
             accum_schedule_by=accum_schedule_by,
             lr_scaling=lr_scaling,
+            lr_ramp_updates=lr_ramp_updates,
             backup_dir=backup_dir,
             backup_every=backup_every,
             verify_exactness=exactness.validate_mode(verify_exactness),

@@ -37,6 +37,7 @@ ACCUM_STEPS_AUTO_KEY = "accum_steps_auto"
 MAX_EFFECTIVE_BATCH_SIZE_KEY = "max_effective_batch_size"
 ACCUM_SCHEDULE_BY_KEY = "accum_schedule_by"
 LR_SCALING_KEY = "lr_scaling"
+LR_RAMP_UPDATES_KEY = settings_lib.LR_RAMP_UPDATES
 BACKUP_DIR_KEY = preemption.BACKUP_DIR_KEY
 BACKUP_EVERY_KEY = preemption.BACKUP_EVERY_KEY
 TENSORBOARD_SUBDIR = "accumulation"
@@ -49,6 +50,7 @@ _RESOLVE_KEYWORDS = {
     "merge_duplicate_rows": MERGE_DUPLICATE_ROWS_KEY, "gradient_cache": GRADIENT_CACHE_KEY,
     "schedule_by": ACCUM_SCHEDULE_BY_KEY, "lr_scaling": LR_SCALING_KEY,
     "max_effective_batch_size": MAX_EFFECTIVE_BATCH_SIZE_KEY, "gather_across_replicas": GATHER_ACROSS_REPLICAS_KEY,
+    "lr_ramp_updates": LR_RAMP_UPDATES_KEY,
 }
 
 
@@ -172,7 +174,8 @@ def _describe(run, train_steps):
     if settings.auto:
         micro_steps += (f"; accum_steps grows from {settings.accum_steps} with the noise scale up to an "
                         f"effective batch of {settings.max_effective_batch_size} (lr_scaling="
-                        f"{settings.lr_scaling}); the micro-steps stay, so the updates are fewer")
+                        f"{settings.lr_scaling}, ramped over {settings.lr_ramp_updates} updates); the "
+                        f"micro-steps stay, so the updates are fewer")
     return (
         f"Accumulation: accum_steps={settings.accum_steps} ({settings.sources.get('accum_steps')}), "
         f"effective batch {settings.effective_batch_size} ({settings.sources.get('effective_batch_size')}), "
@@ -232,7 +235,8 @@ def _write_record(output_dict, model_run_dir, run, outcome):
                "accum_schedule_by": settings.schedule_by, "lr_scaling": settings.lr_scaling, **backup_strings}
     if schedule_taken is not None:
         # What "auto" did, as the by-update schedule that replays it: AccumulatingTrainer(
-        # accum_schedule=json.loads(this), accum_schedule_by="update", lr_scaling=...).
+        # accum_schedule=json.loads(this), accum_schedule_by="update", lr_scaling=...,
+        # lr_ramp_updates=...), both recorded beside it.
         strings["accum_schedule_taken"] = json.dumps({str(k): v for k, v in sorted(schedule_taken.items())})
         properties["final_accum_steps"] = max(schedule_taken.items())[1]
         properties["final_effective_batch_size"] = properties["final_accum_steps"] * (settings.micro_batch or 0)

@@ -10,13 +10,15 @@ it refuses.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Dict, Optional
 
+from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation
 from tfx_gradient_accumulator.accumulator.callbacks import accum_steps_at
 from tfx_gradient_accumulator.accumulator.options import (
     AUTO, AUTO_START_ACCUM_STEPS, DEFAULT_SMOOTHING, WindowOptions, integer_at_least, validate_accum_steps,
-    validate_bool, validate_lr_scaling, validate_measure_noise_scale, validate_partial_window, validate_schedule,
-    validate_schedule_by, validate_smoothing,
+    validate_bool, validate_lr_ramp_updates, validate_lr_scaling, validate_measure_noise_scale,
+    validate_partial_window, validate_schedule, validate_schedule_by, validate_smoothing,
 )
 
 ACCUM_STEPS = "accum_steps"
@@ -26,6 +28,7 @@ NOISE_SCALE_SMOOTHING = "noise_scale_smoothing"
 GRADIENT_CACHE = "gradient_cache"
 GATHER_ACROSS_REPLICAS = "gather_across_replicas"
 MAX_EFFECTIVE_BATCH_SIZE = "max_effective_batch_size"
+LR_RAMP_UPDATES = "lr_ramp_updates"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +53,7 @@ class AccumulationSettings:
     lr_scaling: str = "none"
     max_effective_batch_size: Optional[int] = None      # set: accum_steps="auto"
     gather_across_replicas: bool = False                 # only with gradient_cache
+    lr_ramp_updates: int = 0                             # "auto" or a schedule by update
 
     @property
     def auto(self) -> bool:
@@ -97,11 +101,12 @@ class AccumulationSettings:
             "gather_across_replicas": self.gather_across_replicas,
             "schedule_by": self.schedule_by,
             "lr_scaling": self.lr_scaling,
-            # No learning-rate ramp: the record (`accum_schedule_taken`) replays exactly as a
-            # schedule by update, which the Trainer runs without one.
+            # The same ramp for "auto" and a schedule: the record (`accum_schedule_taken`,
+            # `lr_ramp_updates`) replays exactly as a schedule by update.
+            "lr_ramp_updates": 0 if self.auto else self.lr_ramp_updates,
             "auto": ({"micro_batch_size": self.micro_batch,
                       "max_effective_batch_size": self.max_effective_batch_size,
-                      "lr_ramp_updates": 0} if self.auto else None),
+                      "lr_ramp_updates": self.lr_ramp_updates} if self.auto else None),
         }
 
     def as_properties(self) -> Dict[str, int]:
@@ -117,6 +122,7 @@ class AccumulationSettings:
             "accum_steps_auto": int(self.auto),
             "max_effective_batch_size": self.max_effective_batch_size or 0,
             "gather_across_replicas": int(self.gather_across_replicas),
+            "lr_ramp_updates": self.lr_ramp_updates,
         }
 
 
@@ -151,6 +157,7 @@ def resolve(
     lr_scaling: Optional[str] = None,
     max_effective_batch_size: Optional[int] = None,
     gather_across_replicas: Optional[bool] = None,
+    lr_ramp_updates: Optional[int] = None,
 ) -> AccumulationSettings:
     """Resolves and validates one run's settings: the Tuner's values over the component's over defaults.
 
@@ -169,6 +176,9 @@ def resolve(
         lr_scaling: "none", "linear" or "sqrt" (None: "none").
         max_effective_batch_size: the limit of "auto" (needed with it, refused without).
         gather_across_replicas: the component's (None: False; needs `gradient_cache`).
+        lr_ramp_updates: the updates over which the learning rate ramps after a change
+            of the batch, with "auto" or a schedule by update (None: `AutoAccumulation`'s
+            default with "auto", 0 with a schedule; see `ramp_setting`).
 
     Returns:
         The frozen `AccumulationSettings`.
@@ -251,9 +261,57 @@ def resolve(
                                               "merge_duplicate_rows": merge}, sources.get(MEASURE_NOISE_SCALE))
     if measure:
         refuse_measuring_without_windows(schedule, accum, sources)
+    ramp = ramp_setting(lr_ramp_updates, auto, schedule, schedule_by, accum)
     return AccumulationSettings(accum, effective, replicas, schedule, partial_window, sources,
                                 measure, smoothing, merge, cache, schedule_by, lr_scaling,
-                                max_effective_batch_size, gather)
+                                max_effective_batch_size, gather, ramp)
+
+
+def default_lr_ramp_updates() -> int:
+    """`AutoAccumulation`'s own `lr_ramp_updates` default, read from the library (not copied).
+
+    Read at each call, not at import, so the run takes the library's default of the day.
+
+    Returns:
+        The default, an int.
+    """
+    return inspect.signature(AutoAccumulation.__init__).parameters[LR_RAMP_UPDATES].default
+
+
+def ramp_setting(lr_ramp_updates: int | None, auto: bool, schedule: dict | None, schedule_by: str,
+                 accum_steps: int) -> int:
+    """The run's learning-rate ramp: only where the batch changes during the run.
+
+    Refused (> 0) with a fixed `accum_steps`, as `max_effective_batch_size` is without
+    "auto": nothing would ramp, so a value is a mistake worth naming.
+
+    Args:
+        lr_ramp_updates: the component's, or None.
+        auto: `accum_steps="auto"`.
+        schedule: the run's schedule, or None.
+        schedule_by: "epoch" or "update".
+        accum_steps: the run's `accum_steps` (for the message).
+
+    Returns:
+        The ramp, in updates (None: `AutoAccumulation`'s default with "auto", else 0).
+
+    Raises:
+        ValueError: not an int >= 0, or > 0 without "auto" or a schedule, or with a
+            schedule by epoch (`options.validate_lr_ramp_updates`).
+    """
+    if lr_ramp_updates is None:
+        return default_lr_ramp_updates() if auto else 0
+    ramp = validate_lr_ramp_updates(lr_ramp_updates)
+    if ramp and not auto and schedule is None:
+        raise ValueError(
+            f"`{LR_RAMP_UPDATES}` ramps the learning rate after a change of the batch: it goes with "
+            f"`{ACCUM_STEPS}={AUTO!r}` or an `accum_schedule` by update; `{ACCUM_STEPS}` is {accum_steps} "
+            f"with no schedule. Leave `{LR_RAMP_UPDATES}` unset (or 0).")
+    try:
+        return validate_lr_ramp_updates(ramp, "update" if auto else schedule_by)
+    except ValueError as err:    # the library's rule, in the Trainer's words
+        raise ValueError(f"{err} Set `accum_schedule_by='update'`, or leave `{LR_RAMP_UPDATES}` "
+                         "unset.") from None
 
 
 def refuse_measuring_without_windows(schedule: dict | None, accum_steps: int, sources: dict) -> None:
