@@ -18,6 +18,7 @@ from tfx_gradient_accumulator.components.component import AccumulatingTrainer
 from tests.components import fixtures
 
 AUTO = dict(accum_steps_auto=1, effective_batch_size=2, max_effective_batch_size=16, lr_scaling="sqrt")
+RAMP = 4
 KERAS2_MODULE = os.path.join(fixtures.TESTDATA, "keras2_regression_module.py")
 
 
@@ -50,6 +51,7 @@ def test_auto_grows_records_its_decisions_and_the_record_replays_the_run(example
     assert model.get_int_custom_property("accum_steps_auto") == 1
     assert model.get_int_custom_property("max_effective_batch_size") == 16
     assert model.get_string_custom_property("lr_scaling") == "sqrt"
+    assert model.get_int_custom_property("lr_ramp_updates") == 0          # easy_auto's default: no ramp
     # The samples stay (120 micro-steps), the updates are fewer than at a fixed window of 2.
     updates = model.get_int_custom_property("optimizer_updates")
     assert seen["train_steps"] == 120 and seen["iterations"] == updates < 60
@@ -59,7 +61,7 @@ def test_auto_grows_records_its_decisions_and_the_record_replays_the_run(example
     replay_outputs, replay_seen, replay_weights = fixtures.run_executor(
         tmp_path / "replay", examples, num_steps=60, module=module, effective_batch_size=2,
         accum_schedule=model.get_string_custom_property("accum_schedule_taken"),
-        accum_schedule_by="update", lr_scaling="sqrt")
+        accum_schedule_by="update", lr_scaling="sqrt", lr_ramp_updates=model.get_int_custom_property("lr_ramp_updates"))
     assert replay_seen["iterations"] == updates and replay_seen["accum_steps"] == final
     replay_diff = _max_diff(weights, replay_weights)
     print(f"replay: max |dw| {replay_diff:.1e}")
@@ -74,6 +76,45 @@ def test_auto_grows_records_its_decisions_and_the_record_replays_the_run(example
     control_diff = _max_diff(weights, fixed_weights)
     print(f"fixed window of 2: max |dw| {control_diff:.1e}")
     assert fixed_seen["iterations"] == 60 and control_diff > 1e-6 and control_diff > 100 * replay_diff
+
+
+def test_a_ramped_auto_run_moves_the_learning_rate_gradually_and_its_record_replays_it(examples, tmp_path,
+                                                                                       easy_auto):
+    logging = {"log_lr_multipliers": True}
+    outputs, seen, weights = fixtures.run_executor(tmp_path / "auto", examples, num_steps=60, module=fixtures.MODULE,
+                                                   custom_config=logging, lr_ramp_updates=RAMP, **AUTO)
+    model = outputs["model"][0]
+    assert model.get_int_custom_property("lr_ramp_updates") == RAMP
+    taken = {int(k): v for k, v in json.loads(model.get_string_custom_property("accum_schedule_taken")).items()}
+    grown = min(k for k in taken if k > 0)
+    # Between two batches the multiplier passes through values between sqrt(1) and sqrt(2):
+    # 1/4, 2/4 and 3/4 of the way, one per update.
+    multipliers = seen["lr_multipliers"]
+    after = np.sqrt(taken[grown] / taken[0])
+    between = sorted({round(m, 6) for m in multipliers if 1.0 < m < after - 1e-6})
+    print(f"grew at update {grown}; multipliers on the way: {between}")
+    assert between == [round(1.0 + (after - 1.0) * i / RAMP, 6) for i in range(1, RAMP)]
+
+    # The replay of the record (the schedule and the ramp): the same multipliers, the same weights.
+    replay_outputs, replay_seen, replay_weights = fixtures.run_executor(
+        tmp_path / "replay", examples, num_steps=60, module=fixtures.MODULE, custom_config=logging,
+        effective_batch_size=2, accum_schedule=model.get_string_custom_property("accum_schedule_taken"),
+        accum_schedule_by="update", lr_scaling="sqrt", lr_ramp_updates=model.get_int_custom_property("lr_ramp_updates"))
+    assert replay_seen["lr_multipliers"] == multipliers
+    replay_diff = _max_diff(weights, replay_weights)
+    print(f"ramped replay: max |dw| {replay_diff:.1e}")
+    assert replay_diff <= 1e-7
+    assert replay_outputs["model"][0].get_int_custom_property("lr_ramp_updates") == RAMP
+
+    # Control: the same schedule without the ramp jumps, and trains otherwise.
+    _, jump_seen, jump_weights = fixtures.run_executor(
+        tmp_path / "jump", examples, num_steps=60, module=fixtures.MODULE, custom_config=logging,
+        effective_batch_size=2, accum_schedule=model.get_string_custom_property("accum_schedule_taken"),
+        accum_schedule_by="update", lr_scaling="sqrt")
+    assert not [m for m in jump_seen["lr_multipliers"] if 1.0 < m < after - 1e-6]
+    control_diff = _max_diff(weights, jump_weights)
+    print(f"no ramp: max |dw| {control_diff:.1e}")
+    assert control_diff > 1e-7 and control_diff > 100 * replay_diff
 
 
 @pytest.mark.parametrize("arguments, error, message", [
@@ -107,9 +148,9 @@ def test_auto_and_a_schedule_exclude_each_other():
 def test_auto_ignores_a_tuned_accum_steps_and_measures_the_noise_scale():
     settings = settings_lib.resolve({"accum_steps": 8}, "auto", 8, 1, max_effective_batch_size=32)
     assert (settings.accum_steps, settings.micro_batch, settings.measure_noise_scale) == (2, 4, True)
-    # No learning-rate ramp: the Trainer's record replays as a schedule by update without one.
+    # AutoAccumulation's own learning-rate ramp; recorded, so the replay ramps alike.
     assert settings.compile_arguments()["auto"] == {"micro_batch_size": 4, "max_effective_batch_size": 32,
-                                                   "lr_ramp_updates": 0}
+                                                   "lr_ramp_updates": settings_lib.default_lr_ramp_updates()}
     assert settings.sources["accum_steps"] == "auto"
 
 

@@ -67,6 +67,12 @@ def test_hyperparameters_channel_is_accepted():
         ({"backup_dir": ""}, ValueError, "`backup_dir` must be a non-empty path"),
         ({"backup_dir": 3}, ValueError, "`backup_dir` must be a non-empty path"),
         ({"backup_dir": "/b", "backup_every": 0}, ValueError, "`backup_every` must be a positive integer"),
+        ({"accum_steps": 4, "lr_ramp_updates": 10}, ValueError, "`lr_ramp_updates` ramps the learning rate.*"
+         "`accum_steps='auto'` or an `accum_schedule` by update"),
+        ({"accum_schedule": {0: 2, 3: 4}, "lr_ramp_updates": 10}, ValueError,
+         "`lr_ramp_updates` counts updates.*received by='epoch'. Set `accum_schedule_by='update'`"),
+        ({"accum_steps": "auto", "effective_batch_size": 8, "max_effective_batch_size": 32, "lr_ramp_updates": -1},
+         ValueError, "`lr_ramp_updates` must be an int >= 0; received -1"),
     ],
 )
 def test_bad_parameters_fail_when_the_pipeline_is_defined(extra, error, message):
@@ -116,3 +122,17 @@ def test_gather_across_replicas_is_stored_as_an_int_and_unset_means_false():
                                             effective_batch_size=64))
     assert trainer.exec_properties["gather_across_replicas"] == 1
     assert AccumulatingTrainer(**_kwargs(gradient_cache=True)).exec_properties["gather_across_replicas"] == 0
+
+
+def test_lr_ramp_updates_is_stored_unset_means_the_runs_default_and_tuned_values_are_awaited():
+    auto = dict(accum_steps="auto", effective_batch_size=8, max_effective_batch_size=32, lr_scaling="sqrt")
+    assert AccumulatingTrainer(**_kwargs(**auto, lr_ramp_updates=20)).exec_properties["lr_ramp_updates"] == 20
+    # Unset: the executor takes the library's default for "auto" (0 for a schedule) when it runs.
+    assert AccumulatingTrainer(**_kwargs(**auto)).exec_properties["lr_ramp_updates"] is None
+    scheduled = AccumulatingTrainer(**_kwargs(accum_schedule={0: 2, 40: 4}, accum_schedule_by="update",
+                                              lr_scaling="sqrt", lr_ramp_updates=10))
+    assert scheduled.exec_properties["lr_ramp_updates"] == 10
+    # Tuned values may make the run "auto" (AccumulatingHyperModel(accum_steps="auto")): the executor checks.
+    hp = channel_utils.as_channel([standard_artifacts.HyperParameters()])
+    assert AccumulatingTrainer(**_kwargs(hyperparameters=hp, lr_ramp_updates=10)).exec_properties[
+        "lr_ramp_updates"] == 10

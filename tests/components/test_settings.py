@@ -22,7 +22,7 @@ def test_precedence():
     assert s.as_properties() == {"accum_steps": 8, "micro_batch_size": 8, "replicas": 2, "effective_batch_size": 64,
                                  "measure_noise_scale": 0, "merge_duplicate_rows": 0, "gradient_cache": 0,
                                  "accum_steps_auto": 0, "max_effective_batch_size": 0,
-                                 "gather_across_replicas": 0}
+                                 "gather_across_replicas": 0, "lr_ramp_updates": 0}
 
 
 @pytest.mark.parametrize(
@@ -146,3 +146,45 @@ def test_bad_gather_across_replicas_is_refused_naming_it(kwargs, message):
 def test_a_tuned_measure_noise_scale_is_refused_with_gradient_cache_naming_its_source():
     with pytest.raises(ValueError, match=r"`measure_noise_scale=True` \(from hyperparameters\) is not supported"):
         resolve({"values": {"measure_noise_scale": True}}, 4, 64, replicas=1, gradient_cache=True)
+
+
+def test_lr_ramp_updates_defaults_to_the_librarys_with_auto_and_to_none_with_a_schedule():
+    import inspect
+
+    from tfx_gradient_accumulator.accumulator import AutoAccumulation
+    library = inspect.signature(AutoAccumulation.__init__).parameters["lr_ramp_updates"].default
+    auto = resolve(None, "auto", 8, replicas=1, max_effective_batch_size=32, lr_scaling="sqrt")
+    assert library > 0 and auto.lr_ramp_updates == library == auto.as_properties()["lr_ramp_updates"]
+    assert auto.compile_arguments()["auto"]["lr_ramp_updates"] == library
+    assert auto.compile_arguments()["lr_ramp_updates"] == 0          # the ramp goes in `auto`
+    scheduled = resolve(None, None, 8, replicas=1, schedule={0: 2, 10: 4}, schedule_by="update")
+    assert scheduled.lr_ramp_updates == scheduled.compile_arguments()["lr_ramp_updates"] == 0
+    assert resolve(None, 2, 8, replicas=1).as_properties()["lr_ramp_updates"] == 0
+
+
+def test_lr_ramp_updates_set_goes_to_the_schedule_or_to_auto():
+    scheduled = resolve(None, None, 8, replicas=1, schedule={0: 2, 10: 4}, schedule_by="update",
+                        lr_scaling="sqrt", lr_ramp_updates=5)
+    assert scheduled.compile_arguments()["lr_ramp_updates"] == scheduled.as_properties()["lr_ramp_updates"] == 5
+    auto = resolve(None, "auto", 8, replicas=1, max_effective_batch_size=32, lr_ramp_updates=0)
+    assert auto.compile_arguments()["auto"]["lr_ramp_updates"] == auto.lr_ramp_updates == 0
+    # 0 says "no ramp", which a fixed window has anyway.
+    assert resolve(None, 2, 8, replicas=1, lr_ramp_updates=0).lr_ramp_updates == 0
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(accum_steps=2, lr_ramp_updates=5), r"`lr_ramp_updates` ramps the learning rate after a change of the "
+     r"batch: it goes with `accum_steps='auto'` or an `accum_schedule` by update; `accum_steps` is 2"),
+    (dict(accum_steps=None, schedule={0: 2, 3: 4}, lr_ramp_updates=5),
+     r"`lr_ramp_updates` counts updates: it goes with by='update'; received by='epoch'. Set "
+     r"`accum_schedule_by='update'`"),
+    (dict(accum_steps="auto", max_effective_batch_size=32, lr_ramp_updates=-1),
+     r"`lr_ramp_updates` must be an int >= 0; received -1"),
+    (dict(accum_steps=None, schedule={0: 2, 3: 4}, schedule_by="update", lr_ramp_updates=2.5),
+     r"`lr_ramp_updates` must be an int >= 0; received 2.5"),
+    (dict(accum_steps=2, lr_ramp_updates=True), r"`lr_ramp_updates` must be an int >= 0; received True"),
+])
+def test_lr_ramp_updates_is_refused_where_nothing_changes_or_not_by_update(arguments, message):
+    accum_steps = arguments.pop("accum_steps")
+    with pytest.raises(ValueError, match=message):
+        resolve(None, accum_steps, 8, replicas=1, **arguments)

@@ -70,7 +70,11 @@ def run_fn(fn_args: tfx.components.FnArgs):
     else:
         model = _make_keras_model()
     extra = (fn_args.custom_config or {}).get("extra_micro_steps", 0)   # for the tests
-    history = model.fit(train, steps_per_epoch=fn_args.train_steps + extra,
+    multipliers = []      # each batch's logged `lr_multiplier` (custom_config "log_lr_multipliers")
+    logged = [keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: multipliers.append((logs or {}).get("lr_multiplier")))
+              ] if (fn_args.custom_config or {}).get("log_lr_multipliers") else []
+    history = model.fit(train, steps_per_epoch=fn_args.train_steps + extra, callbacks=logged,
                         validation_data=evaluation, validation_steps=fn_args.eval_steps, verbose=0)
     seen = {
         "train_steps": fn_args.train_steps,
@@ -93,6 +97,8 @@ def run_fn(fn_args: tfx.components.FnArgs):
             noise_scale_smoothing=model.optimizer.noise_scale_smoothing,
             logged_noise_scale=history.history["noise_scale"][-1],
         )
+    if logged:
+        seen["lr_multipliers"] = [None if m is None else float(m) for m in multipliers]
     os.makedirs(fn_args.model_run_dir, exist_ok=True)
     with open(os.path.join(fn_args.model_run_dir, "seen.json"), "w") as f:
         json.dump(seen, f)
