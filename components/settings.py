@@ -176,9 +176,7 @@ def resolve(
         lr_scaling: "none", "linear" or "sqrt" (None: "none").
         max_effective_batch_size: the limit of "auto" (needed with it, refused without).
         gather_across_replicas: the component's (None: False; needs `gradient_cache`).
-        lr_ramp_updates: the updates over which the learning rate ramps after a change
-            of the batch, with "auto" or a schedule by update (None: `AutoAccumulation`'s
-            default with "auto", 0 with a schedule; see `ramp_setting`).
+        lr_ramp_updates: the learning rate's ramp, in updates (None: the default; `ramp_setting`).
 
     Returns:
         The frozen `AccumulationSettings`.
@@ -261,10 +259,9 @@ def resolve(
                                               "merge_duplicate_rows": merge}, sources.get(MEASURE_NOISE_SCALE))
     if measure:
         refuse_measuring_without_windows(schedule, accum, sources)
-    ramp = ramp_setting(lr_ramp_updates, auto, schedule, schedule_by, accum)
     return AccumulationSettings(accum, effective, replicas, schedule, partial_window, sources,
-                                measure, smoothing, merge, cache, schedule_by, lr_scaling,
-                                max_effective_batch_size, gather, ramp)
+                                measure, smoothing, merge, cache, schedule_by, lr_scaling, max_effective_batch_size,
+                                gather, ramp_setting(lr_ramp_updates, auto, schedule, schedule_by, accum))
 
 
 def default_lr_ramp_updates() -> int:
