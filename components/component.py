@@ -3,8 +3,8 @@
 Same inputs, same outputs (`model`, `model_run`), same run_fn contract as the
 stock Trainer, plus the accumulation's parameters (`accum_steps`, `effective_batch_size`,
 `strategy`, `accum_schedule`, `accum_schedule_by`, `lr_scaling`, `lr_ramp_updates`,
-`max_effective_batch_size`, `partial_window`, `measure_noise_scale`, `merge_duplicate_rows`, `gradient_cache`,
-`gather_across_replicas`, `backup_dir`, `backup_every`). On a cluster the chief
+`max_effective_batch_size`, `partial_window`, `measure_noise_scale`, `merge_duplicate_rows`,
+`gradient_cache`, `gather_across_replicas`, `backup_dir`, `backup_every`). On a cluster the chief
 alone exports and records (components.cluster).
 Change the class name in a pipeline and it trains with
 accumulation; feed `hyperparameters=tuner.outputs["best_hyperparameters"]` and
@@ -241,7 +241,7 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
 
         # Whether measuring has windows depends on tuned values, when there are any.
         measure = None if hyperparameters is not None else static(measure_noise_scale)
-        # Whether a ramp has a change to ramp after too (a tuned "auto" would give it one).
+        # A ramp needs a change of the batch; tuned values may bring one ("auto"): the executor judges then.
         ramp = None if hyperparameters is not None and accum_schedule is None else lr_ramp_updates
         auto = accum_steps == settings_lib.AUTO
         if auto and accum_schedule is not None:
