@@ -181,6 +181,36 @@ def test_accumulating_compile_auto_grows_unchanged_training_code_and_resumes_wit
             pass
 
 
+def test_accumulating_compile_ramps_the_learning_rate_of_a_schedule_by_update():
+    """What the Trainer hands over for a schedule with `lr_ramp_updates`: the multiplier moves
+    in equal steps over the ramp's updates after the change; refused where nothing ramps."""
+    import tensorflow as tf
+
+    from tfx_gradient_accumulator.accumulator.autowrap import accumulating_compile
+
+    x, y = ref.regression_data(MICRO * 40)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(MICRO)
+    seen = []
+
+    class Multipliers(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append((int(self.model.optimizer.iterations.numpy()), float(logs["lr_multiplier"])))
+
+    with accumulating_compile(2, schedule={0: 2, 3: 4}, schedule_by="update", lr_scaling="linear",
+                              lr_ramp_updates=4):
+        model = ref.mlp()
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+        model.fit(data, verbose=0, callbacks=[Multipliers()])
+    by_update = dict(seen)
+    assert [by_update[u] for u in (3, 4, 5, 6, 7, 8)] == pytest.approx([1.0, 1.25, 1.5, 1.75, 2.0, 2.0])
+    with pytest.raises(ValueError, match="without one nothing changes"):
+        with accumulating_compile(2, lr_ramp_updates=4):
+            pass
+    with pytest.raises(ValueError, match="lr_ramp_updates"):
+        with accumulating_compile(2, schedule={0: 2, 1: 4}, lr_ramp_updates=4):     # by epoch
+            pass
+
+
 # ------------------------------------------------- GradientAccumulator(accum_steps="auto")
 def _noisy(samples):
     """Random labels of 10 classes: the noise scale (~800 samples) is far above small batches."""
