@@ -359,3 +359,13 @@ def goodput_model(seconds_per_update):
     mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
     return {"t_micro": slope, "t_update": mean_y - slope * mean_x}
+
+
+def paired_difference(a_values, b_values, resamples=RESAMPLES, level=LEVEL, seed=0):
+    """Mean of a - b over paired seeds, with its bootstrap interval: {"mean", "low", "high"}."""
+    differences = [a - b for a, b in zip(a_values, b_values)]
+    means = []
+    for counts in resample_counts(len(differences), resamples, seed):
+        means.append(sum(c * d for c, d in zip(counts, differences)) / len(differences))
+    tail = (1 - level) / 2
+    return {"mean": statistics.fmean(differences), "low": quantile(means, tail), "high": quantile(means, 1 - tail)}

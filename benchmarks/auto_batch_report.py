@@ -150,6 +150,33 @@ def _config_table(task, a):
                     f"loss read from the trailing mean of {aba.SMOOTHING} evaluations.", ""]
 
 
+def _start_lines(task, a):
+    """The rule against the configuration it starts as (its smallest batch at the same learning rate):
+    what growing changed, seed by seed, whatever the target."""
+    start = f"fixed {task['settings']['start']} ×1"
+    if start not in task["runs"]:
+        return []
+    lines = []
+    for label, entry in task["runs"].items():
+        if entry["kind"] != "auto" or not entry["runs"]:
+            continue
+        mine = {r["seed"]: r for r in entry["runs"] if r["seed"] in a["seeds"]}
+        theirs = {r["seed"]: r for r in task["runs"][start]["runs"] if r["seed"] in mine}
+        seeds = sorted(theirs)
+        if len(seeds) < 2:
+            continue
+        final = [aba.final_loss(aba.smooth(mine[s]["curve"])) for s in seeds]
+        base = [aba.final_loss(aba.smooth(theirs[s]["curve"])) for s in seeds]
+        d = aba.paired_difference(final, base)
+        updates = statistics.median(mine[s]["curve"][-1]["updates"] / theirs[s]["curve"][-1]["updates"]
+                                    for s in seeds)
+        lines.append(f"**{label} against {start}** (where it starts, the same learning rate; {len(seeds)} "
+                     f"paired seeds): final loss {d['mean']:+.4f} [{d['low']:+.4f} to {d['high']:+.4f}] "
+                     f"(90% interval of the mean paired difference), with {updates:.2f}× the updates (median).")
+        lines.append("")
+    return lines
+
+
 def _task_section(name, task, a):
     s = task["settings"]
     lines = [f"## {TITLES.get(name, name)}", "",
@@ -167,6 +194,7 @@ def _task_section(name, task, a):
         lines += [f"**{label}**: the rule re-run at commit `{(code.get('commit') or '?')[:10]}` "
                   f"(\"{code.get('subject') or '?'}\"), after the runs above; the same seeds, judged the same way:", ""]
         lines += _goal_lines(judged["goals"], judged["per_seed"], len(a["seeds"]), who=label) + [""]
+    lines += _start_lines(task, a)
     lines += _hindsight_lines(a)
     lines += _phi_table(task, a) + [""]
     lines += _config_table(task, a)

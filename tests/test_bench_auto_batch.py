@@ -308,3 +308,12 @@ def test_report_judges_a_revised_rule_as_auto_and_skips_tasks_not_started(tmp_pa
     assert summary["text"]["best_in_hindsight"] != "auto (revised)"
     assert "**auto (revised): " in text
     assert "def4567890" in text
+    # Each run of the rule against where it starts (fixed 32 ×1, the same seeds): auto is that run
+    # (difference 0, the same updates); the revised one ends higher with fewer updates.
+    assert "**auto against fixed 32 ×1**" in text and "final loss +0.0000 [+0.0000 to +0.0000]" in text
+    assert "**auto (revised) against fixed 32 ×1**" in text
+
+
+def test_paired_difference_interval_holds_the_mean():
+    d = aba.paired_difference([1.0, 2.0, 3.0, 4.0], [0.5, 1.0, 2.5, 3.0], resamples=500)
+    assert d["mean"] == pytest.approx(0.75) and d["low"] <= 0.75 <= d["high"] and d["low"] >= 0.5
