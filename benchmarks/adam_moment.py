@@ -422,7 +422,8 @@ def _staleness_lines(results) -> list:
              "**v̂(t)/v̂(K)**: Adam's bias-corrected second moment relative to its value at the growth (update "
              f"K = {results['growth_update']}; the fixed runs at the same update count are the calibrated "
              "reference: their change is the drift of E[g²] alone). **Excess**: v̂(t) over the mean g² of the "
-             f"updates since the growth (the last {FRESH_WINDOW} at most; g_t² = (v_t − β₂ v_(t−1))/(1 − β₂), exact), "
+             f"updates since the growth (the last {FRESH_WINDOW} at most; "
+             "g_t² = (v_t − β₂ v_(t−1))/(1 − β₂), exact), "
              f"divided by the same figure of the fixed {2 * s['start']} run of the same seed: 1 when the kept v is "
              f"as calibrated as one that saw batch {2 * s['start']} all along. **All-noise arithmetic**: the "
              "excess a kept v̂ has when the old batch's g² was twice the new one's: 1 + the weight of the pre-growth "
@@ -448,7 +449,8 @@ def _recalibration_sentence(results) -> str:
     measured = (f"the kept v's excess stays within {CALIBRATED:g}× from +{after} updates on" if after is not None
                 else f"the kept v's excess never comes within {CALIBRATED:g}× in the run (up to +{a['last_offset']})")
     return (f"**Recalibration**: {measured}; by the all-noise arithmetic (β₂ = {results['beta2']}) it would take "
-            f"{a['theory_recalibrated']:,} updates after the growth, ~{a['theory_recalibrated'] / a['last_offset']:.1f}× "
+            f"{a['theory_recalibrated']:,} updates after the growth, "
+            f"~{a['theory_recalibrated'] / a['last_offset']:.1f}× "
             "the updates this run has left after it.")
 
 
