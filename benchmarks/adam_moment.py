@@ -492,16 +492,17 @@ def _steps_sentence(results) -> str:
     st, names = results["analysis"]["steps"], labels(results["settings"])
 
     def rel(v, w, unit="per_lr"):
-        return st[v][w][unit]["median"] / st["fixed_2a"][w][unit]["median"]
+        mine, calibrated = st[v][w][unit], st["fixed_2a"][w][unit]
+        return "–" if mine is None or calibrated is None else f"{mine['median'] / calibrated['median']:.2f}"
 
     return (f"Against {names['fixed_2a']} at the same updates (medians): the kept v makes the step over lr "
-            f"{rel('keep', '1..10'):.2f}× after 1–10 updates, {rel('keep', '41..50'):.2f}× after 41–50 and "
-            f"{rel('keep', '191..200'):.2f}× after 191–200 (once m has lost the old batch's noise, v's staleness "
-            f"shows); the rescaled v {rel('rescale', '1..10'):.2f}×, {rel('rescale', '41..50'):.2f}× and "
-            f"{rel('rescale', '191..200'):.2f}×. With the learning-rate ramp included (over lr₀), keep's step is "
-            f"{rel('keep', '1..10', 'per_lr0'):.2f}× fixed {2 * results['settings']['start']}'s after 1–10 updates "
-            f"and {rel('keep', '191..200', 'per_lr0'):.2f}× after 191–200; rescale's "
-            f"{rel('rescale', '41..50', 'per_lr0'):.2f}× after 41–50.")
+            f"{rel('keep', '1..10')}× after 1–10 updates, {rel('keep', '41..50')}× after 41–50 and "
+            f"{rel('keep', '191..200')}× after 191–200 (once m has lost the old batch's noise, v's staleness "
+            f"shows); the rescaled v {rel('rescale', '1..10')}×, {rel('rescale', '41..50')}× and "
+            f"{rel('rescale', '191..200')}×. With the learning-rate ramp included (over lr₀), keep's step is "
+            f"{rel('keep', '1..10', 'per_lr0')}× fixed {2 * results['settings']['start']}'s after 1–10 updates "
+            f"and {rel('keep', '191..200', 'per_lr0')}× after 191–200; rescale's "
+            f"{rel('rescale', '41..50', 'per_lr0')}× after 41–50.")
 
 
 def _recommendation(results) -> list:

@@ -58,6 +58,7 @@ def _run(seed, variant, growth=20, end=40, final=2.0):
 
 
 def test_analyse_and_write_on_synthetic_runs(tmp_path):
+    pytest.importorskip("matplotlib")           # the plot (the venvs of the library's lanes may lack it)
     finals = {"keep": 2.0, "rescale": 1.99, "fixed_a": 1.95, "fixed_2a": 2.05}
     results = {"date": "2026-11-26", "plan": {"quick": True}, "code": {"commit": "abc", "subject": "s"},
                "versions": {"tensorflow": "x", "keras": "y", "python": "z"}, "cpus": 2, "load_at_start": [1.0],
