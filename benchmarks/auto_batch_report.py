@@ -295,6 +295,7 @@ def _goodput_section(g):
     per_sample, per_update, ratios, model = goodput(g)
     global_micro = g["micro_per_worker"] * g["workers"]
     lines = ["## Why updates cost time: the goodput model", "",
+             (f"Measured {g['date']} (it times the window, not the rule). " if g.get("date") else "") +
              f"{g['workers']} worker processes on one machine (127.0.0.1, MultiWorkerMirroredStrategy, one CPU thread "
              f"each), the text model at width {g['width']} ({g['params']:,} parameters), a custom `strategy.run` "
              f"loop with `GradientAccumulator(accum_steps=N)`, micro-batch {g['micro_per_worker']} per worker "
