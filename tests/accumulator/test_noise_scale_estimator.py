@@ -431,7 +431,7 @@ def test_variables_come_from_the_callback():
     estimator = ns.NoiseScaleEstimate(make_variable)
     assert made == [
         ("ema_gradient_sq_norm", "float32", ()), ("ema_trace", "float32", ()),
-        ("ema_weight", "float32", ()), ("window_count", "int64", ()), ("window_moments", "float64", (7,)),
+        ("ema_weight", "float32", ()), ("window_count", "int64", ()), ("window_moments", "float64", (8,)),
     ]
     assert estimator.smoothing == ns.DEFAULT_SMOOTHING
     estimator.update(1.0, 3.0, True)
