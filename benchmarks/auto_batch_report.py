@@ -85,30 +85,34 @@ def _median_of(values):
     return statistics.median(values) if values else None
 
 
-def _phi_table(task, a):
-    """The rule's logs along auto's runs (medians over seeds), and the noise scale of fixed 32 ×1."""
-    budget = task["budget"]
-    auto = task["runs"].get("auto", {}).get("runs", [])
-    traces = [r.get("trace") or r["curve"] for r in auto]
-    header = "| along the run (share of the samples) | " + " | ".join(f"{f:.0%}" for f in FRACTIONS) + " |"
-    lines = [header, "|---|" + "---|" * len(FRACTIONS)]
-    for key, name in TRACE_KEYS:
+def _rule_labels(task, a):
+    """The runs of the rule: "auto", then each re-run at a later commit (`a["revised"]`)."""
+    first = ["auto"] if task["runs"].get("auto", {}).get("runs") else []
+    return first + list(a.get("revised", {}))
+
+
+def _trace_rows(label, traces, keys, budget):
+    """One row per key logged along `traces` (medians over seeds at each share of the samples)."""
+    rows = []
+    for key, name in keys:
         values = aba.along(traces, key, FRACTIONS, budget)
         if any(v is not None for v in values):
-            lines.append(f"| auto: {name} | " + " | ".join(_num(v, 0) for v in values) + " |")
-    for label, entry in task["runs"].items():
-        if entry["kind"] == "auto" and label != "auto" and entry["runs"]:
-            revised = [r.get("trace") or r["curve"] for r in entry["runs"]]
-            for key, name in TRACE_KEYS[1:]:
-                values = aba.along(revised, key, FRACTIONS, budget)
-                if any(v is not None for v in values):
-                    lines.append(f"| {label}: {name} | " + " | ".join(_num(v, 0) for v in values) + " |")
+            rows.append(f"| {label}: {name} | " + " | ".join(_num(v, 0) for v in values) + " |")
+    return rows
+
+
+def _phi_table(task, a):
+    """The rule's logs along its runs (medians over seeds), and the noise scale of fixed 32 ×1."""
+    budget = task["budget"]
+    header = "| along the run (share of the samples) | " + " | ".join(f"{f:.0%}" for f in FRACTIONS) + " |"
+    lines = [header, "|---|" + "---|" * len(FRACTIONS)]
+    for label in _rule_labels(task, a):
+        traces = [r.get("trace") or r["curve"] for r in task["runs"][label]["runs"]]
+        # A re-run's raw noise scale is the first run's (the same windows): its other logs only.
+        lines += _trace_rows(label, traces, TRACE_KEYS if label == "auto" else TRACE_KEYS[1:], budget)
     small = f"fixed {task['settings']['start']} ×1"
     if small in task["runs"]:
-        for key, name in TRACE_KEYS[:2]:
-            values = aba.along([r["curve"] for r in task["runs"][small]["runs"]], key, FRACTIONS, budget)
-            if any(v is not None for v in values):
-                lines.append(f"| {small}: {name} | " + " | ".join(_num(v, 0) for v in values) + " |")
+        lines += _trace_rows(small, [r["curve"] for r in task["runs"][small]["runs"]], TRACE_KEYS[:2], budget)
     return lines + ["", "Noise scales and batches in samples (medians over seeds of the last value logged by "
                     "then; the rule's logs at window boundaries)." if len(lines) > 2 else ""]
 
@@ -157,10 +161,8 @@ def _start_lines(task, a):
     if start not in task["runs"]:
         return []
     lines = []
-    for label, entry in task["runs"].items():
-        if entry["kind"] != "auto" or not entry["runs"]:
-            continue
-        mine = {r["seed"]: r for r in entry["runs"] if r["seed"] in a["seeds"]}
+    for label in _rule_labels(task, a):
+        mine = {r["seed"]: r for r in task["runs"][label]["runs"] if r["seed"] in a["seeds"]}
         theirs = {r["seed"]: r for r in task["runs"][start]["runs"] if r["seed"] in mine}
         seeds = sorted(theirs)
         if len(seeds) < 2:
@@ -198,14 +200,9 @@ def _task_section(name, task, a):
     lines += _hindsight_lines(a)
     lines += _phi_table(task, a) + [""]
     lines += _config_table(task, a)
-    auto = task["runs"].get("auto", {}).get("runs", [])
-    if auto:
-        lines += ["auto's decisions (update: accum_steps), seed by seed: "
-                  + "; ".join(str(r["schedule"]) for r in auto) + ".", ""]
-    for label, entry in task["runs"].items():
-        if entry["kind"] == "auto" and label != "auto" and entry["runs"]:
-            lines += [f"{label}'s decisions, seed by seed: "
-                      + "; ".join(str(r["schedule"]) for r in entry["runs"]) + ".", ""]
+    for label in _rule_labels(task, a):
+        lines += [f"{label}'s decisions (update: accum_steps), seed by seed: "
+                  + "; ".join(str(r["schedule"]) for r in task["runs"][label]["runs"]) + ".", ""]
     return lines
 
 
