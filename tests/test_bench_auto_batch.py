@@ -245,24 +245,34 @@ def _run(seed, batch, rate, total=10_000, schedule=None):
     return {"seed": seed, "curve": c, "trace": trace, "schedule": schedule or {"0": batch // 16}, "seconds": 1.0}
 
 
+def _fixed(batch, rate, seeds, decay=False, lr=1e-2):
+    """A fixed configuration's entry in auto_batch.json, its runs from `_run`."""
+    return {"kind": "fixed", "effective_batch": batch, "lr_factor": 1.0, "decay": decay, "lr": lr,
+            "runs": [_run(s, batch, rate) for s in seeds]}
+
+
+def _results(tasks, held_out):
+    """An auto_batch.json of `tasks` ({name: runs}), each task the same small one."""
+    task = {"description": "a test task", "settings": {"micro": 16, "start": 32, "max": 256, "lr0": 1e-2},
+            "budget": 10_000, "train_size": 1000, "held_out": held_out}
+    return {"date": "2026-11-25", "versions": {"tensorflow": "x", "keras": "y", "python": "z"}, "cpus": 2,
+            "load_at_start": [1.0], "load_at_end": [1.0], "wall_seconds": 60,
+            "code": {"commit": "abc", "subject": "s", "dirty": False}, "rule_defaults": {"confidence": 0.95},
+            "settings": {"seeds": 4, "quick": True, "lr_scaling": "sqrt"},
+            "tasks": {name: {**task, "runs": runs} for name, runs in tasks.items()}}
+
+
 def test_report_writes_the_verdicts_and_the_plots(tmp_path):
     from benchmarks import auto_batch_report
     pytest.importorskip("matplotlib")
     seeds = range(4)
-    runs = {"fixed 32 ×1": {"kind": "fixed", "effective_batch": 32, "lr_factor": 1.0, "decay": False, "lr": 1e-2,
-                            "runs": [_run(s, 32, 3.0) for s in seeds]},
-            "fixed 256 cosine": {"kind": "fixed", "effective_batch": 256, "lr_factor": 1.0, "decay": True,
-                                 "lr": 3e-2, "runs": [_run(s, 256, 1.2) for s in seeds]},
+    runs = {"fixed 32 ×1": _fixed(32, 3.0, seeds),
+            "fixed 256 cosine": _fixed(256, 1.2, seeds, decay=True, lr=3e-2),
             "auto": {"kind": "auto", "lr": None, "runs": [_run(s, 128, 3.3, schedule={"0": 2, "30": 8})
                                                           for s in seeds]},
             "ramp": {"kind": "ramp", "lr": None, "runs": [_run(s, 64, 2.9) for s in seeds]}}
     runs["fixed 32 ×1"]["runs"].append(_run(9, 32, 3.0))        # a seed the others lack (a cut run): left out
-    task = {"description": "a test task", "settings": {"micro": 16, "start": 32, "max": 256, "lr0": 1e-2},
-            "budget": 10_000, "train_size": 1000, "held_out": True, "runs": runs}
-    results = {"date": "2026-11-25", "versions": {"tensorflow": "x", "keras": "y", "python": "z"}, "cpus": 2,
-               "load_at_start": [1.0], "load_at_end": [1.0], "wall_seconds": 60,
-               "code": {"commit": "abc", "subject": "s", "dirty": False}, "rule_defaults": {"confidence": 0.95},
-               "settings": {"seeds": 4, "quick": True, "lr_scaling": "sqrt"}, "tasks": {"pydoc": task}}
+    results = _results({"pydoc": runs}, held_out=True)
     summary = auto_batch_report.write(results, str(tmp_path))
     text = (tmp_path / "auto_batch.md").read_text()
     assert (tmp_path / "auto_batch.png").exists()
@@ -287,20 +297,13 @@ def test_report_judges_a_revised_rule_as_auto_and_skips_tasks_not_started(tmp_pa
     from benchmarks import auto_batch_report
     pytest.importorskip("matplotlib")
     seeds = range(4)
-    runs = {"fixed 32 ×1": {"kind": "fixed", "effective_batch": 32, "lr_factor": 1.0, "decay": False, "lr": 1e-2,
-                            "runs": [_run(s, 32, 3.0) for s in seeds]},
-            "fixed 256 ×1": {"kind": "fixed", "effective_batch": 256, "lr_factor": 1.0, "decay": False,
-                             "lr": 3e-2, "runs": [_run(s, 256, 1.2) for s in seeds]},
+    runs = {"fixed 32 ×1": _fixed(32, 3.0, seeds),
+            "fixed 256 ×1": _fixed(256, 1.2, seeds, lr=3e-2),
             "auto": {"kind": "auto", "lr": None, "runs": [_run(s, 32, 3.0) for s in seeds]},
             "auto (revised)": {"kind": "auto", "lr": None, "code": {"commit": "def4567890", "subject": "n_eff"},
                                "runs": [_run(s, 128, 3.3, schedule={"0": 2, "30": 8}) for s in seeds]}}
-    task = {"description": "a test task", "settings": {"micro": 16, "start": 32, "max": 256, "lr0": 1e-2},
-            "budget": 10_000, "train_size": 1000, "held_out": False, "runs": runs}
-    waiting = {**task, "runs": {"auto": {"kind": "auto", "lr": None, "runs": []}}}
-    results = {"date": "2026-11-26", "versions": {"tensorflow": "x", "keras": "y", "python": "z"}, "cpus": 2,
-               "load_at_start": [1.0], "wall_seconds": 60, "code": {"commit": "abc", "subject": "s", "dirty": False},
-               "rule_defaults": {}, "settings": {"seeds": 4, "quick": True, "lr_scaling": "sqrt"},
-               "tasks": {"text": task, "digits": waiting}}
+    waiting = {"auto": {"kind": "auto", "lr": None, "runs": []}}
+    results = _results({"text": runs, "digits": waiting}, held_out=False)
     summary = auto_batch_report.write(results, str(tmp_path))
     text = (tmp_path / "auto_batch.md").read_text()
     assert "digits" not in summary and set(summary["text"]["revised"]) == {"auto (revised)"}
