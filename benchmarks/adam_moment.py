@@ -230,15 +230,6 @@ def paired(results) -> tuple:
     return runs, seeds
 
 
-def bootstrap_mean(values, resamples=aba.RESAMPLES, level=aba.LEVEL, seed=0) -> dict:
-    """{"mean", "low", "high", "n", "positive"}: the mean of paired differences and its bootstrap interval."""
-    draws = aba.resample_counts(len(values), resamples, seed)
-    means = sorted(sum(c * x for c, x in zip(counts, values)) / len(values) for counts in draws)
-    tail = (1 - level) / 2
-    return {"mean": statistics.fmean(values), "low": aba.quantile(means, tail), "high": aba.quantile(means, 1 - tail),
-            "n": len(values), "positive": sum(x > 0 for x in values)}
-
-
 def at_offset(run, key, offset):
     """The probe's `key` at `offset` updates after the growth; None past the run's end."""
     probe = run["probe"]
@@ -324,7 +315,7 @@ def analyse(results) -> dict:
     """Every figure the report states."""
     runs, seeds = paired(results)
     finals = {v: [final(runs[v][s]) for s in seeds] for v in VARIANTS}
-    differences = {f"{x} - {y}": bootstrap_mean([a - b for a, b in zip(finals[x], finals[y])])
+    differences = {f"{x} - {y}": aba.bootstrap_mean([a - b for a, b in zip(finals[x], finals[y])])
                    for x, y in (("rescale", "keep"), ("keep", "fixed_2a"), ("keep", "fixed_a"),
                                 ("rescale", "fixed_2a"), ("fixed_2a", "fixed_a"))}
     curve_keep = excess_curve(runs, seeds, "keep")

@@ -361,11 +361,16 @@ def goodput_model(seconds_per_update):
     return {"t_micro": slope, "t_update": mean_y - slope * mean_x}
 
 
-def paired_difference(a_values, b_values, resamples=RESAMPLES, level=LEVEL, seed=0):
-    """Mean of a - b over paired seeds, with its bootstrap interval: {"mean", "low", "high"}."""
-    differences = [a - b for a, b in zip(a_values, b_values)]
-    means = []
-    for counts in resample_counts(len(differences), resamples, seed):
-        means.append(sum(c * d for c, d in zip(counts, differences)) / len(differences))
+def bootstrap_mean(values, resamples=RESAMPLES, level=LEVEL, seed=0):
+    """The mean of paired differences and its bootstrap interval over the seeds:
+    {"mean", "low", "high", "n", "positive"} (positive: how many differences are > 0)."""
+    means = [sum(c * x for c, x in zip(counts, values)) / len(values)
+             for counts in resample_counts(len(values), resamples, seed)]
     tail = (1 - level) / 2
-    return {"mean": statistics.fmean(differences), "low": quantile(means, tail), "high": quantile(means, 1 - tail)}
+    return {"mean": statistics.fmean(values), "low": quantile(means, tail), "high": quantile(means, 1 - tail),
+            "n": len(values), "positive": sum(x > 0 for x in values)}
+
+
+def paired_difference(a_values, b_values, resamples=RESAMPLES, level=LEVEL, seed=0):
+    """`bootstrap_mean` of a - b over paired seeds."""
+    return bootstrap_mean([a - b for a, b in zip(a_values, b_values)], resamples, level, seed)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from benchmarks import adam_moment as am
+from benchmarks import auto_batch_analysis as aba
 
 SETTINGS = {"micro": 16, "start": 32, "max": 256, "lr0": 1e-2, "epochs": 5}
 
@@ -39,9 +40,9 @@ def test_recalibrated_after_needs_the_excess_to_stay_low():
 
 
 def test_bootstrap_mean_of_paired_differences():
-    out = am.bootstrap_mean([0.01, 0.02, 0.03, 0.015, 0.025])
+    out = aba.bootstrap_mean([0.01, 0.02, 0.03, 0.015, 0.025])
     assert out["low"] > 0 and out["low"] <= out["mean"] <= out["high"] and out["positive"] == 5
-    mixed = am.bootstrap_mean([-0.02, 0.02, -0.01, 0.01, 0.0])
+    mixed = aba.bootstrap_mean([-0.02, 0.02, -0.01, 0.01, 0.0])
     assert mixed["low"] < 0 < mixed["high"]
     assert "no difference" in am.verdict(mixed) and "lowers" in am.verdict({"low": -2, "high": -1})
 
