@@ -8,7 +8,7 @@ callback reads the weights. Models compiled with any other optimizer are left al
 
 import keras
 
-from tfx_gradient_accumulator.accumulator import flavours, weighting
+from tfx_gradient_accumulator.accumulator import flavours, row_room, weighting
 from tfx_gradient_accumulator.accumulator.replicas import NO_MERGE_CALL_MESSAGE
 from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation, auto_rule_of
 from tfx_gradient_accumulator.accumulator.callbacks import EpochWindows
@@ -36,6 +36,8 @@ def before_fit(model, callbacks, fit_arguments=None):
     if getattr(model, "jit_compile", False) is True and \
             model.distribute_strategy.num_replicas_in_sync > 1:
         raise NotImplementedError(NO_MERGE_CALL_MESSAGE)
+    if getattr(model, "jit_compile", False) is True and not flavours.is_keras2_object(model):
+        row_room.make_room_before_fit(model, optimizer, fit_arguments or {})
     _refuse_a_summed_loss_for_the_noise_scale(model, optimizer)
     return with_epoch_windows(model, callbacks, fit_arguments)
 

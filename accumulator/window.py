@@ -183,6 +183,9 @@ class WindowState:
             at run time}: rows of a lookup made once per batch, summed position by
             position on one device; under R replicas the close sums them into the
             R sets of rows Keras' large batch has (`accumulator.lookups`).
+        row_room: {variable index: rows of one micro-batch}: under XLA, the row
+            buffers' room is that times the window's length, made outside the step
+            (`window_rows.has_room`, `accumulator.row_room`).
         warned_eager_rows: whether the warning on eager sparse gradients was given.
         close_function: the traced eager close (`close_partial_window`), once made.
     """
@@ -207,6 +210,7 @@ class WindowState:
     dense_seen: set = dataclasses.field(default_factory=set)
     rows_seen: set = dataclasses.field(default_factory=set)
     once_per_batch: dict = dataclasses.field(default_factory=dict)
+    row_room: dict = dataclasses.field(default_factory=dict)
     warned_eager_rows: bool = False
     close_function: Any = None
 
@@ -526,6 +530,7 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
         if not self._window_built() or self.is_passthrough:
             return 0
         s = self._state
+        window_rows.refuse_overflowed_room(s)
         held = int(s.micro_step.numpy())
         if held == 0 or mode == "carry":
             return held
@@ -591,8 +596,28 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
         self._accum_steps = accum_steps
         if self._window_built():
             self._state.accum_steps.assign(accum_steps)
+            window_rows.grow_rooms(self._state, accum_steps)
         for layer in self._state.listeners:
             layer.set_accum_steps(accum_steps)
+
+    def make_row_room(self, rows) -> dict:
+        """Under XLA: room for the rows of per-sample sparse gradients, made outside the
+        compiled step (`accumulator.row_room` calls it before `fit` compiles; a step
+        traced with static shapes makes its own: `window_rows.has_room`).
+
+        Args:
+            rows: (variable, rows of one micro-batch) pairs.
+
+        Returns:
+            {variable path: rows of one micro-batch} of every room the window has.
+        """
+        s = self._state
+        for variable, count in rows:
+            index = s.index_of(variable)
+            if s.rows[index] is not None:
+                s.row_room[index] = max(int(count), s.row_room.get(index, 0))
+        window_rows.grow_rooms(s, int(s.accum_steps.numpy()))
+        return {getattr(s.variables[i], "path", None) or s.variables[i].name: n for i, n in s.row_room.items()}
 
     # ------------------------------------------------------- the update rule
     def note_micro_batch_weight(self, weight, samples=None):
@@ -849,7 +874,7 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
             after=after,
         )
         for i in row_indices:
-            s.rows[i].count.assign(0)
+            s.rows[i].reset(i in s.row_room)
         s.weight_sum.assign(0.0)
         for total in s.noise_sums:
             total.assign(0.0)

@@ -6,6 +6,17 @@ window's rows are the large batch's rows, so the inner optimizer makes Keras'
 large-batch update; `merge_duplicate_rows=True` sums each index's rows first.
 Rows of a lookup made once per batch (`accumulator.lookups`) are summed position
 by position instead. Memory follows the ids looked up, not the vocabulary.
+
+Under XLA (`jit_compile=True`, Keras' "auto" on one GPU) a buffer cannot change size
+inside the compiled step, nor be sliced by a count known only at run time. There the
+row buffers get their room outside the step: the rows of one micro-batch, known when
+the step is traced (or, in `fit`, read from its first batch: `accumulator.row_room`),
+times the window's length. Micro-batch k's rows are written after the window's
+earlier rows, and the close reads the whole buffer, the rows past the window's
+count set to zero: the inner optimizer then gets the large batch's rows plus zero
+rows, which change nothing (Keras' sparse updates map a zero row to no change). The
+room follows the longest window (`set_accum_steps` grows it; XLA compiles the step
+again for the new size) and the largest micro-batch traced.
 """
 
 from __future__ import annotations
@@ -25,11 +36,21 @@ XLA_ROWS_MESSAGE = (
     "GradientAccumulator got a sparse gradient (tf.IndexedSlices, from an Embedding or "
     "another gather) for {name} inside an "
     "XLA-compiled step (jit_compile=True; Keras' default jit_compile='auto' turns XLA on "
-    "for one GPU). Keras 3 applies the large batch's repeated rows one by one, and the "
-    "window hands them over that way only outside XLA (its row buffers change size). "
-    "Compile with jit_compile=False for Keras' large-batch update, or construct the "
-    "GradientAccumulator with merge_duplicate_rows=True to sum each index's rows first "
-    "(the densified gradient), which XLA compiles.")
+    "for one GPU) whose number of rows is not known when the step is traced, and no "
+    "room was made for them before (in `fit`, the room is read from the first batch of "
+    "arrays or of a tf.data.Dataset). XLA cannot compile buffers that change size. "
+    "Give the step inputs of static shape (a tf.function input_signature with the batch "
+    "size, or a dataset batched with drop_remainder=True), compile with "
+    "jit_compile=False, or construct the GradientAccumulator with "
+    "merge_duplicate_rows=True to sum each index's rows first (the densified gradient, "
+    "Keras' own accumulation, not the large batch's update).")
+
+ROOM_OVERFLOW_MESSAGE = (
+    "Under XLA, a micro-batch had more sparse-gradient rows for {name} than the room "
+    "made for them ({room} rows per micro-batch, from the first micro-batch seen): "
+    "its rows, and those of every window since, were not all applied. Give every "
+    "micro-batch the same shape (pad sequences to one length), or compile with "
+    "jit_compile=False.")
 
 EAGER_ROWS_MESSAGE = (
     "GradientAccumulator got a sparse gradient in an eager step (no tf.function, or "
@@ -63,11 +84,25 @@ class WindowRows:
 
     def add(self, grad, weight, once_per_batch, strategy):
         """Replica-local: `weight * grad`'s rows, appended, or summed position by position
-        for a lookup made once per batch on one replica."""
+        for a lookup made once per batch on one replica. Under XLA, appended in the
+        room made for them (`append_rows_in_room`)."""
         if once_per_batch and replicas.replicas_in_sync() == 1:
             add_rows_in_place(self.values, self.indices, self.count, grad, weight, strategy)
+        elif seam.in_xla_context():
+            append_rows_in_room(self.values, self.indices, self.count, grad, weight)
         else:
             append_rows(self.values, self.indices, self.count, grad, weight)
+
+    def reset(self, in_room=False):
+        """Empties the rows (their buffers stay). A room (`in_room`, XLA) that
+        overflowed stays marked (its count past its capacity) until
+        `refuse_overflowed_room` reads it on the host."""
+        if not in_room:
+            self.count.assign(0)
+            return
+        count = backing_variable(self.count).read_value()
+        capacity = tf.shape(backing_variable(self.indices), out_type=tf.int64)[0]
+        self.count.assign(tf.where(count > capacity, count, tf.zeros([], tf.int64)))
 
     def mean(self, variable, weight_sum, count=None, merge=False):
         """The window's rows, from every replica, divided by `weight_sum`, for `variable`.
@@ -83,7 +118,8 @@ class WindowRows:
             # Divided where they lie (see _tf.divide_in_place): no second copy of the
             # rows next to the buffer while the inner optimizer runs.
             divide_in_place([backing_variable(self.values)], weight_sum)
-            slices = tf.IndexedSlices(*read_rows(self.values, self.indices, self.count, count), shape)
+            read = read_room if count is None and seam.in_xla_context() else read_rows
+            slices = tf.IndexedSlices(*read(self.values, self.indices, self.count, count), shape)
         else:
             slices = replicas.gather_over_replicas(tf.IndexedSlices(
                 *read_rows(self.values, self.indices, self.count), shape))
@@ -103,15 +139,18 @@ def keeps_rows(state, index, grad, dense_is_exact, across_replicas):
     Rows of a lookup made once per batch (`accumulator.lookups`, decided here
     from the traced program and remembered, for eager steps, in
     `state.once_per_batch`) are summed position by position in buffers of a
-    size fixed when the step is traced: kept everywhere, XLA included.
+    size fixed when the step is traced: kept everywhere, XLA included. Rows
+    per sample are kept under XLA (`jit_compile=True`) in a room made outside
+    the step (`has_room`), where the rows' count is known when the step is
+    traced or was read from `fit`'s first batch (`accumulator.row_room`).
 
-    Not where the buffers cannot be used: under XLA (`jit_compile=True`),
-    which cannot compile buffers that change size, and, where `across_replicas`
-    is False (a class whose checkpoints would read replica 0's rows alone),
-    under several replicas. There a sparse gradient is summed densely, which
-    makes the same update where repeated rows are summed anyway
-    (`dense_is_exact`: `merge_duplicate_rows=True`, or an inner optimizer that
-    sums them itself); otherwise it is refused.
+    Not where the buffers cannot be used: under XLA without a known room, or
+    where `across_replicas` is False (a class whose checkpoints would read
+    replica 0's rows alone) under several replicas. There a sparse gradient is
+    summed densely, which makes the same update where repeated rows are summed
+    anyway (`dense_is_exact`: `merge_duplicate_rows=True`, or an inner
+    optimizer that sums them itself; under XLA also chosen before a room, since
+    XLA cannot merge rows); otherwise it is refused.
 
     Args:
         state: the window's `WindowState` (reads `rows`, `variables`; notes
@@ -138,14 +177,57 @@ def keeps_rows(state, index, grad, dense_is_exact, across_replicas):
         state.warned_eager_rows = True
         logger.warning(EAGER_ROWS_MESSAGE)
     xla = seam.in_xla_context()
-    if index in state.once_per_batch and (not xla or state.once_per_batch[index] is not None):
-        return True
-    if not xla and (replicas.replicas_in_sync() == 1 or across_replicas):
+    if index in state.once_per_batch:
+        if not xla or state.once_per_batch[index] is not None:
+            return True
+    elif not xla:
+        if replicas.replicas_in_sync() == 1 or across_replicas:
+            return True
+    elif not dense_is_exact and replicas.replicas_in_sync() == 1 and has_room(state, index, grad):
         return True
     if dense_is_exact:
         return False
     variable = state.variables[index]
     raise ValueError(XLA_ROWS_MESSAGE.format(name=getattr(variable, "path", None) or variable.name))
+
+
+def has_room(state, index, grad):
+    """Whether variable `index`'s rows have room under XLA, made now (outside the step)
+    when `grad`'s rows are known as the step is traced: the room is the rows of the
+    largest micro-batch traced (or read from `fit`'s first batch) times the window."""
+    rows = grad.indices.shape.num_elements()
+    if rows is not None:
+        state.row_room[index] = max(rows, state.row_room.get(index, 0))
+    if index not in state.row_room:
+        return False
+    with tf.init_scope():
+        window = int(backing_variable(state.accum_steps).numpy())
+    grow_rooms(state, window, [index])
+    return True
+
+
+def grow_rooms(state, window, indices=None):
+    """Outside any step: room for `window` micro-batches in the row buffers that have
+    a room (`state.row_room`; `indices`: only these). Rooms only grow, keeping the
+    rows they hold: a step compiled for the old size is compiled again."""
+    for index in state.row_room if indices is None else indices:
+        rows = state.rows[index]
+        _make_room(rows.values, rows.indices, state.row_room[index] * max(int(window), 1), state.strategy)
+
+
+def refuse_overflowed_room(state):
+    """Raises where a micro-batch under XLA had more rows than its room (read on the host).
+
+    Raises:
+        RuntimeError: naming the variable, the room, and what to do.
+    """
+    for index, room in state.row_room.items():
+        rows = state.rows[index]
+        count = int(backing_variable(rows.count).numpy())
+        if count > int(runtime_shape(backing_variable(rows.indices))[0]):
+            variable = state.variables[index]
+            raise RuntimeError(ROOM_OVERFLOW_MESSAGE.format(
+                name=getattr(variable, "path", None) or variable.name, room=room))
 
 
 def append_rows(values, indices, count, grad, weight):
@@ -175,6 +257,27 @@ def append_rows(values, indices, count, grad, weight):
     capacity = tf.shape(indices, out_type=tf.int64)[0]
     tf.cond(end > capacity, grow, write)
     count.assign(end, read_value=False)
+
+
+def append_rows_in_room(values, indices, count, grad, weight):
+    """Under XLA: writes `weight * grad`'s rows after the window's rows, in the room
+    made for them outside the step (sizes fixed when compiled, the offset read on the
+    device). A micro-batch that does not fit writes nothing and marks the count past
+    the capacity (`refuse_overflowed_room` reports it on the host)."""
+    values, indices, count = backing_variable(values), backing_variable(indices), backing_variable(count)
+    new_values = tf.cast(grad.values, values.dtype) * tf.cast(weight, values.dtype)
+    new_indices = tf.cast(tf.reshape(grad.indices, [-1]), tf.int64)
+    start = count.read_value()
+    end = start + tf.shape(new_indices, out_type=tf.int64)[0]
+    capacity = tf.shape(indices, out_type=tf.int64)[0]
+
+    def write():
+        positions = tf.range(start, end)[:, None]
+        tf.raw_ops.ResourceScatterNdUpdate(ref=values.handle, indices=positions, updates=new_values)
+        tf.raw_ops.ResourceScatterNdUpdate(ref=indices.handle, indices=positions, updates=new_indices)
+        return end
+
+    count.assign(tf.cond(end <= capacity, write, lambda: tf.maximum(start, capacity + 1)), read_value=False)
 
 
 def add_rows_in_place(values, indices, count, grad, weight, strategy):
@@ -239,6 +342,16 @@ def read_rows(values, indices, count, static_count=None):
     """
     count = backing_variable(count).read_value() if static_count is None else static_count
     return backing_variable(values)[:count], backing_variable(indices)[:count]
+
+
+def read_room(values, indices, count, static_count=None):
+    """Under XLA: the whole room, the rows past `count` read as zero rows of index 0
+    (static size; a zero row changes nothing in Keras' sparse updates)."""
+    values, indices = backing_variable(values), backing_variable(indices)
+    held = tf.range(tf.shape(indices, out_type=tf.int64)[0]) < backing_variable(count).read_value()
+    rows = tf.reshape(held, [-1] + [1] * (values.shape.rank - 1))
+    return (tf.where(rows, values.read_value(), tf.zeros([], values.dtype)),
+            tf.where(held, indices.read_value(), tf.zeros([], tf.int64)))
 
 
 def rows_of_replicas_of_the_large_batch(slices, rows_per_lookup, replicas, row_shape):
