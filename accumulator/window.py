@@ -186,6 +186,8 @@ class WindowState:
         row_room: {variable index: rows of one micro-batch}: under XLA, the row
             buffers' room is that times the window's length, made outside the step
             (`window_rows.has_room`, `accumulator.row_room`).
+        built_accum_steps: the window's length when `build` made the variables (what
+            `accum_steps` holds before its initial value is assigned).
         warned_eager_rows: whether the warning on eager sparse gradients was given.
         close_function: the traced eager close (`close_partial_window`), once made.
     """
@@ -211,6 +213,7 @@ class WindowState:
     rows_seen: set = dataclasses.field(default_factory=set)
     once_per_batch: dict = dataclasses.field(default_factory=dict)
     row_room: dict = dataclasses.field(default_factory=dict)
+    built_accum_steps: int = 1
     warned_eager_rows: bool = False
     close_function: Any = None
 
@@ -283,7 +286,7 @@ class WindowState:
                         smoothing=noise_smoothing)
         self.variables, self.index_by_id = var_list, {id(v): i for i, v in enumerate(var_list)}
         self.accumulators, self.rows, self.overwrite_indices = accumulators, rows, overwrite
-        self.strategy, self.accum_steps = tf.distribute.get_strategy(), steps
+        self.strategy, self.accum_steps, self.built_accum_steps = tf.distribute.get_strategy(), steps, accum_steps
 
     def index_of(self, variable) -> int:
         """`variable`'s index in `variables`.

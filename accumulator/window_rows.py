@@ -201,8 +201,10 @@ def has_room(state, index, grad):
     if index not in state.row_room:
         return False
     with tf.init_scope():
-        window = int(backing_variable(state.accum_steps).numpy())
-    grow_rooms(state, window, [index])
+        window = backing_variable(state.accum_steps).numpy()
+    # A window built while this step is traced is not initialized yet (it reads as an
+    # empty array): its length is then the one it was built with.
+    grow_rooms(state, window if window.shape == () else state.built_accum_steps, [index])
     return True
 
 
