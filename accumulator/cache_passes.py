@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import lookups
+from tfx_gradient_accumulator.accumulator import lookups, seam
 
 
 def cached_gradients(forward, x, accum_steps: int, score, variables: list, after_pass_1=None,
@@ -92,6 +92,11 @@ def micro_batch(x, k, accum_steps: int):
     Returns:
         The same structure, each tensor cut to micro-batch `k`'s samples.
     """
+    if seam.in_xla_context():
+        # XLA compiles slices of a size it knows: the batch as `accum_steps` rows of
+        # micro-batches, row k (a batch that `accum_steps` does not divide fails there).
+        return tf.nest.map_structure(
+            lambda t: tf.gather(tf.reshape(t, tf.concat([[accum_steps, -1], tf.shape(t)[1:]], 0)), k), x)
     size = tf.shape(tf.nest.flatten(x)[0])[0]
     step = (size + accum_steps - 1) // accum_steps
     return tf.nest.map_structure(lambda t: t[k * step:(k + 1) * step], x)

@@ -176,6 +176,11 @@ class GradientCache(keras.Model, metaclass=flavours.OneNameForBothKeras):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self._refuse_what_would_not_be_exact()
         variables = self.trainable_variables
+        if not self.optimizer.built and seam.in_xla_context():
+            # Built outside the step: under XLA its variables could not be lifted
+            # out of the passes' control dependencies.
+            with tf.init_scope():
+                self.optimizer.build(variables)
         # What a forward pass changes and pass 3 must replay: random seeds and
         # counters (integers), not frozen weights (BatchNormalization is refused).
         state = [v for v in self.model.variables if not v.trainable and not _is_float(v)]

@@ -61,12 +61,12 @@ def _permuted_inside_batches(x, y, batch, seed=0):
     return _take(x, index), None if y is None else y[index]
 
 
-def _trained(make, x, y, optimizer, batch, eager=False, micro_batch=MICRO_BATCH, **window):
+def _trained(make, x, y, optimizer, batch, eager=False, micro_batch=MICRO_BATCH, jit_compile="auto", **window):
     """The weights after `fit` at `batch`: accumulated over N micro-batches when `batch` is
     `micro_batch` (or window options are given), Keras' own large batch otherwise."""
     model = make()
     model.compile(optimizer=GradientAccumulator(optimizer, N, **window) if window or batch == micro_batch
-                  else optimizer, loss="mse", run_eagerly=eager)
+                  else optimizer, loss="mse", run_eagerly=eager, jit_compile=jit_compile)
     model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
     return model.get_weights()
 
@@ -89,7 +89,7 @@ def _float64_large_batch(make, x, y, optimizer, eager, batch=MICRO_BATCH * N):
         return model.get_weights()
 
 
-def assert_like_keras_large_batch(make, x, y, optimizer_name, eager=False):
+def assert_like_keras_large_batch(make, x, y, optimizer_name, eager=False, jit_compile="auto"):
     """Each variable within 1e-5 of Keras' own large batch, or within its noise floor there,
     or, by the float64 arbiter, within twice Keras' own float32 distance from exact arithmetic.
 
@@ -99,12 +99,13 @@ def assert_like_keras_large_batch(make, x, y, optimizer_name, eager=False):
     bias: a softmax ignores it), where Adam turns rounding noise into steps of ~1e-4.
     """
     optimizer = OPTIMIZERS[optimizer_name]
-    expected = _trained(make, x, y, optimizer(), MICRO_BATCH * N, eager)
+    expected = _trained(make, x, y, optimizer(), MICRO_BATCH * N, eager, jit_compile=jit_compile)
     moved = ref.max_abs_diff(expected, make().get_weights())
     assert moved > 100 * TOLERANCE, f"training hardly moved the weights ({moved:.1e}): nothing is compared"
-    got = _trained(make, x, y, optimizer(), MICRO_BATCH, eager)
+    got = _trained(make, x, y, optimizer(), MICRO_BATCH, eager, jit_compile=jit_compile)
     assert_within_noise_floor(got, expected, [v.path for v in make().weights], lambda seed: _trained(
-        make, *_permuted_inside_batches(x, y, MICRO_BATCH * N, seed), optimizer(), MICRO_BATCH * N, eager),
+        make, *_permuted_inside_batches(x, y, MICRO_BATCH * N, seed), optimizer(), MICRO_BATCH * N, eager,
+        jit_compile=jit_compile),
         float64_large_batch=lambda: _float64_large_batch(make, x, y, optimizer(), eager))
 
 
@@ -175,6 +176,29 @@ def test_keras_io_vit_patch_encoder_accumulates_like_keras_large_batch(optimizer
     assert_like_keras_large_batch(cm.keras_io_vit, x, y, optimizer_name)
 
 
+# Under XLA (`jit_compile=True`, Keras' "auto" on one GPU), both sides compiled: Keras'
+# own large batch under XLA keeps its repeated rows apart as without it. A subset that
+# covers every kind of lookup: per-token tables (every family), position tables looked
+# up once per batch (BERT, GPT-2, keras.io's text layer, the ViT patch encoder),
+# BERT's token-type ids (per sample); the sentence pairs' encoder called twice and the
+# CLIP towers through GradientCache below and in test_conformance_pairs.py.
+XLA_FAMILIES = ("bert", "gpt2")
+
+
+@pytest.mark.parametrize("family", XLA_FAMILIES)
+def test_keras_hub_backbone_under_xla_accumulates_like_keras_xla_large_batch(family):
+    x, y = _regression(cm.hub_inputs(cm.HUB[family][2], SAMPLES))
+    assert_like_keras_large_batch(lambda: cm.hub_model(family), x, y, "adamw", jit_compile=True)
+
+
+@pytest.mark.parametrize("make", [cm.keras_io_text_classifier, cm.keras_io_vit], ids=["text", "vit"])
+def test_keras_io_layers_under_xla_accumulate_like_keras_xla_large_batch(make):
+    features = cm.hub_inputs("text", SAMPLES)["token_ids"] if make is cm.keras_io_text_classifier \
+        else cm.hub_inputs("image", SAMPLES)
+    x, y = _regression(features)
+    assert_like_keras_large_batch(make, x, y, "adamw", jit_compile=True)
+
+
 def test_control_merging_every_duplicate_row_misses_the_token_table():
     # keras.io's text model has a per-token table (repeated ids: rows Keras' AdamW keeps
     # apart) beside its position table: merging every duplicate row is wrong for the first.
@@ -187,35 +211,37 @@ def test_control_merging_every_duplicate_row_misses_the_token_table():
 
 # ------------------------------------------------------------------ GradientCache
 
-def _clip_large_batch(optimizer, data, eager=False):
+def _clip_large_batch(optimizer, data, eager=False, jit_compile="auto"):
     model = cm.hub_clip()
-    model.compile(optimizer=optimizer, run_eagerly=eager)
+    model.compile(optimizer=optimizer, run_eagerly=eager, jit_compile=jit_compile)
     model.fit(data, batch_size=MICRO_BATCH * N, shuffle=False, verbose=0)
     return model.get_weights()
 
 
-def _clip_large_batch_permuted(optimizer, data, seed):
+def _clip_large_batch_permuted(optimizer, data, seed, jit_compile="auto"):
     batch = MICRO_BATCH * N
     index = np.concatenate([start + np.random.RandomState(seed + start).permutation(batch)
                             for start in range(0, SAMPLES, batch)])
     model = cm.hub_clip()
-    model.compile(optimizer=optimizer)
+    model.compile(optimizer=optimizer, jit_compile=jit_compile)
     model.fit(_take(data, index), batch_size=batch, shuffle=False, verbose=0)
     return model.get_weights()
 
 
-def test_gradient_cache_trains_a_clip_with_keras_hub_vit_like_keras_large_batch():
+@pytest.mark.parametrize("jit_compile", ["auto", True], ids=["default", "xla"])
+def test_gradient_cache_trains_a_clip_with_keras_hub_vit_like_keras_large_batch(jit_compile):
     # Both towers look their position tables up once per batch (KerasHub's ViT with
     # position_ids, keras.io's TokenAndPositionEmbedding); AdamW keeps repeated rows apart.
     data = cm.clip_pairs(SAMPLES)
-    expected = _clip_large_batch(OPTIMIZERS["adamw"](), data)
+    expected = _clip_large_batch(OPTIMIZERS["adamw"](), data, jit_compile=jit_compile)
     assert ref.max_abs_diff(expected, cm.hub_clip().get_weights()) > 100 * TOLERANCE
     inner = cm.hub_clip()
     model = GradientCache(inner, N)
-    model.compile(optimizer=OPTIMIZERS["adamw"]())
+    model.compile(optimizer=OPTIMIZERS["adamw"](), jit_compile=jit_compile)
     model.fit(data, batch_size=MICRO_BATCH * N, shuffle=False, verbose=0)
     assert_within_noise_floor(inner.get_weights(), expected, [v.path for v in inner.weights],
-                              lambda seed: _clip_large_batch_permuted(OPTIMIZERS["adamw"](), data, seed))
+                              lambda seed: _clip_large_batch_permuted(OPTIMIZERS["adamw"](), data, seed,
+                                                                      jit_compile))
 
 
 def test_control_plain_accumulation_of_the_clip_loss_is_far_off():

@@ -41,24 +41,24 @@ def _sgd_clipped():
     return keras.optimizers.SGD(0.5, global_clipnorm=0.05)
 
 
-def _fit(make, optimizer, x, y, batch, loss=None, cache=False):
+def _fit(make, optimizer, x, y, batch, loss=None, cache=False, jit_compile="auto"):
     model = make()
     trained = GradientCache(model, N) if cache else model
-    trained.compile(optimizer=optimizer, loss=loss)
+    trained.compile(optimizer=optimizer, loss=loss, jit_compile=jit_compile)
     trained.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
     return model
 
 
-def _assert_like_large_batch(make, optimizer_fn, x, y=None, loss=None, cache=False):
-    expected = _fit(make, optimizer_fn(), x, y, LARGE, loss)
+def _assert_like_large_batch(make, optimizer_fn, x, y=None, loss=None, cache=False, jit_compile="auto"):
+    expected = _fit(make, optimizer_fn(), x, y, LARGE, loss, jit_compile=jit_compile)
     assert ref.max_abs_diff(expected.get_weights(), make().get_weights()) > 1e-3, "training hardly moved"
     if cache:
-        got = _fit(make, optimizer_fn(), x, y, LARGE, loss, cache=True)
+        got = _fit(make, optimizer_fn(), x, y, LARGE, loss, cache=True, jit_compile=jit_compile)
     else:
-        got = _fit(make, GradientAccumulator(optimizer_fn(), N), x, y, MICRO, loss)
+        got = _fit(make, GradientAccumulator(optimizer_fn(), N), x, y, MICRO, loss, jit_compile=jit_compile)
     assert_within_noise_floor(got.get_weights(), expected.get_weights(), [v.path for v in got.weights],
                               lambda seed: _fit(make, optimizer_fn(), *_permuted_inside_batches(x, y, LARGE, seed),
-                                                LARGE, loss).get_weights())
+                                                LARGE, loss, jit_compile=jit_compile).get_weights())
     return got
 
 
@@ -85,3 +85,17 @@ def test_sentence_similarity_one_encoder_called_twice(optimizer_fn):
 @pytest.mark.parametrize("optimizer_fn", [_adamw, _sgd_clipped], ids=["adamw", "sgd-global_clipnorm"])
 def test_gradient_cache_sentence_embedder_with_in_batch_negatives(optimizer_fn):
     _assert_like_large_batch(cm.sentence_embedder, optimizer_fn, cm.sentence_ids(SAMPLES), cache=True)
+
+
+# Under XLA (`jit_compile=True`, Keras' "auto" on one GPU), both sides compiled: the
+# encoder called twice (its token-type table per sample, its position table once per
+# batch) through GradientAccumulator, and the in-batch negatives through GradientCache.
+@pytest.mark.parametrize("optimizer_fn", [_adamw, _sgd_clipped], ids=["adamw", "sgd-global_clipnorm"])
+def test_sentence_similarity_one_encoder_called_twice_under_xla(optimizer_fn):
+    x = cm.sentence_ids(SAMPLES)
+    y = np.random.RandomState(1).rand(SAMPLES, 1).astype("float32")
+    _assert_like_large_batch(cm.sentence_similarity, optimizer_fn, x, y, "mse", jit_compile=True)
+
+
+def test_gradient_cache_sentence_embedder_with_in_batch_negatives_under_xla():
+    _assert_like_large_batch(cm.sentence_embedder, _adamw, cm.sentence_ids(SAMPLES), cache=True, jit_compile=True)
