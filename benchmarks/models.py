@@ -16,6 +16,8 @@ CPU cores (the step time is measured and reported); the "gpu" variants, picked
 when TensorFlow sees a GPU, are larger so a GPU step is compute-bound too.
 """
 
+import os
+
 import keras
 import numpy as np
 from keras import ops
@@ -41,8 +43,16 @@ CONFIGS = {
 }
 
 
+# BENCH_MICRO_BATCH: another micro-batch b for every workload (a GPU run measures one
+# that fills the device beside the default); recorded with each result as "micro".
+MICRO_BATCH_ENV = "BENCH_MICRO_BATCH"
+
+
 def config(name, size):
-    return dict(CONFIGS[name][size])
+    chosen = dict(CONFIGS[name][size])
+    if os.environ.get(MICRO_BATCH_ENV):
+        chosen["micro"] = int(os.environ[MICRO_BATCH_ENV])
+    return chosen
 
 
 def describe(name, size):

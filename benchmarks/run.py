@@ -60,6 +60,9 @@ PARTS_FLAG = flags.DEFINE_list("parts", PARTS, f"Parts to run, of {PARTS}.")
 WORKLOADS = flags.DEFINE_list("workloads", ["transformer", "resnet"], "Compute-bound models for throughput.")
 ACCUMS = flags.DEFINE_list("accums", ["2", "8"], "N values for throughput (each adds ~2 minutes per model on 2 cores).")
 ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved rounds (throughput, overhead, distributed).")
+THROUGHPUT_CONTENDERS = flags.DEFINE_list(
+    "contenders", None, "Throughput contenders (default: all of benchmarks/contenders.py); a GPU lease "
+    "measures fewer to fit its minutes.")
 MEMORY_REPEATS = flags.DEFINE_integer("memory_repeats", 5, "Fresh processes per memory contender.")
 MEMORY_ACCUM = flags.DEFINE_integer("memory_accum", 4, "N for the memory measurement.")
 NOISE_ROUNDS = flags.DEFINE_integer("noise_rounds", 21, "Rounds of the noise-scale cost (2 contenders, N = 4).")
@@ -105,8 +108,9 @@ def _run_throughput(results):
     accums = ["2", "4"] if QUICK.value else ACCUMS.value
     results["throughput"] = {}
     for workload in WORKLOADS.value:
+        chosen = [f"--contenders={','.join(THROUGHPUT_CONTENDERS.value)}"] if THROUGHPUT_CONTENDERS.value else []
         results["throughput"][workload] = _measure(
-            "--mode=throughput", f"--workload={workload}", f"--accums={','.join(accums)}", *_quick([]))
+            "--mode=throughput", f"--workload={workload}", f"--accums={','.join(accums)}", *chosen, *_quick([]))
 
 
 def _run_noise_scale(results):

@@ -45,11 +45,15 @@ case "$mode" in
       | tee -a "$OUT/check.log"
     exit "$status";;
   bench)
-    timeout "${BENCH_SECONDS:-540}" "$python" -m benchmarks.run "$@" 2>&1 | tee "$OUT/bench.log"
+    # BENCH_OUT: the results' root (default docs/benchmarks; one per configuration of a
+    # lease, e.g. XLA on and off); BENCH_TAG names the tar and the log that come back.
+    root=${BENCH_OUT:-docs/benchmarks}; tag=${BENCH_TAG:+-$BENCH_TAG}
+    mkdir -p "$root"
+    timeout "${BENCH_SECONDS:-540}" "$python" -m benchmarks.run --out="$root" "$@" 2>&1 | tee "$OUT/bench$tag.log"
     status=${PIPESTATUS[0]}
     # Whatever was written, also after a failure in the plots: results.json is saved first.
-    folders=$(cd docs/benchmarks && ls -d gpu-* 2>/dev/null)
-    [ -n "$folders" ] && tar -C docs/benchmarks -cf "$OUT/bench-results.tar" $folders
+    folders=$(cd "$root" && ls -d gpu-* 2>/dev/null)
+    [ -n "$folders" ] && tar -C "$root" -cf "$OUT/bench-results$tag.tar" $folders
     exit "$status";;
   *)
     echo "usage: OUT=folder tools/gpu_session.sh check [pytest args] | bench [benchmarks.run args]" >&2
