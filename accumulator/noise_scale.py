@@ -89,8 +89,8 @@ def squared_norm(grads: tf.Tensor | tf.IndexedSlices | Sequence | None) -> tf.Te
     return total
 
 
-def micro_batch_terms(grads: Sequence, weight: tf.Tensor | float,
-                      replicas: int = 1) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+def micro_batch_terms(grads: Sequence | None, weight: tf.Tensor | float, replicas: int = 1,
+                      squared: tf.Tensor | None = None, preconditioned: tf.Tensor | None = None) -> tuple:
     """One replica micro-batch's share of the window sums: `(R^2 |grad|^2, R/w, 1)`.
 
     Under R replicas a replica's loss is its local sum divided by its weight
@@ -103,16 +103,24 @@ def micro_batch_terms(grads: Sequence, weight: tf.Tensor | float,
         grads: the replica's gradient list (of its loss, divided by `weight`).
         weight: w, the loss's denominator (`micro_batch_weight`).
         replicas: R, the accumulator's replica count.
+        squared: |grad|^2 when the caller has it already (the window computes it in one
+            pass with its preconditioned norm); `grads` is then not read.
+        preconditioned: |P grad|^2, or None: a fourth term, R^2 |P grad|^2, counted alike.
 
     Returns:
-        `(squared norm, inverse size, count)`, three float32 scalar tensors.
+        `(squared norm, inverse size, count)`, three float32 scalar tensors, and
+        the preconditioned squared norm fourth when `preconditioned` is given.
     """
     weight = tf.cast(weight, tf.float32)
     counted = weight > 0.0
     zero = tf.zeros_like(weight)
-    sq = float(replicas) ** 2 * squared_norm(grads)
+    norms = [squared_norm(grads) if squared is None else tf.cast(squared, tf.float32)]
+    norms += [] if preconditioned is None else [tf.cast(preconditioned, tf.float32)]
+    # R^2 multiplies only under several replicas: one kernel fewer a micro-step on one device.
+    norms = [n if replicas == 1 else float(replicas) ** 2 * n for n in norms]
     inv = float(replicas) / tf.where(counted, weight, tf.ones_like(weight))
-    return tf.where(counted, sq, zero), tf.where(counted, inv, zero), tf.cast(counted, tf.float32)
+    terms = (tf.where(counted, norms[0], zero), tf.where(counted, inv, zero), tf.cast(counted, tf.float32))
+    return terms + tuple(tf.where(counted, n, zero) for n in norms[1:])
 
 
 def window_estimates(micro_sq_norm_sum: tf.Tensor, inv_size_sum: tf.Tensor, micro_count: tf.Tensor,

@@ -104,14 +104,10 @@ class Preconditioner:
             the optimizer not built yet. Each costs a few passes over the
             moment; P changes only when the optimizer updates.
         """
-        updates = tf.convert_to_tensor(self.optimizer.iterations)
-        ready = updates >= self.min_updates
-        correction = self._bias_correction(updates) if self.kind == "adam" else None
-        epsilon = _hyperparameter(self.optimizer, "epsilon")
+        ready, correction, epsilon = self._constants()
         found = []
         for variable in variables:
-            index = seam.optimizer_variable_index(self.optimizer, variable)
-            moments = None if index is None else self._moments(index)
+            moments = self.moments_of(variable)
             if moments is None:
                 found.append(None)
                 continue
@@ -119,6 +115,19 @@ class Preconditioner:
             found.append(tf.cond(ready, lambda m=moments: self._formula(m, correction, epsilon),
                                  lambda m=moments: tf.ones_like(m[0])))
         return found
+
+    def _constants(self) -> tuple:
+        """(whether the scales are past `min_updates`, 1 - beta_2^t or None, epsilon): what every
+        variable's P shares, read once."""
+        updates = tf.convert_to_tensor(self.optimizer.iterations)
+        correction = self._bias_correction(updates) if self.kind == "adam" else None
+        return updates >= self.min_updates, correction, _hyperparameter(self.optimizer, "epsilon")
+
+    def moments_of(self, variable) -> tuple | None:
+        """`variable`'s moments P is made of (float32, see `_moments`), or None: unknown to the
+        optimizer, or the optimizer not built yet."""
+        index = seam.optimizer_variable_index(self.optimizer, variable)
+        return None if index is None else self._moments(index)
 
     def _bias_correction(self, updates: tf.Tensor) -> tf.Tensor:
         """1 - beta_2^t, with t at least 1 (t = 0 gives ones, and must not divide by 0).
@@ -237,3 +246,71 @@ def preconditioned_squared_norm(grads: Sequence, scales: Sequence) -> tf.Tensor:
         if grad is not None and scale is not None:
             total += _scaled_sq_norm(grad, tf.cast(scale, tf.float32))
     return total
+
+
+def _flat_rows(grad) -> tuple:
+    """(the values `grad` stands for, float32 and flat; the rows they are, or None for a dense one).
+
+    An `IndexedSlices`' repeated rows are summed first (one `unique` per sparse gradient)."""
+    if isinstance(grad, tf.IndexedSlices):
+        rows, positions = tf.unique(tf.reshape(grad.indices, [-1]))
+        summed = tf.math.unsorted_segment_sum(tf.cast(grad.values, tf.float32), positions, tf.size(rows))
+        return tf.reshape(summed, [-1]), rows
+    return tf.reshape(tf.cast(tf.convert_to_tensor(grad), tf.float32), [-1]), None
+
+
+def _joined(parts: list) -> tf.Tensor:
+    """`parts` (flat tensors) as one flat tensor: one `concat` for the lot."""
+    return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
+
+
+def squared_norms(grads: Sequence, variables: Sequence,
+                  preconditioner: Preconditioner | None = None) -> tuple:
+    """(|g|^2, |P g|^2) of a list of gradients, in one pass over them all: float32 scalars.
+
+    The same values as `noise_scale.squared_norm(grads)` and
+    `preconditioned_squared_norm(grads, preconditioner.scales(variables))` (up to the
+    order float32 sums in), for a fraction of their kernels, which a micro-step of a
+    small model pays for in launches: each gradient is flattened (a sparse one's rows
+    summed once, for both norms), the lot joined into one vector, and P computed once
+    over its moments, joined likewise, with no `cond` per variable (before
+    `min_updates` the scales are ones, so |P g|^2 is |g|^2 over the variables P knows).
+
+    Args:
+        grads: the gradients (None: the variable has none; counts 0).
+        variables: the variables they are for, as long as `grads`.
+        preconditioner: the optimizer's `Preconditioner`, or None (|P g|^2 is then None).
+
+    Returns:
+        `(squared, preconditioned)`: float32 scalar tensors (`preconditioned` None
+        without a preconditioner).
+    """
+    values, scaled, moments = [], [], []
+    for grad, variable in zip(grads, variables):
+        if grad is None:
+            continue
+        flat, rows = _flat_rows(grad)
+        values.append(flat)
+        found = None if preconditioner is None else preconditioner.moments_of(variable)
+        if found is not None:
+            scaled.append(flat)
+            moments.append(tuple(None if m is None else tf.reshape(m if rows is None else tf.gather(m, rows), [-1])
+                                 for m in found))
+    if not values:
+        zero = tf.constant(0.0, tf.float32)
+        return zero, (None if preconditioner is None else zero)
+    joined = _joined(values)
+    squared = tf.reduce_sum(tf.square(joined))
+    if preconditioner is None:
+        return squared, None
+    if not scaled:
+        return squared, tf.constant(0.0, tf.float32)
+    every = len(scaled) == len(values)
+    kept = joined if every else _joined(scaled)
+    ready, correction, epsilon = preconditioner._constants()
+    joined_moments = tuple(None if parts[0] is None else _joined(list(parts)) for parts in zip(*moments))
+    scale = preconditioner._formula(joined_moments, correction, epsilon)
+    # Before `min_updates` P is ones: |g|^2 over the variables P knows (a `where`, not a
+    # `cond`: the formula's values there are left unused).
+    unscaled = squared if every else tf.reduce_sum(tf.square(kept))
+    return squared, tf.where(ready, tf.reduce_sum(tf.square(kept * scale)), unscaled)

@@ -16,8 +16,8 @@ from typing import Any, Optional
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import (
-    _tf, lookups, preconditioning, replicas, seam, window_rows, window_saving)
-from tfx_gradient_accumulator.accumulator.noise_scale import NoiseScaleEstimate, micro_batch_terms, squared_norm
+    _tf, lookups, preconditioning, replicas, seam, window_noise, window_rows, window_saving)
+from tfx_gradient_accumulator.accumulator.noise_scale import NoiseScaleEstimate
 from tfx_gradient_accumulator.accumulator.options import (  # noqa: F401  (the validators' names here before options.py)
     AUTO_START_ACCUM_STEPS, DEFAULT_SMOOTHING, LOSS_REDUCTIONS, PARTIAL_WINDOW_MODES, SUMMED_NOISE_SCALE_MESSAGE,
     WindowOptions, refuse_unknown_arguments, validate_accum_steps, validate_auto, validate_loss_reduction,
@@ -747,21 +747,7 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
                 s.dense_seen.add(index)
                 _tf.add_weighted(s.accumulators[index], grad, weight)
         s.weight_sum.assign_add(tf.cast(divisor, tf.float32))
-        if s.noise_sums:
-            # This replica's micro-batch: R^2 |g|^2, R/w and 1 (R the replicas,
-            # as in the window gradient; see `accumulator.noise_scale`).
-            # Sizes in samples, so B_simple is in samples (D_k counts tokens for sequences).
-            size = weight if samples is None else samples
-            kept = [(g, i) for g, i in zip(grads, indices) if i not in s.overwrite_indices]
-            replica_count = replicas.replicas_in_sync()
-            squared, inverse, counted = micro_batch_terms([g for g, _ in kept], size, replica_count)
-            terms = [squared, inverse, counted, tf.cast(size, tf.float32)]      # `noise_sums`' order
-            if s.preconditioner is not None:
-                preconditioned = float(replica_count) ** 2 * preconditioning.preconditioned_squared_norm(
-                    [g for g, _ in kept], s.preconditioner.scales([s.variables[i] for _, i in kept]))
-                terms.append(tf.where(counted > 0.0, preconditioned, 0.0))
-            for total, term in zip(s.noise_sums, terms):
-                total.assign_add(term)
+        window_noise.add_micro_batch(s, grads, indices, weight, samples)
 
     # Whether the inner optimizer sums repeated rows of a sparse gradient itself
     # (Keras 2's do; Keras 3's apply them one by one).
@@ -838,34 +824,12 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
             # A variable with dense and sparse gradients in one window gets their sum.
             grads[i] = mean if grads[i] is None else window_rows.add_rows(grads[i], mean)
         if s.noise_estimate is not None:
-            self._update_noise_scale(noise_sums, means + row_means,
-                                     [None if i in s.overwrite_indices else g for i, g in enumerate(grads)],
-                                     replica_count)
+            window_noise.fold_window(s, noise_sums, means + row_means, grads, replica_count, self._window_gradient_scale())
         self._hand_to_updater(grads, s.variables, reduced=True)
         # Refill once the update has read the means: reading the variables it
         # wrote orders the refill after it (automatic control dependencies).
         self._reset_window(dense, rows, after=[
             tf.convert_to_tensor(_tf.backing_variable(s.variables[i])) for i, _ in summed])
-
-    def _update_noise_scale(self, noise_sums, window_means, window_grads, replica_count):
-        """Folds the closing window into the estimates (before the update changes the loss scale
-        and the preconditioner); `window_grads`: the window's gradients, by variable."""
-        s = self._state
-        micro_sq_sum, inv_size_sum, micro_count, sample_sum = noise_sums[:4]
-        # The window's samples, counted over the replicas as its weight is.
-        window_samples = sample_sum / replica_count
-        window_sq = squared_norm(window_means)
-        pairs = [(micro_sq_sum, window_sq)]
-        if s.preconditioner is not None:
-            pairs.append((noise_sums[4], preconditioning.preconditioned_squared_norm(
-                window_grads, s.preconditioner.scales(s.variables))))
-        scale = self._window_gradient_scale()
-        for (micro, window), estimate in zip(pairs, (s.noise_estimate, s.preconditioned_estimate)):
-            if scale is not None:
-                # The window's gradients carry the loss scale (constant in a window).
-                square = tf.square(tf.cast(scale, tf.float32))
-                micro, window = micro / square, window / square
-            estimate.update_from_window(micro, inv_size_sum, micro_count, window, window_samples)
 
     def _reset_window(self, indices, row_indices=(), after=()):
         """Empties the buffers at `indices` and the rows at `row_indices` (the
