@@ -90,6 +90,20 @@ def _is_summed(noted_weight):
     return isinstance(noted_weight, str) and noted_weight == SUMMED_LOSS
 
 
+def _signs_of_the_micro_batch(weight, grads):
+    """What the window's count waits on: tensors that exist only once the micro-batch does.
+
+    The micro-batch's weight where it is computed from the batch (the loss's
+    denominator the `compute_loss` hook hands over: the forward pass, not the
+    backward one); else the gradient a backward pass makes first, the last
+    variable's (the output layer's, where variables are in the layers' order), not
+    the first one's, which waits on the whole pass.
+    """
+    if tf.is_tensor(weight) and tf.get_static_value(weight) is None:
+        return [weight]
+    return [g for g in grads if g is not None][-1:]
+
+
 def _accumulator_dtype(variable):
     """The dtype of `variable`'s window sum: float32 for half-precision variables."""
     # Half-precision sums lose the small gradients accumulation exists for.
@@ -710,7 +724,9 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
             else:
                 # 2. Count, once the micro-batch exists: when the data runs out, `fit`
                 # calls the step once more, and only ops that wait on the data fail.
-                _tf.assign_add_after(s.micro_step, 1, after=[weight] + [g for g in grads if g is not None][:1])
+                # Not on the whole backward pass: the close's condition is then known
+                # (and on a GPU copied to the host) while the gradients are computed.
+                _tf.assign_add_after(s.micro_step, 1, after=_signs_of_the_micro_batch(weight, grads))
                 full = s.micro_step >= s.accum_steps
             tf.cond(full, lambda: self._close(distribution, sorted(with_grads | s.seen_in_window)), lambda: None)
 
