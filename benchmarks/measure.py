@@ -106,6 +106,12 @@ def throughput():
     seconds = {f"{name}@{n}": [] for name, n in built}
     loads = []
     rng = random.Random(SEED.value)
+    first = next(iter(built.values())).model
+    result = {"workload": workload, "size": size, "micro": micro, "accums": accums,
+              "contenders": names, "segment_micro_steps": segment, "warm_step_seconds": step,
+              "param_bytes": models.parameter_bytes(first), "description": models.describe(workload, size),
+              "seconds": seconds, "did_not_fit": did_not_fit, "build_seconds": build_seconds,
+              "load_start": load_start, "segment_load_1min": loads}
     for _ in range(ROUNDS.value):
         # A round: the N values in a random order; at each, its contenders in
         # a random order (so the two sides of a ratio are measured seconds apart).
@@ -120,12 +126,18 @@ def throughput():
                 seconds[f"{name}@{n}"].append(built[(name, n)].run(segment))
                 round_loads[f"{name}@{n}"] = [round(before, 2), round(os.getloadavg()[0], 2)]
         loads.append(round_loads)
-    first = next(iter(built.values())).model
-    return {"workload": workload, "size": size, "micro": micro, "accums": accums,
-            "contenders": names, "segment_micro_steps": segment, "warm_step_seconds": step,
-            "param_bytes": models.parameter_bytes(first), "description": models.describe(workload, size),
-            "seconds": seconds, "did_not_fit": did_not_fit, "build_seconds": build_seconds,
-            "load_start": load_start, "load_end": load(), "segment_load_1min": loads}
+        _write_partial({**result, "load_end": load(), "rounds_completed": len(loads)})
+    return {**result, "load_end": load()}
+
+
+def _write_partial(result):
+    """The rounds measured so far, to $BENCH_PARTIAL (set by run.py): a measurement cut
+    by its time limit (a GPU lease's minutes) keeps its completed rounds."""
+    path = os.environ.get("BENCH_PARTIAL")
+    if path:
+        with open(path + ".tmp", "w") as f:
+            json.dump(result, f)
+        os.replace(path + ".tmp", path)
 
 
 def memory():

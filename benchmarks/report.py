@@ -159,7 +159,9 @@ def _throughput(throughput):
     """Samples/s per N, a table per model and family (`fit`, custom loop)."""
     from benchmarks.contenders import FIT, LABELS, LOOP
     lines = ["## Throughput", "",
-             f"Samples per second, median [min–max] over {analysis.rounds(throughput)} rounds. "
+             f"Samples per second, median [min–max] over {analysis.rounds(throughput)} rounds"
+             + (" (cut by its time limit: the rounds it completed)" if any(
+                 m.get("cut") for m in throughput.values()) else "") + ". "
              "plain b does not depend on N: it is one model, measured again at every N (see the sanity check).", ""]
     for workload, measured in throughput.items():
         rates = analysis.rates(measured)

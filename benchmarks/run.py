@@ -44,6 +44,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 
 from absl import app, flags, logging
@@ -60,6 +61,9 @@ PARTS_FLAG = flags.DEFINE_list("parts", PARTS, f"Parts to run, of {PARTS}.")
 WORKLOADS = flags.DEFINE_list("workloads", ["transformer", "resnet"], "Compute-bound models for throughput.")
 ACCUMS = flags.DEFINE_list("accums", ["2", "8"], "N values for throughput (each adds ~2 minutes per model on 2 cores).")
 ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved rounds (throughput, overhead, distributed).")
+MEASURE_SECONDS = flags.DEFINE_integer(
+    "measure_seconds", 1800, "Time limit of one measurement process; a throughput measurement cut by it "
+    "keeps its completed rounds (a GPU lease sets it inside its minutes).")
 THROUGHPUT_CONTENDERS = flags.DEFINE_list(
     "contenders", None, "Throughput contenders (default: all of benchmarks/contenders.py); a GPU lease "
     "measures fewer to fit its minutes.")
@@ -77,12 +81,26 @@ def _quick(args):
     return list(args) + (["--rounds=2", "--segment_seconds=0.2"] if QUICK.value else [f"--rounds={ROUNDS.value}"])
 
 
-def _measure(*args, timeout=1800):
-    """`benchmarks.measure` with `args` in a fresh process (its own memory, its own traces); its JSON line."""
+def _measure(*args, timeout=None):
+    """`benchmarks.measure` with `args` in a fresh process (its own memory, its own traces); its JSON line.
+
+    Stopped after `timeout` seconds (default `--measure_seconds`); a throughput
+    measurement stopped so returns the rounds it completed, marked "cut"."""
     command = [sys.executable, "-m", "benchmarks.measure", *args]
     logging.info("measuring: %s  (load %s)", " ".join(args), _load())
-    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow"))
+    with tempfile.TemporaryDirectory() as folder:
+        partial = os.path.join(folder, "partial.json")
+        try:
+            out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                                 timeout=timeout or MEASURE_SECONDS.value,
+                                 env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow",
+                                          BENCH_PARTIAL=partial))
+        except subprocess.TimeoutExpired:
+            if not os.path.exists(partial):
+                raise
+            logging.warning("cut after %s s: keeping the rounds it completed", timeout or MEASURE_SECONDS.value)
+            with open(partial) as f:
+                return {**json.load(f), "cut": True}
     if out.returncode:
         raise RuntimeError(f"{' '.join(args)} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

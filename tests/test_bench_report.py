@@ -76,3 +76,23 @@ def test_embedding_memory_report_judges_the_extra_against_rows_and_finds_a_table
     text = em.report(runs, str(tmp_path))
     assert "a closing step peaks 64.0" in text and "**missed**" in text
     assert (tmp_path / "embedding_memory.png").exists()
+
+
+def test_a_measurement_cut_by_its_time_limit_keeps_its_rounds_and_says_so(tmp_path):
+    # A real measurement (a tiny model on CPU, many rounds asked) stopped after 40 s:
+    # the rounds it completed come back marked "cut", and the report says so.
+    from absl import flags
+
+    from benchmarks import run as bench_run
+
+    flags.FLAGS(["run"], known_only=True)
+    measured = bench_run._measure("--mode=throughput", "--workload=tiny_cnn", "--accums=2",
+                                  "--contenders=plain_b,accumulator", "--rounds=1000", timeout=40)
+    assert measured["cut"] is True
+    rounds = measured["rounds_completed"]
+    assert 1 <= rounds < 1000
+    assert {len(v) for v in measured["seconds"].values()} == {rounds}
+    results = _results([1.5, 1.5])
+    results["throughput"]["transformer"].update(cut=True)
+    bench_report.write(results, str(tmp_path))
+    assert "cut by its time limit" in (tmp_path / "results.md").read_text()
