@@ -239,11 +239,13 @@ class WindowState:
             # Replica-local, summed over the replicas when read across them (replica 0's
             # if `per_replica`). `None` in `shape`: a buffer that changes size along that
             # axis, made with one row (an empty tensor would reach collective reads,
-            # which crash on it under MultiWorkerMirroredStrategy).
+            # which crash on it under MultiWorkerMirroredStrategy). Its `shape` says
+            # what it holds (`seam.reports_held_shape`): one row, then its full size.
             with seam.variables_created_as(
                     synchronization=tf.VariableSynchronization.ON_READ, shape=shape if None in shape else None,
                     aggregation=first_replica if per_replica else tf.VariableAggregation.SUM):
-                return new_variable(shape, dtype, initial, name)
+                variable = new_variable(shape, dtype, initial, name)
+            return seam.reports_held_shape(variable) if None in shape else variable
 
         var_list = list(var_list)
         with seam.variables_created_as(aggregation=first_replica):
