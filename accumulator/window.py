@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import (
     _tf, lookups, preconditioning, replicas, seam, window_rows, window_saving)
+from tfx_gradient_accumulator.accumulator.loop_notes import LoopNotes
 from tfx_gradient_accumulator.accumulator.noise_scale import NoiseScaleEstimate, micro_batch_terms, squared_norm
 from tfx_gradient_accumulator.accumulator.options import (  # noqa: F401  (the validators' names here before options.py)
     AUTO_START_ACCUM_STEPS, DEFAULT_SMOOTHING, LOSS_REDUCTIONS, PARTIAL_WINDOW_MODES, SUMMED_NOISE_SCALE_MESSAGE,
@@ -190,6 +191,7 @@ class WindowState:
             `accum_steps` holds before its initial value is assigned).
         warned_eager_rows: whether the warning on eager sparse gradients was given.
         close_function: the traced eager close (`close_partial_window`), once made.
+        loop_notes: what a custom loop is warned of (`accumulator.loop_notes`).
     """
 
     micro_step: Any = None
@@ -216,6 +218,7 @@ class WindowState:
     built_accum_steps: int = 1
     warned_eager_rows: bool = False
     close_function: Any = None
+    loop_notes: LoopNotes = dataclasses.field(default_factory=LoopNotes)
 
     def built(self):
         """Whether `build` made the variables."""
@@ -653,6 +656,7 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
                                           for g in grads if g is not None]):
                 self._hand_to_updater(grads, variables, reduced=False)
             return
+        self._state.loop_notes.note_step(micro_batch_weight, noted, summed=self.loss_reduction == "sum")
         weight, divisor = self._micro_batch_weights(micro_batch_weight, noted)
         samples = None
         if micro_batch_weight is None and noted_samples is not None and not _is_summed(noted):

@@ -36,7 +36,9 @@ class WindowSaving:
 
     def window_state(self):
         """Every variable's value as NumPy arrays, in `variables` order, for saving: the
-        window as one device holds it, every replica's rows (`saved`)."""
+        window as one device holds it, every replica's rows (`saved`). A custom loop's
+        window still open is reported once (`accumulator.loop_notes`)."""
+        self._state.loop_notes.note_saved(self.held_micro_batches)
         return saved(self.variables, self._state)
 
     def restore_window_state(self, state):
