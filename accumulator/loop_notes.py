@@ -30,8 +30,9 @@ logger = logging.getLogger("tfx_gradient_accumulator.accumulator.window")
 UNEVEN_MESSAGE = (
     "GradientAccumulator: the custom step calling apply_gradients was traced for "
     "micro-batches of %s sample(s), and before for %s, and is given no "
-    "`micro_batch_weight`: every micro-batch counts the same in the window, so the "
-    "smaller one counts more per sample than in the large batch. Pass each "
+    "`micro_batch_weight`: every micro-batch counts the same in the window, so a "
+    "smaller one sharing a window with larger ones counts more per sample than in "
+    "the large batch. Pass each "
     "micro-batch's weight, e.g. `optimizer.apply_gradients(zip(grads, variables), "
     "micro_batch_weight=tf.cast(tf.shape(x)[0], tf.float32))` for a mean loss "
     "(or train with `fit`, which weighs them).")

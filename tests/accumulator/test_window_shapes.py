@@ -48,7 +48,7 @@ def test_after_fit_every_optimizer_variable_states_what_it_holds_and_summary_cou
     model.fit(x, y, batch_size=8, verbose=0)
     _assert_true_shapes(optimizer)
     by_name = {v.path.split("/")[-1]: v for v in optimizer.variables}
-    assert tuple(by_name["accumulator_2"].shape) == (9, 4)       # filled: the kernel's shape
+    assert tuple(by_name["accumulator_1"].shape) == (8, 4)       # filled: the kernel's shape
     assert tuple(by_name["accumulator_0"].shape) == (1, 3)       # the table's stand-in, never filled
     assert tuple(by_name["rows_0_values"].shape) == (4 * 8 * 2, 3)   # grown inside the traced step
     assert by_name["accumulator_0"].value.shape.as_list() == [None, 3]      # TensorFlow keeps it open
@@ -88,13 +88,13 @@ def test_a_checkpoint_written_before_buffers_stated_their_shape_restores():
         str(DATA / "window_checkpoint_v1_keras3" / "ckpt"))
     status.assert_consumed()
     expected = np.load(DATA / "window_checkpoint_v1_keras3" / "expected.npz")
-    for got, want in zip(optimizer.get_weights(), [expected[f"arr_{i}"] for i in range(len(expected.files))]):
-        np.testing.assert_array_equal(got, want)
+    assert len(expected.files) == len(optimizer.variables)
+    for v, want in zip(optimizer.variables, [expected[f"arr_{i}"] for i in range(len(expected.files))]):
+        np.testing.assert_array_equal(v.numpy(), want)
     _assert_true_shapes(optimizer)
-    assert optimizer.held_micro_batches == 2
-    assert optimizer.close_partial_window("apply") == 2
-    assert int(optimizer.iterations) == 2
-    model.fit(x, y, batch_size=4, verbose=0)
+    assert optimizer.held_micro_batches == 2 and int(optimizer.iterations) == 1
+    model.fit(x, y, batch_size=4, verbose=0)          # 2 held + 6: two more windows
+    assert optimizer.held_micro_batches == 0 and int(optimizer.iterations) == 3
     _assert_true_shapes(optimizer)
 
 
@@ -107,7 +107,6 @@ def test_keras_file_round_trip_keeps_true_shapes(tmp_path):
     model.save(tmp_path / "m.keras")
     restored = keras.models.load_model(tmp_path / "m.keras")
     _assert_true_shapes(restored.optimizer)
-    for a, b in zip(optimizer.variables, restored.optimizer.variables):
-        assert tuple(a.shape) == tuple(b.shape), a.path
+    # (A row buffer is saved as the rows it holds, not its capacity: it may come back smaller.)
     for a, b in zip(optimizer.get_weights(), restored.optimizer.get_weights()):
         np.testing.assert_array_equal(a, b)

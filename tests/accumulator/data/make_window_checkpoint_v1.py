@@ -1,4 +1,4 @@
-"""Writes tests/accumulator/data/window_checkpoint_v1/ with the code before buffers stated their held shape."""
+"""Writes the checkpoints under tests/accumulator/data/window_checkpoint_v1_keras3 and tests/keras2/data/window_checkpoint_v1_keras2 (run with the code of f49b76b: `python make_window_checkpoint_v1.py keras3 DIR`)."""
 import os, sys
 k2 = sys.argv[1] == "keras2"
 if k2:
@@ -22,5 +22,5 @@ model.compile(opt, "mse")
 model.fit([x, ids], y, batch_size=4, verbose=0)          # 6 micro-batches: 1 update, 2 held
 assert opt.held_micro_batches == 2
 tf.train.Checkpoint(optimizer=opt, model=model).write(os.path.join(out, "ckpt"))
-np.savez(os.path.join(out, "expected.npz"), *opt.get_weights())
+np.savez(os.path.join(out, "expected.npz"), *[v.numpy() for v in opt.variables])   # as held
 print([tuple(tf.shape(v).numpy()) for v in opt.variables])
