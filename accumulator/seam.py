@@ -327,8 +327,7 @@ def _held_shape_class(cls):
                 declared = tf.TensorShape(self._value.shape)
                 return declared if declared.is_fully_defined() or not tf.executing_eagerly() else _held(self._value)
 
-    HeldShapeVariable.__name__ = HeldShapeVariable.__qualname__ = cls.__name__
-    HeldShapeVariable.__module__ = cls.__module__
+    HeldShapeVariable.__name__ = cls.__name__      # reprs read as before
     return HeldShapeVariable
 
 
