@@ -403,7 +403,7 @@ class WindowReadings:
     @property
     def accumulators(self):
         """The dense gradient buffers, one per variable (a one-row stand-in until a dense
-        gradient comes: `tf.shape(buffer)`, not Keras' `shape`, tells which)."""
+        gradient comes; each one's `shape` says what it holds)."""
         return list(self._state.accumulators)
 
     @property
