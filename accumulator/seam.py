@@ -10,6 +10,9 @@ DEVELOPERS.md, "Design notes by module". Also the optimizers' second moments tha
 `accumulator.preconditioning` reads: `_get_variable_index` (Keras 2: `_var_key`,
 `_index_dict`) and the slot lists `_velocities`, `_velocity_hats`, `_average_gradients`,
 `_accumulators`, `_u` (instance attributes; `test_preconditioning*.py` check them).
+The window's buffers that change size state the shape they hold (`reports_held_shape`):
+a subclass of their class overrides `shape` and TensorFlow's `_restore_from_tensors`,
+reading the declared `_shape` and Keras 3's `_value` (`test_window_shapes.py` checks them).
 Importing it changes nothing; it imports only `accumulator.flavours`. Run-time changes to
 Keras are `accumulator.hooks`.
 """
@@ -246,6 +249,86 @@ def variables_created_as(synchronization=None, aggregation=None, shape=None):
 
     with tf.variable_creator_scope(creator):
         yield
+
+
+def reports_held_shape(variable):
+    """Makes a window buffer (made by `variables_created_as(shape=...)` with a `None`
+    dimension) state the shape it holds: `variable.shape` is then `tf.shape(variable)`
+    wherever it is read eagerly (`model.summary()`'s count, a checkpoint tool, a
+    memory estimate), and the declared open shape while a step is traced.
+
+    The buffers change size (a stand-in filled on its first dense gradient, rows that
+    grow inside the traced step), so TensorFlow must keep their open static shape:
+    a fully defined one would make the traced step check every resize and fold
+    `tf.shape` reads into constants, and a checkpoint of another size would not
+    restore. Only what the buffer *says* changes: its class becomes a subclass (one
+    per class, made once) whose `shape` reads the held shape eagerly. A Keras 3
+    variable gets it on the Keras variable; a Keras 2 one (a `tf.Variable`) on each
+    local component, whose `_restore_from_tensors` then checks a checkpoint's value
+    against the open shape, as before. Nothing else about the variable changes.
+
+    Args:
+        variable: a window buffer (Keras 3 variable, or a Keras 2 `tf.Variable`).
+
+    Returns:
+        `variable`.
+    """
+    if isinstance(variable, tf.Variable):
+        targets = tf.distribute.get_strategy().experimental_local_results(variable)
+    else:
+        targets = [variable]
+    for target in targets:
+        if not getattr(type(target), "_reports_held_shape", False):
+            target.__class__ = _held_shape_class(type(target))
+    return variable
+
+
+def declared_shape(variable):
+    """The shape a window buffer was declared with (`None` where it changes size), as a
+    `tf.TensorShape`; `variable.shape` says what it holds (`reports_held_shape`)."""
+    variable = variable if isinstance(variable, tf.Variable) else variable._value
+    if isinstance(variable, tf.distribute.DistributedValues):
+        variable = variable.values[0]
+    return tf.TensorShape(variable._shape)
+
+
+def _held(component):
+    """The shape `component` (a `tf.Variable` or a distributed one) holds, read eagerly
+    (replica 0's under a strategy: each replica's rows are its own)."""
+    if isinstance(component, tf.distribute.DistributedValues):
+        component = component.values[0]
+    return tf.TensorShape(tf.raw_ops.VariableShape(input=component.handle).numpy().tolist())
+
+
+@functools.lru_cache(maxsize=None)
+def _held_shape_class(cls):
+    """`cls` with a `shape` that reads the held shape eagerly (see `reports_held_shape`)."""
+    if issubclass(cls, tf.Variable):
+        class HeldShapeVariable(cls):
+            _reports_held_shape = True
+
+            @property
+            def shape(self):
+                declared = super().shape
+                return declared if declared.is_fully_defined() or not tf.executing_eagerly() else _held(self)
+
+            def _restore_from_tensors(self, restored_tensors):
+                # The parent checks the value against `self.shape`, the held shape here.
+                with tf.device(self.device):
+                    value = tf.identity(restored_tensors["VARIABLE_VALUE"])
+                    return self.assign(value, read_value=False)
+    else:
+        class HeldShapeVariable(cls):
+            _reports_held_shape = True
+
+            @property
+            def shape(self):
+                # `_value`, not `value`: no cast inside an autocast scope.
+                declared = tf.TensorShape(self._value.shape)
+                return declared if declared.is_fully_defined() or not tf.executing_eagerly() else _held(self._value)
+
+    HeldShapeVariable.__name__ = cls.__name__      # reprs read as before
+    return HeldShapeVariable
 
 
 # ---------------------------------------------------------------------- layers

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import (
     _tf, lookups, preconditioning, replicas, seam, window_noise, window_rows, window_saving)
+from tfx_gradient_accumulator.accumulator.loop_notes import LoopNotes
 from tfx_gradient_accumulator.accumulator.noise_scale import NoiseScaleEstimate
 from tfx_gradient_accumulator.accumulator.options import (  # noqa: F401  (the validators' names here before options.py)
     AUTO_START_ACCUM_STEPS, DEFAULT_SMOOTHING, LOSS_REDUCTIONS, PARTIAL_WINDOW_MODES, SUMMED_NOISE_SCALE_MESSAGE,
@@ -204,6 +205,7 @@ class WindowState:
             `accum_steps` holds before its initial value is assigned).
         warned_eager_rows: whether the warning on eager sparse gradients was given.
         close_function: the traced eager close (`close_partial_window`), once made.
+        loop_notes: what a custom loop is warned of (`accumulator.loop_notes`).
     """
 
     micro_step: Any = None
@@ -230,6 +232,7 @@ class WindowState:
     built_accum_steps: int = 1
     warned_eager_rows: bool = False
     close_function: Any = None
+    loop_notes: LoopNotes = dataclasses.field(default_factory=LoopNotes)
 
     def built(self):
         """Whether `build` made the variables."""
@@ -253,11 +256,13 @@ class WindowState:
             # Replica-local, summed over the replicas when read across them (replica 0's
             # if `per_replica`). `None` in `shape`: a buffer that changes size along that
             # axis, made with one row (an empty tensor would reach collective reads,
-            # which crash on it under MultiWorkerMirroredStrategy).
+            # which crash on it under MultiWorkerMirroredStrategy). Its `shape` says
+            # what it holds (`seam.reports_held_shape`): one row, then its full size.
             with seam.variables_created_as(
                     synchronization=tf.VariableSynchronization.ON_READ, shape=shape if None in shape else None,
                     aggregation=first_replica if per_replica else tf.VariableAggregation.SUM):
-                return new_variable(shape, dtype, initial, name)
+                variable = new_variable(shape, dtype, initial, name)
+            return seam.reports_held_shape(variable) if None in shape else variable
 
         var_list = list(var_list)
         with seam.variables_created_as(aggregation=first_replica):
@@ -412,7 +417,7 @@ class WindowReadings:
     @property
     def accumulators(self):
         """The dense gradient buffers, one per variable (a one-row stand-in until a dense
-        gradient comes: `tf.shape(buffer)`, not Keras' `shape`, tells which)."""
+        gradient comes; each one's `shape` says what it holds)."""
         return list(self._state.accumulators)
 
     @property
@@ -665,6 +670,7 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
                                           for g in grads if g is not None]):
                 self._hand_to_updater(grads, variables, reduced=False)
             return
+        self._state.loop_notes.note_step(micro_batch_weight, noted, summed=self.loss_reduction == "sum")
         weight, divisor = self._micro_batch_weights(micro_batch_weight, noted)
         samples = None
         if micro_batch_weight is None and noted_samples is not None and not _is_summed(noted):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import replicas
+from tfx_gradient_accumulator.accumulator import replicas, seam
 from tfx_gradient_accumulator.accumulator._tf import backing_variable, filled, local_components, runtime_shape
 from tfx_gradient_accumulator.accumulator.window_rows import read_rows
 
@@ -36,7 +36,9 @@ class WindowSaving:
 
     def window_state(self):
         """Every variable's value as NumPy arrays, in `variables` order, for saving: the
-        window as one device holds it, every replica's rows (`saved`)."""
+        window as one device holds it, every replica's rows (`saved`). A custom loop's
+        window still open is reported once (`accumulator.loop_notes`)."""
+        self._state.loop_notes.note_saved(self.held_micro_batches)
         return saved(self.variables, self._state)
 
     def restore_window_state(self, state):
@@ -54,7 +56,7 @@ def check_weights(variables, weights):
     for variable, weight in zip(variables, weights):
         shape = tuple(weight.shape) if hasattr(weight, "shape") else tuple(np.shape(weight))
         # The window's buffers take any size along their open (None) axis.
-        expected = backing_variable(variable).shape
+        expected = seam.declared_shape(variable)
         if not expected.is_compatible_with(shape):
             raise ValueError(
                 f"`weights` entry for {variable.name} has shape {shape}; "

@@ -325,6 +325,17 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, _Optimiz
             inner = getattr(keras2.optimizers, spec["class_name"]).from_config(spec["config"])
         return cls(inner, **config)
 
+    def save_own_variables(self, store) -> None:
+        """Keras 2's save of the variables (`model.save`), after the open-window check.
+
+        Args:
+            store: Keras' store of this object's variables.
+        """
+        # A custom loop's window still open is reported once (`accumulator.loop_notes`).
+        if self._window_built():
+            self._state.loop_notes.note_saved(self.held_micro_batches)
+        super().save_own_variables(store)
+
     def load_own_variables(self, store) -> None:
         """Restores the state Keras saved (as arrays, under any strategy).
 
