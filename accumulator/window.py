@@ -823,6 +823,10 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
         s = self._state
         replica_count = replicas.replicas_in_sync() if tf.distribute.has_strategy() else 1
         weight_sum = weight_sum / replica_count
+        divisor = self._loss_scale_divisor()
+        if divisor is not None:
+            # Each micro-batch's loss was scaled by S / N: the mean at S for the unscaling.
+            weight_sum = weight_sum / divisor
         grads = [None] * len(s.variables)
         summed = [(i, total) for i, total in zip(dense, sums) if i not in s.overwrite_indices]
         for i, total in zip(dense, sums):
@@ -859,12 +863,14 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
         if s.preconditioner is not None:
             pairs.append((noise_sums[4], preconditioning.preconditioned_squared_norm(
                 window_grads, s.preconditioner.scales(s.variables))))
-        scale = self._window_gradient_scale()
+        scale, divisor = self._window_gradient_scale(), self._loss_scale_divisor()
         for (micro, window), estimate in zip(pairs, (s.noise_estimate, s.preconditioned_estimate)):
             if scale is not None:
-                # The window's gradients carry the loss scale (constant in a window).
+                # The window's gradients carry the loss scale (constant in a window),
+                # each micro-batch's S / N where `_loss_scale_divisor` says N.
                 square = tf.square(tf.cast(scale, tf.float32))
-                micro, window = micro / square, window / square
+                micro_square = square if divisor is None else square / tf.square(divisor)
+                micro, window = micro / micro_square, window / square
             estimate.update_from_window(micro, inv_size_sum, micro_count, window, window_samples)
 
     def _reset_window(self, indices, row_indices=(), after=()):
@@ -906,3 +912,8 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
     def _window_gradient_scale(self):
         """Each Keras: the loss scale the window's sums carry (None: unscaled)."""
         raise NotImplementedError
+
+    def _loss_scale_divisor(self):
+        """N where each micro-batch's loss is scaled by the window's scale / N (None: by
+        the window's scale, or unscaled)."""
+        return None
