@@ -176,3 +176,44 @@ def test_the_overflowing_window_changes_nothing_and_moves_the_scale_once(mixed_p
     assert int(optimizer.iterations.numpy()) == 2
     assert int(optimizer.micro_step.numpy()) == 0
     assert float(optimizer.loss_scale_optimizer.dynamic_scale.numpy()) == 2.0 ** 14
+
+
+def _first_skipped_exponent(model, start, lso, x, y, batch_size, exponents):
+    """The first 2**e of `exponents` at which one step (one window) on (x, y) is skipped,
+    each try from the weights `start`; None if none is."""
+    for e in exponents:
+        model.set_weights(start)
+        lso.dynamic_scale.assign(2.0 ** e)
+        model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
+        if float(lso.dynamic_scale.numpy()) < 2.0 ** e:        # halved: the step was skipped
+            return e
+    return None
+
+
+@pytest.mark.parametrize("target, feature", [(1e2, 1.0), (1e2, 30.0)])
+def test_windows_first_overflow_at_the_large_batchs_scale(mixed_policy, target, feature):
+    # Large targets overflow the per-sample float16 gradients (a micro-batch's loss at
+    # the full scale would make them N times the large batch's); large features
+    # overflow the weights' gradients, which the large batch sums in float16 over
+    # all its samples and the window sums over micro-batches in float32.
+    rng = np.random.default_rng(1)
+    x = (rng.normal(size=(32, 4)) * feature).astype("float32")
+    y = (rng.normal(size=(32, 1)) * target).astype("float32")
+    exponents = range(4, 17)
+
+    def tiny_model():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+
+    large, large_lso = tiny_model(), keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1e-3))
+    start = large.get_weights()
+    large.compile(optimizer=large_lso, loss="mse")
+    large.fit(x[:1], y[:1], verbose=0)         # built, traced
+    accumulated, optimizer = tiny_model(), GradientAccumulator(keras.optimizers.SGD(1e-3), 4)
+    accumulated.compile(optimizer=optimizer, loss="mse")       # compile's defaults
+    accumulated.fit(x[:8], y[:8], batch_size=8, verbose=0)
+
+    expected = _first_skipped_exponent(large, start, large_lso, x, y, 32, exponents)
+    found = _first_skipped_exponent(accumulated, start, optimizer.loss_scale_optimizer, x, y, 8, exponents)
+    assert expected is not None and expected > exponents[0]
+    assert found == expected
