@@ -2,7 +2,8 @@
 
 Models compiled with any optimizer other than a `GradientAccumulator` train exactly as
 without the library. The changes: (1) at import, `install()` wraps `Model.fit` and
-`Model.compute_loss` of each installed Keras, and two Keras 3 functions that stop `fit`
+`Model.compute_loss` of each installed Keras, Keras 3's `compile` (a mixed_float16
+model's loss scaling goes inside the accumulator), and two Keras 3 functions that stop `fit`
 under `MultiWorkerMirroredStrategy` (`uninstall()` restores them; `ACCUMULATOR_KERAS_HOOKS=0`
 skips them); (2) while `accumulating_compile` is open, `Model.compile` wraps optimizers,
 and, when asked, `fit` backs up and strategy scopes map onto one strategy; (3) while a

@@ -94,15 +94,21 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, keras.op
     `merge_duplicate_rows=True` (summed per index, densely), and is refused
     with a message otherwise.
 
-    Mixed precision: wrap a `keras.optimizers.LossScaleOptimizer`
-    (`GradientAccumulator(LossScaleOptimizer(Adam()))`, and compile with
-    `auto_scale_loss=False`; `fit` refuses a LossScaleOptimizer that Keras put
-    around the accumulator). The loss scale then stays constant within a
-    window, the window's scaled mean is checked once, and a window holding a
-    non-finite gradient is skipped as a whole while the scale adapts.
-    `inner_optimizer` is then the optimizer inside the LossScaleOptimizer (the
-    one that updates the weights, as Keras' callbacks expect) and
-    `loss_scale_optimizer` the LossScaleOptimizer.
+    Mixed precision (`mixed_float16`): compile as usual. Where Keras' `compile`
+    would put its `LossScaleOptimizer` around the accumulator
+    (`auto_scale_loss=True`), the accumulator takes it inside
+    (`take_loss_scaling_from`) and stays `model.optimizer`: the same as
+    `GradientAccumulator(LossScaleOptimizer(Adam()))` compiled with
+    `auto_scale_loss=False`. The loss scale S stays constant within a window,
+    each micro-batch's loss is scaled by S / accum_steps (its share of the
+    large batch's scaled loss, so its float16 gradients are the large
+    batch's), the window's mean is checked once, also against float16's range
+    (where the large batch's float16 sum would overflow), and a window holding
+    a non-finite gradient is skipped as a whole while the scale adapts: windows
+    overflow where the large batch's steps do. `inner_optimizer` is then the
+    optimizer inside the LossScaleOptimizer (the one that updates the weights,
+    as Keras' callbacks expect) and `loss_scale_optimizer` the LossScaleOptimizer.
+    A LossScaleOptimizer written around the accumulator is refused by `fit`.
 
     Partial windows: when an epoch or `fit` ends with a window still open
     (the data ran out mid-window), `partial_window` says what happens to it:
@@ -358,7 +364,12 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, keras.op
         return self.inner_optimizer.optimizers
 
     def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
-        """The loss scaled as the inner optimizer scales it (a `LossScaleOptimizer`'s scale).
+        """The micro-batch's loss scaled by its share of the loss scale: S / accum_steps
+        under a `LossScaleOptimizer` of scale S (S in a pass-through).
+
+        Custom loops scale each micro-batch's loss with this, not with the inner
+        `LossScaleOptimizer`'s `scale_loss`: the window's sums then carry S, which
+        the LossScaleOptimizer unscales (`_loss_scale_divisor` says why S / N).
 
         Args:
             loss: the micro-batch's loss.
