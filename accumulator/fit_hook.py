@@ -23,13 +23,12 @@ def before_fit(model, callbacks, fit_arguments=None):
     if not flavours.is_keras2_object(model) and isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and \
             isinstance(optimizer.inner_optimizer, AccumulationWindow):
         raise ValueError(
-            "Keras wrapped the GradientAccumulator in its own LossScaleOptimizer "
-            "(the model's dtype policy is mixed_float16 and compile() had "
-            "auto_scale_loss=True), which would unscale every micro-batch and skip "
-            "single micro-batches instead of windows. Put the loss scaling inside "
-            "and tell compile not to add one: "
-            "model.compile(optimizer=GradientAccumulator(keras.optimizers.LossScaleOptimizer(inner), "
-            "accum_steps), ..., auto_scale_loss=False)."
+            "The GradientAccumulator is inside a LossScaleOptimizer, which would unscale "
+            "every micro-batch and skip single micro-batches instead of windows. Pass the "
+            "GradientAccumulator itself to compile: under mixed_float16, compile puts the "
+            "loss scaling inside it (or write GradientAccumulator("
+            "keras.optimizers.LossScaleOptimizer(inner), accum_steps)). An accumulator that "
+            "was already built without loss scaling cannot take it: compile a new one."
         )
     if not isinstance(optimizer, AccumulationWindow) or optimizer.is_passthrough:
         return callbacks

@@ -2,7 +2,8 @@
 
 Models compiled with any optimizer other than a `GradientAccumulator` train exactly as
 without the library. The changes: (1) at import, `install()` wraps `Model.fit` and
-`Model.compute_loss` of each installed Keras, and two Keras 3 functions that stop `fit`
+`Model.compute_loss` of each installed Keras, Keras 3's `compile` (a mixed_float16
+model's loss scaling goes inside the accumulator), and two Keras 3 functions that stop `fit`
 under `MultiWorkerMirroredStrategy` (`uninstall()` restores them; `ACCUMULATOR_KERAS_HOOKS=0`
 skips them); (2) while `accumulating_compile` is open, `Model.compile` wraps optimizers,
 and, when asked, `fit` backs up and strategy scopes map onto one strategy; (3) while a
@@ -23,6 +24,7 @@ import keras
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import fit_hook, flavours, seam, weighting
+from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HOOKS_ENV = "ACCUMULATOR_KERAS_HOOKS"
-HOOKS = ("fit", "compute_loss", "symbolic_build", "scalar_logs", "keras2_fit", "keras2_compute_loss")
+HOOKS = ("fit", "compute_loss", "compile", "symbolic_build", "scalar_logs", "keras2_fit", "keras2_compute_loss")
 
 # What restores each function `install()` replaced, by label.
 _restorers = {}
@@ -45,12 +47,16 @@ def install(hooks: Iterable[str] = HOOKS) -> list[str]:
     The hooks, by label:
 
     * `"fit"`: `keras.Model.fit`. For a model compiled with a `GradientAccumulator`
-      it refuses, before training, a `LossScaleOptimizer` that Keras put around the
-      accumulator and XLA under a multi-replica strategy, ties
+      it refuses, before training, a `LossScaleOptimizer` put around the
+      accumulator (one the user wrote, or one that `"compile"` could not move) and XLA under a multi-replica strategy, ties
       `AccumBatchNormalization` layers to the optimizer, and puts the `EpochWindows`
       callback first, so windows close at epoch ends.
     * `"compute_loss"`: `keras.Model.compute_loss`. On training batches of such a
       model it notes the loss's denominator: the micro-batch's weight.
+    * `"compile"`: Keras 3's `Model.compile` (where Keras defines it, so that
+      `load_model` still compiles). Under mixed_float16 it puts the
+      `LossScaleOptimizer` Keras put around a `GradientAccumulator` inside it
+      (`_make_compile` says why); `model.optimizer` stays the accumulator given.
     * `"symbolic_build"`, `"scalar_logs"`: the two Keras functions that stop `fit`
       under `MultiWorkerMirroredStrategy` (keras-team/keras#20585); each is a no-op
       under any other strategy.
@@ -111,6 +117,7 @@ def _targets():
         targets.update({
             "fit": (keras.Model, "fit", _make_fit),
             "compute_loss": (keras.Model, "compute_loss", _make_compute_loss),
+            "compile": (_compile_owner(), "compile", _make_compile),
         })
         targets.update(seam.multiworker_fixes())
     keras2 = flavours.keras2_module()
@@ -147,6 +154,67 @@ def _make_compute_loss(original):
         return original(self, x, y, y_pred, sample_weight, *args, **kwargs)
 
     return compute_loss
+
+
+def _compile_owner():
+    """The class that defines Keras 3's `Model.compile` (its `Trainer`).
+
+    Replaced there, not on `keras.Model`: `compile_from_config` (what `load_model`
+    calls) compiles only a model whose `compile` is that class's own."""
+    return next(c for c in keras.Model.__mro__ if "compile" in vars(c))
+
+
+def _make_compile(original):
+    """Keras 3's `compile` that keeps a mixed_float16 model's loss scaling inside its
+    `GradientAccumulator`.
+
+    Why: with `auto_scale_loss=True` (the default) and the mixed_float16 policy,
+    Keras' `compile` puts a `LossScaleOptimizer` around any optimizer, ours too.
+    Around the accumulator it would unscale and check each micro-batch alone: a
+    micro-batch with an overflow would be dropped while the rest of its window is
+    applied, and the scale would move per micro-batch; the large batch instead
+    skips its whole step and moves the scale once. So when Keras wrapped the
+    accumulator the user gave, the accumulator takes the loss scaling over
+    (`GradientAccumulator.take_loss_scaling_from`: `LossScaleOptimizer(inner)` with
+    Keras' settings) and `model.optimizer` goes back to the accumulator: the same
+    training as the explicit `GradientAccumulator(LossScaleOptimizer(inner))` with
+    `auto_scale_loss=False`. Its config then holds the `LossScaleOptimizer`, so a
+    saved model loads as that explicit form. A `LossScaleOptimizer(GradientAccumulator(...))`
+    the user wrote is left as written (`fit` refuses it, saying what to write), as
+    is a wrapped accumulator built without loss scaling (its variables are fixed).
+    """
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def compile(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        given = signature.bind(self, *args, **kwargs).arguments.get("optimizer")
+        optimizer = getattr(self, "optimizer", None)
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and given is not optimizer and \
+                given is optimizer.inner_optimizer and isinstance(given, AccumulationWindow) and \
+                given.take_loss_scaling_from(optimizer, _float16_layers(self)):
+            self.optimizer = given
+        elif isinstance(optimizer, AccumulationWindow) and getattr(optimizer, "loss_scale_optimizer", None) \
+                is not None and not flavours.is_keras2_object(optimizer):
+            optimizer.take_loss_scaling_from(optimizer.loss_scale_optimizer, _float16_layers(self))
+        return result
+
+    return compile
+
+
+def _float16_layers(model):
+    """`model`'s layers that compute in float16 (their gradients are the large batch's
+    float16 ones); a layer without sub-layers (`layers`) counts whole. Layers, not
+    variables: a model compiled before it is built has no variables yet."""
+    found, layers = [], list(getattr(model, "layers", []))
+    while layers:
+        layer = layers.pop()
+        inner = getattr(layer, "layers", None)
+        if inner:
+            layers.extend(inner)
+        elif getattr(layer, "compute_dtype", None) == "float16":
+            found.append(layer)
+    return found
 
 
 # ------------------------------------------------------------- scoped changes

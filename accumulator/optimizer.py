@@ -24,6 +24,9 @@ from tfx_gradient_accumulator.accumulator.window import AccumulationWindow, opti
 
 logger = logging.getLogger(__name__)
 
+# float32 values from here on round to inf in float16 (its largest finite value is 65504).
+FLOAT16_OVERFLOW = 65520.0
+
 # Supported = tested (`make test`): setup.py declares the same range.
 OLDEST_KERAS = (3, 8)
 
@@ -91,15 +94,21 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, keras.op
     `merge_duplicate_rows=True` (summed per index, densely), and is refused
     with a message otherwise.
 
-    Mixed precision: wrap a `keras.optimizers.LossScaleOptimizer`
-    (`GradientAccumulator(LossScaleOptimizer(Adam()))`, and compile with
-    `auto_scale_loss=False`; `fit` refuses a LossScaleOptimizer that Keras put
-    around the accumulator). The loss scale then stays constant within a
-    window, the window's scaled mean is checked once, and a window holding a
-    non-finite gradient is skipped as a whole while the scale adapts.
-    `inner_optimizer` is then the optimizer inside the LossScaleOptimizer (the
-    one that updates the weights, as Keras' callbacks expect) and
-    `loss_scale_optimizer` the LossScaleOptimizer.
+    Mixed precision (`mixed_float16`): compile as usual. Where Keras' `compile`
+    would put its `LossScaleOptimizer` around the accumulator
+    (`auto_scale_loss=True`), the accumulator takes it inside
+    (`take_loss_scaling_from`) and stays `model.optimizer`: the same as
+    `GradientAccumulator(LossScaleOptimizer(Adam()))` compiled with
+    `auto_scale_loss=False`. The loss scale S stays constant within a window,
+    each micro-batch's loss is scaled by S / accum_steps (its share of the
+    large batch's scaled loss, so its float16 gradients are the large
+    batch's), the window's mean is checked once, also against float16's range
+    (where the large batch's float16 sum would overflow), and a window holding
+    a non-finite gradient is skipped as a whole while the scale adapts: windows
+    overflow where the large batch's steps do. `inner_optimizer` is then the
+    optimizer inside the LossScaleOptimizer (the one that updates the weights,
+    as Keras' callbacks expect) and `loss_scale_optimizer` the LossScaleOptimizer.
+    A LossScaleOptimizer written around the accumulator is refused by `fit`.
 
     Partial windows: when an epoch or `fit` ends with a window still open
     (the data ran out mid-window), `partial_window` says what happens to it:
@@ -274,7 +283,35 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, keras.op
 
     def _hand_to_updater(self, grads, variables, reduced):
         """The inner optimizer's one update with the window's (reduced) gradient."""
+        if reduced and self.loss_scale_optimizer is not None:
+            grads = self._beyond_float16_as_non_finite(grads, variables)
         self._updater.apply(grads, variables)
+
+    def _beyond_float16_as_non_finite(self, grads, variables):
+        """`grads` (the window's mean at the loss scale), or NaN where the large batch's
+        float16 gradient would have overflowed: the LossScaleOptimizer then skips the
+        window and halves the scale, as it skips the large batch's step.
+
+        Each micro-batch's float16 gradient is a share of the large batch's; their sum,
+        in float32, can pass float16's range where the large batch's own float16 sum
+        rounds to inf (from 65520 on). Variables of layers that compute in float32
+        (known from the model `compile` was called on: `take_loss_scaling_from`), and
+        maxima (`overwrite_with_gradient`), are not checked."""
+        s, layers = self._state, getattr(self, "_float16_layers", None)
+        checked = None if layers is None else {id(v) for layer in layers for v in layer.trainable_weights}
+        values = [g.values if isinstance(g, tf.IndexedSlices) else g
+                  for i, (g, v) in enumerate(zip(grads, variables))
+                  if g is not None and i not in s.overwrite_indices and (checked is None or id(v) in checked)]
+        if not values:
+            return grads
+        # NaN and inf fail the comparison too: the LossScaleOptimizer skips those anyway.
+        in_range = tf.reduce_all(tf.stack([tf.reduce_all(tf.abs(v) < FLOAT16_OVERFLOW) for v in values]))
+
+        def checked_value(g):
+            return tf.where(in_range, g, tf.constant(float("nan"), g.dtype))
+
+        return [g if g is None else tf.IndexedSlices(checked_value(g.values), g.indices, g.dense_shape)
+                if isinstance(g, tf.IndexedSlices) else checked_value(g) for g in grads]
 
     def _updates_without_reduction(self):
         """Context in which the inner optimizers do not all-reduce again."""
@@ -282,12 +319,30 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, keras.op
         return seam.gradients_already_reduced(optimizer_chain(self._updater))
 
     def _window_gradient_scale(self):
-        """The loss scale the window's sums carry (None without a LossScaleOptimizer)."""
+        """The loss scale the window's mean carries (None without a LossScaleOptimizer)."""
         # In Keras 3 the loss is scaled by `scale_loss` and the LossScaleOptimizer
-        # unscales in `apply`: the window's sums carry the scale.
+        # unscales in `apply`: the window's mean carries its scale S.
         if self.loss_scale_optimizer is None:
             return None
         return self.loss_scale_optimizer.scale_loss(1.0)
+
+    def _loss_scale_divisor(self):
+        """N: each micro-batch's loss is scaled by S / N, not by the window's S (None: no
+        loss scaling, or a pass-through).
+
+        The large batch's loss is the mean over N micro-batches' worth of samples, so
+        at scale S each sample's float16 gradient is S / (N b) times its term; a
+        micro-batch's own mean at S would make it S / b, N times larger, and windows
+        would overflow at a scale N times smaller than the large batch's steps do. At
+        S / N each micro-batch's float16 intermediates are the large batch's (exactly
+        for equal micro-batches), and the window's sums, divided by the window's weight
+        over N, carry S again for the LossScaleOptimizer to unscale (for N a power of
+        two, scaling by S / N and back is exact: the same bits as scaling by S)."""
+        if self.loss_scale_optimizer is None or self.is_passthrough:
+            return None
+        if self._window_built():
+            return tf.cast(self._state.accum_steps, tf.float32)
+        return float(self._accum_steps)
 
     # ------------------------------------------------------------ forwarding
     # (and `iterations`, `learning_rate`, `exclude_from_weight_decay`: `InnerOptimizerForwarding`)
@@ -309,7 +364,12 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, keras.op
         return self.inner_optimizer.optimizers
 
     def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
-        """The loss scaled as the inner optimizer scales it (a `LossScaleOptimizer`'s scale).
+        """The micro-batch's loss scaled by its share of the loss scale: S / accum_steps
+        under a `LossScaleOptimizer` of scale S (S in a pass-through).
+
+        Custom loops scale each micro-batch's loss with this, not with the inner
+        `LossScaleOptimizer`'s `scale_loss`: the window's sums then carry S, which
+        the LossScaleOptimizer unscales (`_loss_scale_divisor` says why S / N).
 
         Args:
             loss: the micro-batch's loss.
@@ -317,7 +377,45 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, keras.op
         Returns:
             The scaled loss (unchanged without loss scaling).
         """
-        return self._updater.scale_loss(loss)
+        divisor = self._loss_scale_divisor()
+        if divisor is None:
+            return self._updater.scale_loss(loss)
+        return loss * (self.loss_scale_optimizer.scale_loss(1.0) / divisor)
+
+    def take_loss_scaling_from(self, wrapper: keras.optimizers.LossScaleOptimizer,
+                               float16_layers: list | None = None) -> bool:
+        """Puts the loss scaling of `wrapper`, a `LossScaleOptimizer` around this
+        accumulator, inside it: what `compile` does under mixed_float16 (`accumulator.hooks`).
+
+        The accumulator then holds `LossScaleOptimizer(inner)` with `wrapper`'s
+        settings (`loss_scale_optimizer`): one scale per window, a window with any
+        non-finite micro-batch skipped whole. Outside, `wrapper` would unscale each
+        micro-batch and skip single micro-batches.
+
+        Args:
+            wrapper: the `LossScaleOptimizer` around this accumulator (then unused).
+            float16_layers: the layers that compute in float16 (the large batch's
+                gradients of their variables are float16); None: all variables count
+                as theirs. A window whose mean at the loss scale is beyond float16's
+                range in any of them is skipped, as the large batch's float16 gradient
+                would overflow there.
+
+        Returns:
+            Whether the scaling is inside now: already (a `LossScaleOptimizer` given or
+            taken before: `wrapper` is dropped) or taken; False for an accumulator
+            built without one, whose variables are fixed.
+        """
+        if float16_layers is not None:
+            self._untracked(_float16_layers=list(float16_layers))
+        if self.loss_scale_optimizer is not None:
+            return True
+        if self.built:
+            return False
+        self._updater = keras.optimizers.LossScaleOptimizer(
+            self._updater, initial_scale=wrapper.initial_scale,
+            dynamic_growth_steps=wrapper.dynamic_growth_steps, name=wrapper.name)
+        self.loss_scale_optimizer = self._updater
+        return True
 
     def save_own_variables(self, store: dict) -> None:
         """Saves the state, with every replica's window rows (Keras 3's saving).

@@ -831,6 +831,10 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
         s = self._state
         replica_count = replicas.replicas_in_sync() if tf.distribute.has_strategy() else 1
         weight_sum = weight_sum / replica_count
+        divisor = self._loss_scale_divisor()
+        if divisor is not None:
+            # Each micro-batch's loss was scaled by S / N: the mean at S for the unscaling.
+            weight_sum = weight_sum / divisor
         grads = [None] * len(s.variables)
         summed = [(i, total) for i, total in zip(dense, sums) if i not in s.overwrite_indices]
         for i, total in zip(dense, sums):
@@ -846,7 +850,8 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
             # A variable with dense and sparse gradients in one window gets their sum.
             grads[i] = mean if grads[i] is None else window_rows.add_rows(grads[i], mean)
         if s.noise_estimate is not None:
-            window_noise.fold_window(s, noise_sums, means + row_means, grads, replica_count, self._window_gradient_scale())
+            window_noise.fold_window(s, noise_sums, means + row_means, grads, replica_count,
+                                    self._window_gradient_scale(), self._loss_scale_divisor())
         self._hand_to_updater(grads, s.variables, reduced=True)
         # Refill once the update has read the means: reading the variables it
         # wrote orders the refill after it (automatic control dependencies).
@@ -892,3 +897,8 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
     def _window_gradient_scale(self):
         """Each Keras: the loss scale the window's sums carry (None: unscaled)."""
         raise NotImplementedError
+
+    def _loss_scale_divisor(self):
+        """N where each micro-batch's loss is scaled by the window's scale / N (None: by
+        the window's scale, or unscaled)."""
+        return None

@@ -43,7 +43,8 @@ def add_micro_batch(state, grads, indices, weight, samples=None) -> None:
         # On the `tf.Variable` itself: one kernel (a Keras variable's `assign_add` reads and assigns).
         _tf.backing_variable(total).assign_add(term, read_value=False)
 
-def fold_window(state, noise_sums, window_means, window_grads, replica_count, gradient_scale=None) -> None:
+def fold_window(state, noise_sums, window_means, window_grads, replica_count, gradient_scale=None,
+                loss_scale_divisor=None) -> None:
     """Folds the closing window into the estimates (before the update changes the loss scale
     and the preconditioner).
 
@@ -55,6 +56,8 @@ def fold_window(state, noise_sums, window_means, window_grads, replica_count, gr
             variables' are left out here).
         replica_count: R.
         gradient_scale: the loss scale the window's sums carry (constant in a window), or None.
+        loss_scale_divisor: N where each micro-batch's loss was scaled by S / N (mixed
+            float16 under compile's defaults), or None.
     """
     micro_sq_sum, inv_size_sum, micro_count, sample_sum = noise_sums[:4]
     # The window's samples, counted over the replicas as its weight is.
@@ -67,6 +70,9 @@ def fold_window(state, noise_sums, window_means, window_grads, replica_count, gr
         pairs.append((noise_sums[4], window_preconditioned))
     for (micro, window), estimate in zip(pairs, (state.noise_estimate, state.preconditioned_estimate)):
         if gradient_scale is not None:
+            # The window's gradients carry the loss scale (constant in a window), each
+            # micro-batch's S / N where `loss_scale_divisor` says N.
             square = tf.square(tf.cast(gradient_scale, tf.float32))
-            micro, window = micro / square, window / square
+            micro_square = square if loss_scale_divisor is None else square / tf.square(loss_scale_divisor)
+            micro, window = micro / micro_square, window / square
         estimate.update_from_window(micro, inv_size_sum, micro_count, window, window_samples)

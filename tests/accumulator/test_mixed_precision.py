@@ -1,7 +1,14 @@
-"""Mixed precision: one loss scale per window, non-finite windows skipped whole."""
+"""Mixed precision: one loss scale per window, non-finite windows skipped whole.
+
+Under mixed_float16, `compile` with its defaults puts the loss scaling inside the
+accumulator (`accumulator.hooks`): these tests compare that to the explicit
+`GradientAccumulator(LossScaleOptimizer(inner))` and to Keras' own float16 large batch,
+with real float16 overflows.
+"""
 
 import numpy as np
 import keras
+import pytest
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import GradientAccumulator
@@ -30,10 +37,15 @@ def test_mixed_float16_fit_follows_the_large_batch(mixed_policy):
     assert ref.max_abs_diff(unaccumulated.get_weights(), expected.get_weights()) > 30 * diff
 
 
-def test_scale_loss_uses_the_inner_loss_scale():
+def test_scale_loss_gives_each_micro_batch_its_share_of_the_inner_loss_scale():
+    # The large batch's loss is the mean over the window's samples: each micro-batch's
+    # float16 gradients are its share of the large batch's when scaled by S / N.
     lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=64.0)
     optimizer = GradientAccumulator(lso, 2)
-    assert float(optimizer.scale_loss(tf.constant(1.5))) == 96.0
+    assert float(optimizer.scale_loss(tf.constant(1.5))) == 48.0
+    passthrough = GradientAccumulator(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1),
+                                                                          initial_scale=64.0))
+    assert float(passthrough.scale_loss(tf.constant(1.5))) == 96.0
 
 
 def test_window_with_non_finite_gradient_is_skipped_whole():
@@ -42,8 +54,8 @@ def test_window_with_non_finite_gradient_is_skipped_whole():
     optimizer = GradientAccumulator(lso, accum_steps=2)
     optimizer.build([variable])
 
-    def scaled(values):
-        return [tf.constant(values, "float32") * lso.dynamic_scale]
+    def scaled(values):     # a micro-batch's gradient of its loss scaled by `scale_loss`
+        return [optimizer.scale_loss(tf.constant(values, "float32"))]
 
     optimizer.apply(scaled([0.5, 0.5]), [variable])
     optimizer.apply(scaled([np.inf, 1.0]), [variable])
@@ -66,7 +78,142 @@ def test_nan_in_a_later_micro_batch_also_skips_the_window():
     optimizer = GradientAccumulator(lso, accum_steps=3)
     optimizer.build([variable])
     for value in [1.0, 1.0, np.nan]:
-        optimizer.apply([tf.constant([value * 4.0])], [variable])
+        optimizer.apply([optimizer.scale_loss(tf.constant([value]))], [variable])
     assert variable.numpy()[0] == 3.0
     assert float(lso.dynamic_scale.numpy()) == 2.0
     assert int(lso.inner_optimizer.iterations.numpy()) == 0
+
+
+# ------------------------------------------- compile's defaults (auto_scale_loss=True)
+def _default_and_explicit(x, y, jit_compile=False, epochs=1):
+    adam = lambda: keras.optimizers.Adam(1e-2)
+    given = GradientAccumulator(adam(), 4)
+    default = ref.mlp()
+    default.compile(optimizer=given, loss="mse", jit_compile=jit_compile)     # Keras' defaults
+    explicit = ref.mlp()
+    explicit.compile(optimizer=GradientAccumulator(keras.optimizers.LossScaleOptimizer(adam()), 4),
+                     loss="mse", auto_scale_loss=False, jit_compile=jit_compile)
+    for model in (default, explicit):
+        model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
+    return given, default, explicit
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_an_unchanged_compile_trains_as_the_explicit_loss_scaling_inside(mixed_policy, jit_compile):
+    x, y = ref.regression_data(8 * 4 * 16)
+    given, default, explicit = _default_and_explicit(x, y, jit_compile)
+
+    assert default.optimizer is given                   # what the user passed, not Keras' wrapper
+    assert isinstance(given.loss_scale_optimizer, keras.optimizers.LossScaleOptimizer)
+    assert given.loss_scale_optimizer.inner_optimizer is given.inner_optimizer
+    assert int(given.iterations.numpy()) == 16
+    assert ref.max_abs_diff(default.get_weights(), explicit.get_weights()) == 0.0
+    assert float(given.loss_scale_optimizer.dynamic_scale.numpy()) == \
+        float(explicit.optimizer.loss_scale_optimizer.dynamic_scale.numpy())
+
+
+def test_an_unchanged_compile_saves_and_loads_as_the_explicit_form(mixed_policy, tmp_path):
+    x, y = ref.regression_data(8 * 4 * 8)
+    given, default, _ = _default_and_explicit(x, y)
+    config = given.get_config()
+    assert config["optimizer"]["class_name"] == "LossScaleOptimizer"
+    rebuilt = GradientAccumulator.from_config(config)
+    assert isinstance(rebuilt.loss_scale_optimizer, keras.optimizers.LossScaleOptimizer)
+    assert rebuilt.accum_steps == 4
+
+    path = str(tmp_path / "model.keras")
+    default.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded.optimizer, GradientAccumulator)         # not wrapped again on loading
+    assert isinstance(loaded.optimizer.loss_scale_optimizer, keras.optimizers.LossScaleOptimizer)
+    assert ref.max_abs_diff([v.numpy() for v in loaded.optimizer.variables],
+                            [v.numpy() for v in given.variables]) == 0.0
+    for model in (default, loaded):
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert ref.max_abs_diff(loaded.get_weights(), default.get_weights()) == 0.0
+
+
+def _one_micro_batch_overflows(samples, window, at):
+    """Regression data whose micro-batch `at` has targets so large that its float16
+    gradient overflows at Keras' default scale; (x, y)."""
+    x, y = ref.regression_data(samples)
+    y[at * 8:(at + 1) * 8] *= 1e4
+    return x, y
+
+
+def test_an_overflow_in_one_micro_batch_skips_its_window_as_the_large_batch_skips_its_step(mixed_policy):
+    # Window 2 (micro-batches 8 to 11) holds the overflowing micro-batch 9.
+    x, y = _one_micro_batch_overflows(8 * 4 * 8, 4, at=9)
+    sgd = lambda: keras.optimizers.SGD(0.05, momentum=0.9)
+    large = ref.mlp()
+    large.compile(optimizer=sgd(), loss="mse")           # Keras' LossScaleOptimizer around SGD
+    large.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    accumulated = ref.mlp()
+    optimizer = GradientAccumulator(sgd(), 4)
+    accumulated.compile(optimizer=optimizer, loss="mse")
+    accumulated.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+
+    assert int(large.optimizer.iterations.numpy()) == 7         # 8 steps, one skipped
+    assert int(optimizer.iterations.numpy()) == 7               # 8 windows, one skipped whole
+    assert float(optimizer.loss_scale_optimizer.dynamic_scale.numpy()) == \
+        float(large.optimizer.dynamic_scale.numpy()) == 2.0 ** 14          # halved once
+    assert ref.max_abs_diff(accumulated.get_weights(), large.get_weights()) <= 3e-3
+
+
+def test_the_overflowing_window_changes_nothing_and_moves_the_scale_once(mixed_policy):
+    x, y = _one_micro_batch_overflows(8 * 4 * 3, 4, at=9)
+    model = ref.mlp()
+    optimizer = GradientAccumulator(keras.optimizers.SGD(0.05, momentum=0.9), 4)
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x[:64], y[:64], batch_size=8, shuffle=False, verbose=0)
+    before = model.get_weights()
+    moments = [v.numpy() for v in optimizer.inner_optimizer.variables]
+    model.fit(x[64:], y[64:], batch_size=8, shuffle=False, verbose=0)   # micro-batch 9 overflows
+
+    # Its three finite micro-batches are not applied either, and the moments stay.
+    assert ref.max_abs_diff(model.get_weights(), before) == 0.0
+    assert ref.max_abs_diff([v.numpy() for v in optimizer.inner_optimizer.variables], moments) == 0.0
+    assert int(optimizer.iterations.numpy()) == 2
+    assert int(optimizer.micro_step.numpy()) == 0
+    assert float(optimizer.loss_scale_optimizer.dynamic_scale.numpy()) == 2.0 ** 14
+
+
+def _first_skipped_exponent(model, start, lso, x, y, batch_size, exponents):
+    """The first 2**e of `exponents` at which one step (one window) on (x, y) is skipped,
+    each try from the weights `start`; None if none is."""
+    for e in exponents:
+        model.set_weights(start)
+        lso.dynamic_scale.assign(2.0 ** e)
+        model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
+        if float(lso.dynamic_scale.numpy()) < 2.0 ** e:        # halved: the step was skipped
+            return e
+    return None
+
+
+@pytest.mark.parametrize("target, feature", [(1e2, 1.0), (1e2, 30.0)])
+def test_windows_first_overflow_at_the_large_batchs_scale(mixed_policy, target, feature):
+    # Large targets overflow the per-sample float16 gradients (a micro-batch's loss at
+    # the full scale would make them N times the large batch's); large features
+    # overflow the weights' gradients, which the large batch sums in float16 over
+    # all its samples and the window sums over micro-batches in float32.
+    rng = np.random.default_rng(1)
+    x = (rng.normal(size=(32, 4)) * feature).astype("float32")
+    y = (rng.normal(size=(32, 1)) * target).astype("float32")
+    exponents = range(4, 17)
+
+    def tiny_model():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+
+    large, large_lso = tiny_model(), keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1e-3))
+    start = large.get_weights()
+    large.compile(optimizer=large_lso, loss="mse")
+    large.fit(x[:1], y[:1], verbose=0)         # built, traced
+    accumulated, optimizer = tiny_model(), GradientAccumulator(keras.optimizers.SGD(1e-3), 4)
+    accumulated.compile(optimizer=optimizer, loss="mse")       # compile's defaults
+    accumulated.fit(x[:8], y[:8], batch_size=8, verbose=0)
+
+    expected = _first_skipped_exponent(large, start, large_lso, x, y, 32, exponents)
+    found = _first_skipped_exponent(accumulated, start, optimizer.loss_scale_optimizer, x, y, 8, exponents)
+    assert expected is not None and expected > exponents[0]
+    assert found == expected

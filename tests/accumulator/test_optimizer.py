@@ -147,16 +147,33 @@ def test_keras_own_gradient_accumulation_inside_is_refused():
 
 
 @pytest.mark.parametrize("inner", ["lso", "plain"])
-def test_a_loss_scale_optimizer_keras_puts_outside_is_refused_before_training(mixed_policy, inner):
-    x, y = ref.regression_data(64)
-    model = ref.mlp()
+def test_compile_keeps_the_loss_scaling_inside_under_its_defaults(mixed_policy, inner):
     sgd = keras.optimizers.SGD(0.1)
-    model.compile(GradientAccumulator(keras.optimizers.LossScaleOptimizer(sgd) if inner == "lso" else sgd, 4),
-                  "mse")
-    before = model.get_weights()
-    with pytest.raises(ValueError, match="auto_scale_loss=False"):
-        model.fit(x, y, batch_size=16, verbose=0)
-    assert ref.max_abs_diff(model.get_weights(), before) == 0.0
+    given = GradientAccumulator(keras.optimizers.LossScaleOptimizer(sgd) if inner == "lso" else sgd, 4)
+    lso = given.loss_scale_optimizer
+    model = ref.mlp()
+    model.compile(given, "mse")             # auto_scale_loss=True: Keras would wrap it
+    assert model.optimizer is given
+    assert given.inner_optimizer is sgd
+    assert given.loss_scale_optimizer is (lso if inner == "lso" else given.loss_scale_optimizer)
+    assert isinstance(given.loss_scale_optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def test_a_loss_scale_optimizer_around_the_accumulator_is_refused_before_training(mixed_policy):
+    x, y = ref.regression_data(64)
+    written = ref.mlp()
+    written.compile(keras.optimizers.LossScaleOptimizer(GradientAccumulator(keras.optimizers.SGD(0.1), 4)), "mse")
+    # Built without loss scaling, then compiled under Keras' defaults: its variables are fixed.
+    built = GradientAccumulator(keras.optimizers.SGD(0.1), 4)
+    built.build(ref.mlp().trainable_variables)
+    rebuilt = ref.mlp()
+    rebuilt.compile(built, "mse")
+    for model in (written, rebuilt):
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        before = model.get_weights()
+        with pytest.raises(ValueError, match="Pass the GradientAccumulator itself to compile"):
+            model.fit(x, y, batch_size=16, verbose=0)
+        assert ref.max_abs_diff(model.get_weights(), before) == 0.0
 
 
 def test_carry_leaves_the_remainder_open_and_says_so(caplog):

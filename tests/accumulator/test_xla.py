@@ -123,7 +123,7 @@ def test_non_finite_window_is_skipped_whole_in_a_compiled_step():
 
     @tf.function(jit_compile=True)
     def step(values):
-        optimizer.apply([values * lso.dynamic_scale], [variable])
+        optimizer.apply([optimizer.scale_loss(values)], [variable])
 
     step(tf.constant([0.5, 0.5]))
     step(tf.constant([np.inf, 1.0]))
