@@ -195,11 +195,9 @@ def _plan(accum_steps, schedule, schedule_by, lr_scaling, auto, options, window_
     and measure the noise scale with `auto`."""
     validate_lr_scaling(lr_scaling)
     validate_schedule_by(schedule_by)
-    if validate_lr_ramp_updates(lr_ramp_updates) and schedule is None:
-        raise ValueError("accumulating_compile(lr_ramp_updates=...) ramps the learning rate after a change "
-                         "of a `schedule` by update; without one nothing changes (`auto` takes its own ramp "
-                         "in `auto`).")
-    validate_lr_ramp_updates(lr_ramp_updates, schedule_by)
+    validate_lr_ramp_updates(lr_ramp_updates, schedule_by, changes=schedule is not None, advice=(
+        "accumulating_compile(lr_ramp_updates=...) goes with a `schedule` by update; without one nothing "
+        "changes (`auto` takes its own ramp in `auto`)."))
     if options is not None and accum_steps is None:
         accum_steps = options.accum_steps
     if auto is not None:

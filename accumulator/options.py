@@ -248,22 +248,35 @@ def validate_auto(accum_steps: Any, max_effective_batch_size: Any,
     return {"max_effective_batch_size": int(max_effective_batch_size), "lr_scaling": lr_scaling}
 
 
-def validate_lr_ramp_updates(lr_ramp_updates: Any, by: str = "update") -> int:
-    """Checks the length of a learning-rate ramp.
+def validate_lr_ramp_updates(lr_ramp_updates: Any, by: str = "update", changes: bool = True,
+                             advice: str = "") -> int:
+    """Checks the length of a learning-rate ramp, and that something can ramp.
+
+    The one place of the rule "a ramp needs a change of the batch": `accumulating_compile`
+    and the Trainer's settings pass `changes` and say, in `advice`, what goes with a ramp
+    in their own parameters.
 
     Args:
         lr_ramp_updates: the updates over which the learning rate moves to its new
             value after a change of the batch (an int >= 0).
         by: the schedule's keys: a ramp counts updates, so it needs "update".
+        changes: whether the batch changes during the run (a schedule, or "auto"):
+            without a change a ramp > 0 would never run, so it is refused.
+        advice: the refusal's second half when nothing changes the batch: what goes
+            with a ramp, in the caller's words (default: the library's names).
 
     Returns:
         `lr_ramp_updates` as an int.
 
     Raises:
-        ValueError: not an int >= 0, or > 0 with `by="epoch"`.
+        ValueError: not an int >= 0, or > 0 without `changes`, or > 0 with `by="epoch"`.
     """
     if isinstance(lr_ramp_updates, bool) or not isinstance(lr_ramp_updates, int) or lr_ramp_updates < 0:
         raise ValueError(f"`lr_ramp_updates` must be an int >= 0; received {lr_ramp_updates!r}.")
+    if lr_ramp_updates and not changes:
+        raise ValueError("`lr_ramp_updates` ramps the learning rate after a change of the batch: " + (
+            advice or "it goes with a schedule by update or `accum_steps=\"auto\"`; nothing changes the batch "
+                      "here. Leave it 0."))
     if lr_ramp_updates and by != "update":
         raise ValueError("`lr_ramp_updates` counts updates: it goes with by='update'; received "
                          f"by={by!r}.")

@@ -189,32 +189,16 @@ def aba_round(value):
 
 # ------------------------------------------------------------------ one run
 def train_variant(task, seed: int, variant: str, growth: int) -> dict:
-    """One run of `variant`: {"seed", "curve", "probe", "schedule", "seconds"}."""
-    import keras
-    import tensorflow as tf
-
+    """One run of `variant`: {"seed", "curve", "probe", "schedule", "seconds"}: `auto_batch.train`'s
+    run of the variant's config, with the probe among its callbacks (its "probe" in place of the
+    rule's "trace", which these fixed and ramped runs do not have)."""
     s = task.settings
     config = variant_config(task, variant, growth)
-    keras.utils.set_random_seed(seed)
-    model = task.build()
-    model.compile(optimizer=auto_batch._optimizer(task, config), loss=task.loss)
-
-    @tf.function
-    def evaluate():
-        return task.loss(task.y_val, model(task.x_val, training=False))
-
-    callbacks = [auto_batch.make_ramp(config["schedule"])] if config["kind"] == "ramp" else []
     probe = _probe_class()(growth, RESCALE if config.get("rescale") else None,
                            expect_accum=2 * s["start"] // s["micro"])
-    recorder = auto_batch._recorder(task, evaluate, 0)
-    callbacks += [probe, recorder]
-    started = time.perf_counter()
-    model.fit(task.dataset(seed), steps_per_epoch=task.budget // s["micro"] + s["max"] // s["micro"], epochs=1,
-              verbose=0, callbacks=callbacks)
-    seconds = time.perf_counter() - started
-    schedule = config.get("schedule") or {0: config["effective_batch"] // s["micro"]}
-    return {"seed": seed, "curve": recorder.points, "probe": thin(probe.out, probe.out["offset"][-1]),
-            "schedule": {str(k): int(v) for k, v in schedule.items()}, "seconds": round(seconds, 1)}
+    run = auto_batch.train(task, seed, config, callbacks=[probe])
+    return {"seed": run["seed"], "curve": run["curve"], "probe": thin(probe.out, probe.out["offset"][-1]),
+            "schedule": run["schedule"], "seconds": run["seconds"]}
 
 
 # ------------------------------------------------------------------ analysis (pure Python)

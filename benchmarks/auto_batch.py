@@ -254,10 +254,12 @@ def _optimizer(task, config):
                                measure_noise_scale=True)
 
 
-def train(task, seed, config, model=None):
+def train(task, seed, config, model=None, callbacks=()):
     """One run of `config` ({"kind": "fixed" | "auto" | "ramp", ...}); {"seed", "curve", "trace", "schedule", "seconds"}.
 
-    `model`: one built after `keras.utils.set_random_seed(seed)` (default: built here)."""
+    `model`: one built after `keras.utils.set_random_seed(seed)` (default: built here).
+    `callbacks`: more of `fit`'s callbacks, run after the rule or ramp and before the
+    recorder (adam_moment.py's probe reads the optimizer there)."""
     import keras
     import tensorflow as tf
 
@@ -272,12 +274,13 @@ def train(task, seed, config, model=None):
     def evaluate():
         return task.loss(y_val, model(x_val, training=False))
 
-    callbacks, rule = [], None
+    extra, callbacks, rule = list(callbacks), [], None
     if config["kind"] == "auto":
         rule = make_auto_rule(task)
         callbacks.append(rule)
     elif config["kind"] == "ramp":
         callbacks.append(make_ramp(config["schedule"]))
+    callbacks += extra
     trace_every = max(1, task.budget // s["start"] // TRACE_POINTS) if config["kind"] == "auto" else 0
     recorder = _recorder(task, evaluate, trace_every)
     callbacks.append(recorder)

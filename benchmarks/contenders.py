@@ -21,7 +21,6 @@ timing, for every `fit` contender alike; `micro_steps` is a multiple of N, so
 whole windows are timed and no window is left open.
 """
 
-import os
 import time
 
 import keras
@@ -31,6 +30,7 @@ import tensorflow as tf
 from tfx_gradient_accumulator.accumulator import AccumBatchNormalization, GradientAccumulator
 from tfx_gradient_accumulator.accumulator.batch_norm import configure_batch_norm
 from benchmarks import models
+from benchmarks.parts import jit_compile_setting, jit_compile_value
 
 FIT = ["plain_b", "plain_Nb", "accumulator", "accumulator_noise_scale", "keras_builtin"]
 LOOP = ["plain_b_loop", "seeds_loop", "accumulator_loop"]
@@ -100,10 +100,8 @@ class Contender:
 def _fit_contender(name, model, optimizer, x, y, batch, micro_steps_per_step=1, warm_steps=1):
     """`fit` runs `warm_steps` (a whole window when accumulating, so no window
     is left open at the end) untimed, then the timed steps."""
-    # BENCH_JIT_COMPILE=false: XLA off for every contender alike (on one GPU Keras' "auto" turns
-    # it on, and the window refuses sparse rows inside XLA unless merge_duplicate_rows=True).
-    jit = {"false": False, "true": True}.get(os.environ.get("BENCH_JIT_COMPILE", "auto"), "auto")
-    model.compile(optimizer=optimizer, loss=_loss(), jit_compile=jit)
+    # BENCH_JIT_COMPILE (parts.py): XLA as asked, for every contender alike.
+    model.compile(optimizer=optimizer, loss=_loss(), jit_compile=jit_compile_value(jit_compile_setting()))
     data = dataset(x, y, batch)
 
     def run(steps):

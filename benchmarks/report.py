@@ -12,7 +12,7 @@ import os
 
 from benchmarks import analysis, stats
 from benchmarks.analysis import FIT_RATIOS, LOOP_RATIOS, NOISE_RATIO, TARGETS
-from benchmarks.parts import MEMORY_CONTENDERS, OVERHEAD_ACCUM, PARTS
+from benchmarks.parts import MEMORY_CONTENDERS, OVERHEAD_ACCUM, PARTS, jit_compile_words
 
 SANITY_NOTE = ("A flag here means the rounds did not see the same machine: other processes took CPU time "
                "during some N blocks and not others (see the load averages in `results.json`); ratios are "
@@ -83,10 +83,6 @@ def _verdict_text(verdict):
     return {"met": "**met**", "missed": "**missed**", "within noise": "within noise"}[verdict]
 
 
-# What BENCH_JIT_COMPILE (recorded as "jit_compile") asked of every contender's `compile`.
-_JIT_TEXT = {"auto": '"auto"', "false": "False (XLA off)", "true": "True"}
-
-
 def _machine_note(results):
     """Where it ran: the GPU's facts, or the cores that other processes share."""
     accelerator = results.get("accelerator")
@@ -96,7 +92,7 @@ def _machine_note(results):
                 f"{accelerator.get('gpu_memory', '?')}), driver {accelerator.get('driver', '?')}; TensorFlow built "
                 f"for CUDA {accelerator.get('cuda_build', '?')}, cuDNN {accelerator.get('cudnn_build', '?')}; "
                 f"{results.get('cpus', '?')} CPU cores. Every contender compiled with "
-                f"`jit_compile={_JIT_TEXT.get(results.get('jit_compile', 'auto'), 'auto')}`.")
+                f"`jit_compile={jit_compile_words(results.get('jit_compile', 'auto'))}`.")
     return f"Other processes share the {results.get('cpus', '?')} cores; every measurement records its load."
 
 

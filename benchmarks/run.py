@@ -192,6 +192,8 @@ def _measure_parts(path, device_name, started, folder):
     unknown = set(parts) - set(PARTS)
     if unknown:
         raise ValueError(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
+    from benchmarks.parts import jit_compile_setting
+    jit_compile = jit_compile_setting()           # a bad BENCH_JIT_COMPILE refused before any part runs
     results = {}
     if set(parts) != set(PARTS) and os.path.exists(path):
         with open(path) as f:
@@ -203,7 +205,7 @@ def _measure_parts(path, device_name, started, folder):
                                  "python": platform.python_version()},
                     "cpus": os.cpu_count(), "parts_run": parts, "load_at_start": _load(),
                     "accelerator": accelerator_facts(),
-                    "jit_compile": os.environ.get("BENCH_JIT_COMPILE", "auto")})
+                    "jit_compile": jit_compile})
     for part in PARTS:
         if part in parts:
             part_started = time.perf_counter()

@@ -298,12 +298,9 @@ def ramp_setting(lr_ramp_updates: int | None, auto: bool, schedule: dict | None,
     """
     if lr_ramp_updates is None:
         return default_lr_ramp_updates() if auto else 0
-    ramp = validate_lr_ramp_updates(lr_ramp_updates)
-    if ramp and not auto and schedule is None:
-        raise ValueError(
-            f"`{LR_RAMP_UPDATES}` ramps the learning rate after a change of the batch: it goes with "
-            f"`{ACCUM_STEPS}={AUTO!r}` or an `accum_schedule` by update; `{ACCUM_STEPS}` is {accum_steps} "
-            f"with no schedule. Leave `{LR_RAMP_UPDATES}` unset (or 0).")
+    ramp = validate_lr_ramp_updates(lr_ramp_updates, changes=auto or schedule is not None, advice=(
+        f"it goes with `{ACCUM_STEPS}={AUTO!r}` or an `accum_schedule` by update; `{ACCUM_STEPS}` is "
+        f"{accum_steps} with no schedule. Leave `{LR_RAMP_UPDATES}` unset (or 0)."))
     try:
         return validate_lr_ramp_updates(ramp, "update" if auto else schedule_by)
     except ValueError as err:    # the library's rule, in the Trainer's words

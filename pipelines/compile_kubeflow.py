@@ -36,13 +36,18 @@ BACKUP_DIR = flags.DEFINE_string(
     "backup_dir", None, "Where the Trainer backs training up, so a preempted worker's restart resumes "
     "(every replica restarts with it); default <pipeline_root>/trainer-backups; 'none': no backup.")
 BACKUP_EVERY = flags.DEFINE_integer("backup_every", 100, "Optimizer updates between the Trainer's backups.")
+LR_SCALING = flags.DEFINE_enum("lr_scaling", "none", ["none", "linear", "sqrt"],
+                               "The Trainer's learning-rate rule when the effective batch changes.")
+LR_RAMP = flags.DEFINE_integer("lr_ramp_updates", None, "The Trainer's learning-rate ramp, in updates, after a "
+                               "change of the batch (default: the Trainer's).")
 OUTPUT = flags.DEFINE_string("output", "digits_pipeline.json", "Where to write the pipeline JSON.")
 
 
 def compile_pipeline(output: str, project: str, region: str, image: str, pipeline_root: str, data_root: str,
                      serving_model_dir: str, workers: int, gpus_per_worker: int, machine_type: str,
                      accelerator_type: str, accum_steps: int, effective_batch_size: int,
-                     backup_dir: Optional[str] = None, backup_every: int = 100) -> str:
+                     backup_dir: Optional[str] = None, backup_every: int = 100, lr_scaling: str = "none",
+                     lr_ramp_updates: Optional[int] = None) -> str:
     """Writes the digits pipeline's KFP v2 JSON, its Trainer on Vertex AI.
 
     Args:
@@ -66,6 +71,10 @@ def compile_pipeline(output: str, project: str, region: str, image: str, pipelin
             backup, Vertex restarts every replica when one restarts, so the job
             resumes together from the backup instead of failing.
         backup_every: optimizer updates between backups.
+        lr_scaling: the Trainer's `lr_scaling` ("none", "linear" or "sqrt").
+        lr_ramp_updates: the Trainer's `lr_ramp_updates` (None: its default); a ramp
+            needs a change of the batch, which this pipeline's Tuner (fixed
+            `accum_steps` values) never makes, so a value > 0 is refused here.
 
     Returns:
         The JSON file's absolute path.
@@ -81,7 +90,8 @@ def compile_pipeline(output: str, project: str, region: str, image: str, pipelin
     from tfx_gradient_accumulator.pipelines.digits.pipeline import MODULE, create_pipeline
 
     # The executor's own check, with the replicas the worker pools will have.
-    resolve(None, accum_steps, effective_batch_size, replicas=workers * max(gpus_per_worker, 1))
+    resolve(None, accum_steps, effective_batch_size, replicas=workers * max(gpus_per_worker, 1),
+            lr_scaling=lr_scaling, lr_ramp_updates=lr_ramp_updates)
     if backup_dir is None:
         backup_dir = f"{pipeline_root.rstrip('/')}/trainer-backups"
     backup_dir = None if backup_dir.lower() == "none" else backup_dir
@@ -101,6 +111,8 @@ def compile_pipeline(output: str, project: str, region: str, image: str, pipelin
         ),
         backup_dir=backup_dir,
         backup_every=backup_every if backup_dir is not None else None,
+        lr_scaling=lr_scaling,
+        lr_ramp_updates=lr_ramp_updates,
         beam_pipeline_args=[f"--project={project}", f"--temp_location={pipeline_root}/beam-tmp"],
     )
     output = os.path.abspath(output)
@@ -118,7 +130,7 @@ def main(argv):
     path = compile_pipeline(
         OUTPUT.value, PROJECT.value, REGION.value, IMAGE.value, PIPELINE_ROOT.value, DATA_ROOT.value,
         SERVING_DIR.value, WORKERS.value, GPUS.value, MACHINE.value, ACCELERATOR.value,
-        ACCUM.value, EFFECTIVE.value, BACKUP_DIR.value, BACKUP_EVERY.value,
+        ACCUM.value, EFFECTIVE.value, BACKUP_DIR.value, BACKUP_EVERY.value, LR_SCALING.value, LR_RAMP.value,
     )
     print(f"Pipeline compiled to {path}")
 

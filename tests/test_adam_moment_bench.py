@@ -106,3 +106,29 @@ def test_the_probe_halves_adam_v_at_the_growth_and_only_with_rescale():
         np.testing.assert_allclose(seen["after"], seen["before"] * (rescale or 1.0), rtol=1e-6)
         assert probe.out["offset"][0] == -2            # from the first update (growth - 10 is before it)
         assert 0 in probe.out["offset"] and probe.out["ratio"][probe.out["offset"].index(0)] == 1.0
+
+
+def test_a_variant_runs_as_auto_batch_s_train_with_the_probe_after_the_ramp():
+    """`train_variant` is `auto_batch.train` with the probe among its callbacks: the ramp grows
+    the batch first (the rescale refuses a growth that has not happened), the probe then reads it."""
+    keras = pytest.importorskip("keras")
+    tf = pytest.importorskip("tensorflow")
+    from absl import flags
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()                   # auto_batch's flags at their defaults
+    rng = np.random.RandomState(0)
+    x = rng.normal(size=(64, 3)).astype("float32")
+    y = x.sum(-1, keepdims=True)
+    tiny = types.SimpleNamespace(
+        settings={"micro": 4, "start": 8, "max": 16, "lr0": 1e-2, "epochs": 1}, budget=160,
+        loss=keras.losses.MeanSquaredError(), x_val=x[:16], y_val=y[:16], lr=lambda effective: 1e-2,
+        build=lambda: keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
+        dataset=lambda seed: tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(4))
+    run = am.train_variant(tiny, 0, "rescale", growth=5)
+    assert set(run) == {"seed", "curve", "probe", "schedule", "seconds"}
+    assert run["schedule"] == {"0": 2, "5": 4}
+    assert run["curve"][-1]["samples"] >= 160 and run["curve"][-1]["effective_batch"] == 16   # the budget, at a window end
+    offsets = run["probe"]["offset"]
+    assert offsets[0] == -4 and 0 in offsets                    # every update from the first, the growth among them
+    fixed = am.train_variant(tiny, 0, "fixed_a", growth=5)
+    assert fixed["schedule"] == {"0": 2} and fixed["curve"][-1]["effective_batch"] == 8

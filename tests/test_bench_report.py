@@ -1,5 +1,7 @@
 """The benchmark report judges a GPU run by its own yardstick (built from synthetic figures, no training)."""
 
+import pytest
+
 from benchmarks import report as bench_report
 
 GPU = {"gpu": "NVIDIA H200", "compute_capability": [9, 0], "cuda_build": "12.5.1", "cudnn_build": "9",
@@ -96,3 +98,22 @@ def test_a_measurement_cut_by_its_time_limit_keeps_its_rounds_and_says_so(tmp_pa
     results["throughput"]["transformer"].update(cut=True)
     bench_report.write(results, str(tmp_path))
     assert "cut by its time limit" in (tmp_path / "results.md").read_text()
+
+
+def test_bench_jit_compile_is_read_compiled_and_worded_from_one_table(tmp_path):
+    from benchmarks.parts import jit_compile_setting, jit_compile_value
+
+    assert jit_compile_setting({}) == "auto" and jit_compile_value("auto") == "auto"
+    assert jit_compile_setting({"BENCH_JIT_COMPILE": " False "}) == "false" and jit_compile_value("false") is False
+    assert jit_compile_value(jit_compile_setting({"BENCH_JIT_COMPILE": "true"})) is True
+    with pytest.raises(ValueError, match=r"BENCH_JIT_COMPILE must be one of \['auto', 'false', 'true'\]; "
+                                         r"received 'off'"):
+        jit_compile_setting({"BENCH_JIT_COMPILE": "off"})
+    results = _results([1.25, 1.25], GPU)
+    for recorded, words in (("false", "`jit_compile=False (XLA off)`"), (None, '`jit_compile="auto"`')):
+        if recorded:
+            results["jit_compile"] = recorded
+        else:
+            results.pop("jit_compile", None)            # a run from before it was recorded
+        bench_report.write(results, str(tmp_path))
+        assert words in (tmp_path / "results.md").read_text()

@@ -90,6 +90,8 @@ def create_pipeline(
     measure_noise_scale: bool = False,
     backup_dir: Optional[str] = None,
     backup_every: Optional[int] = None,
+    lr_scaling: str = "none",
+    lr_ramp_updates: Optional[int] = None,
 ) -> tfx.dsl.Pipeline:
     """Builds the digits pipeline.
 
@@ -125,6 +127,8 @@ def create_pipeline(
         backup_dir: the Trainer backs training up there, and a restarted
             Trainer resumes (AccumulatingTrainer's parameter).
         backup_every: optimizer updates between backups.
+        lr_scaling: the Trainer's learning-rate rule when the batch changes.
+        lr_ramp_updates: the Trainer's learning-rate ramp (None: its default).
 
     Returns:
         The `tfx.dsl.Pipeline`: ExampleGen, StatisticsGen, SchemaGen, Tuner,
@@ -157,6 +161,8 @@ def create_pipeline(
         measure_noise_scale=measure_noise_scale,
         backup_dir=backup_dir,
         backup_every=backup_every,
+        lr_scaling=lr_scaling,
+        lr_ramp_updates=lr_ramp_updates,
     )
     evaluator = tfx.components.Evaluator(
         examples=example_gen.outputs["examples"],

@@ -7,6 +7,7 @@ differs from it in the one thing that makes it inexact.
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 import tensorflow as tf
 
 from tfx_gradient_accumulator import accumulator
-from tfx_gradient_accumulator.accumulator import check, lookups
+from tfx_gradient_accumulator.accumulator import check, check_compare, check_runs, lookups
 from tfx_gradient_accumulator.accumulator.check import ExactnessReport, check_exact, load_target, main
 
 from tests.accumulator import test_lookups as lookup_models
@@ -212,7 +213,7 @@ class _Jitter(keras.layers.Layer):
 ])
 def test_a_layer_is_random_only_when_it_draws(layer, random):
     model = keras.Sequential([keras.Input((5, 3)), layer])
-    found = check._random_layers(model)
+    found = check_compare.layers_that_draw(model)
     assert bool(found) == random, found
     if isinstance(layer, _Jitter):
         assert "no rate the check can read" in found[0]
@@ -242,29 +243,29 @@ def test_an_unknown_layer_with_a_seed_generator_is_counted_as_random_and_the_rep
 def test_a_keras_hub_layer_is_random_by_its_dropout(dropout):
     keras_hub = pytest.importorskip("keras_hub", reason="KerasHub is installed only in .venv-tf-latest")
     encoder = keras_hub.layers.TransformerEncoder(intermediate_dim=8, num_heads=2, dropout=dropout)
-    found = check._random_layers(keras.Sequential([keras.Input((5, 4)), encoder]))
+    found = check_compare.layers_that_draw(keras.Sequential([keras.Input((5, 4)), encoder]))
     assert found == ([f"{encoder.name} (TransformerEncoder: dropout=0.1)"] if dropout else []), found
 
 
 def test_a_random_augmentation_layer_is_random():
     model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.RandomFlip(), keras.layers.Flatten()])
-    assert [name for name in check._random_layers(model) if "RandomFlip" in name]
+    assert [name for name in check_compare.layers_that_draw(model) if "RandomFlip" in name]
 
 
 # ------------------------------------------------------------ the float64 arbiter
 def _shift_the_accumulated_float32_run(monkeypatch, shift):
     """Adds `shift` to the first kernel of every float32 accumulated run: a difference of
     known size, where Keras' own rounding on this MLP is ~1e-8."""
-    train = check._train
+    train = check_runs.train
 
     def shifted(model_fn, initial, optimizer, *args, **kwargs):
         model = train(model_fn, initial, optimizer, *args, **kwargs)
-        if isinstance(optimizer, check.GradientAccumulator) and model.weights[0].dtype == "float32":
+        if isinstance(optimizer, check_runs.GradientAccumulator) and model.weights[0].dtype == "float32":
             weights = model.get_weights()
             weights[0] = weights[0] + np.float32(shift)
             model.set_weights(weights)
         return model
-    monkeypatch.setattr(check, "_train", shifted)
+    monkeypatch.setattr(check_runs, "train", shifted)
 
 
 @pytest.mark.parametrize("shift, exact", [(1e-7, True), (1e-4, False)])
@@ -382,6 +383,9 @@ def _never_called():
     (dict(arbiter="yes"), ValueError, "`arbiter` must be \"auto\""),
     (dict(arbiter=1), ValueError, "`arbiter` must be \"auto\""),
     (dict(arbiter_factor=0.5), ValueError, "`arbiter_factor` must be a finite number >= 1"),
+    (dict(floor_factor=0.5), ValueError, "`floor_factor` must be a number >= 1"),
+    (dict(seed=-1), ValueError, "`seed` must be an integer from 0 to 4294967294"),
+    (dict(optimizer_fn="adam"), TypeError, "`optimizer_fn` must be a function"),
 ])
 def test_bad_arguments_are_refused_before_any_training(kwargs, error, words):
     arguments = dict(model_fn=_never_called, data=_regression(), optimizer_fn=_adam, accum_steps=4,
@@ -422,12 +426,17 @@ def test_the_command_line_runs_the_arbiter_when_asked(capsys):
     assert "arbiter: AS CLOSE AS KERAS" in out and "f64 accum" in out
 
 
-def test_the_command_line_exits_1_on_an_inexact_setup_in_its_own_process():
+def _command(*arguments):
+    """`python -m tfx_gradient_accumulator.accumulator.check ...` run in its own process."""
     env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "tfx_gradient_accumulator.accumulator.check", "tests.accumulator.test_check:inexact_setup",
-                           "--accum_steps", "4", "--batch_size", "8", "--updates", "2"],
+    return subprocess.run([sys.executable, "-m", "tfx_gradient_accumulator.accumulator.check", *arguments],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_command_line_exits_1_on_an_inexact_setup_in_its_own_process():
+    done = _command("tests.accumulator.test_check:inexact_setup", "--accum_steps", "4", "--batch_size", "8",
+                    "--updates", "2")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "verdict: DIFFERS" in done.stdout and "by design" in done.stdout
     assert "check_exact [3/3]" in done.stderr                # the progress lines
@@ -443,3 +452,33 @@ def test_the_command_line_refuses_a_bad_target(spec, words):
     with pytest.raises(ValueError) as raised:
         load_target(spec)
     assert words in str(raised.value)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--accum_steps", "1"], ["--accum_steps", "an integer >= 2", "received 1"]),
+    (["--batch_size", "0"], ["--batch_size", "a positive integer", "received 0"]),
+    (["--tolerance", "-1"], ["--tolerance", "a positive number"]),
+    # Known only once the target's data is loaded: 96 samples, 40 updates of 4 x 8 need 1280.
+    (["--accum_steps", "4", "--batch_size", "8", "--updates", "40"],
+     ["`data` holds 96 samples", "40 x 4 x 8 = 1280", "lower `updates`, `accum_steps` or `batch_size`"]),
+])
+def test_a_bad_argument_exits_2_with_one_line_and_no_traceback(flags, words):
+    done = _command("tests.accumulator.test_check:exact_setup", "--quiet", *flags)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, done.stderr
+    assert all(word in errors[0] for word in words), errors[0]
+
+
+def test_the_help_gives_every_option_its_default():
+    done = _command("--help")
+    assert done.returncode == 0, done.stderr
+    options = re.split(r"\n(?:options|optional arguments):", done.stdout)[-1]     # Python >= 3.10, 3.9
+    blocks = re.split(r"\n  (?=-)", options)[1:]              # one per option, its help wrapped below it
+    named = {block.split()[0].rstrip(",") for block in blocks}
+    assert {"--accum_steps", "--batch_size", "--updates", "--tolerance", "--floor_factor", "--arbiter",
+            "--no_arbiter", "--arbiter_factor", "--seed", "--quiet"} <= named, named
+    missing = [block.split()[0] for block in blocks if "(default" not in " ".join(block.split())
+               and not block.startswith("-h")]
+    assert missing == [], missing

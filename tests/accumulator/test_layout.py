@@ -101,7 +101,8 @@ ROOMS = {
     "optimizers": ("optimizer", "keras2", "keras2.optimizer", "keras2.gradient_cache", "keras2.task_cache",
                    "gradient_cache", "batch_norm"),
     "training": ("backup", "fit_hook", "hooks", "row_room"),
-    "entry points": ("autowrap", "tuning", "check", ""),
+    "entry points": ("autowrap", "tuning", "check_report", "check_arguments", "check_runs", "check_compare",
+                     "check_arbiter", "check", ""),
 }
 PACKAGE_ORDER = ("accumulator", "components", "pipelines")   # each imports only from itself and those before
 

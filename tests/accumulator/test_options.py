@@ -6,7 +6,7 @@ import keras
 import pytest
 
 from tfx_gradient_accumulator.accumulator import GradientAccumulator, WindowOptions
-from tfx_gradient_accumulator.accumulator.options import CacheOptions
+from tfx_gradient_accumulator.accumulator.options import CacheOptions, validate_lr_ramp_updates
 
 # option: (an accepted value, a refused one, the error, what its message must say)
 CASES = {
@@ -140,3 +140,15 @@ def test_public_names_stay_importable():
     assert validate_accum_steps(3) == 3 and validate_schedule({"2": 4}) == {2: 4}
     assert validate_lr_scaling("sqrt") == "sqrt" and validate_partial_window("drop") == "drop"
     assert validate_measure_noise_scale(True) and not validate_merge_duplicate_rows(False)
+
+
+def test_a_ramp_needs_a_change_of_the_batch_one_rule_in_the_callers_words():
+    assert validate_lr_ramp_updates(4, changes=True) == 4
+    assert validate_lr_ramp_updates(0, by="epoch", changes=False) == 0      # no ramp: nothing to refuse
+    with pytest.raises(ValueError, match=r"`lr_ramp_updates` ramps the learning rate after a change of the "
+                                         r"batch: it goes with a schedule by update"):
+        validate_lr_ramp_updates(4, changes=False)
+    with pytest.raises(ValueError, match=r"after a change of the batch: use a schedule\.$"):
+        validate_lr_ramp_updates(4, changes=False, advice="use a schedule.")
+    with pytest.raises(ValueError, match="`lr_ramp_updates` counts updates"):
+        validate_lr_ramp_updates(4, by="epoch", changes=True)

@@ -67,6 +67,20 @@ print(json.dumps(info))
     assert ref.max_abs_diff(resumed, uninterrupted.get_weights()) <= 1e-6
 
 
+def test_loading_without_the_library_imported_fails_naming_the_module_to_import(tmp_path):
+    """What the saving docs tell the user: `load_model` needs the library imported first, and
+    Keras' error names the module (docs/guide/index.md, "Saving")."""
+    x, y = ref.regression_data(MICRO * 4)
+    model = _compiled()
+    model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+    model.save(tmp_path / "model.keras")
+    script = f"import keras\nkeras.models.load_model({str(tmp_path / 'model.keras')!r})\n"
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "Could not locate class 'GradientAccumulator'" in out.stderr, out.stderr[-3000:]
+    assert "'module': 'tfx_gradient_accumulator.accumulator.optimizer'" in out.stderr, out.stderr[-3000:]
+
+
 def test_tf_train_checkpoint_mid_window_resumes_exactly(tmp_path):
     x, y = ref.regression_data(MICRO * 18)
     loss_fn = keras.losses.MeanSquaredError()

@@ -68,6 +68,18 @@ def test_the_spec_carries_the_pools_the_image_and_the_backup_a_restarted_cluster
     assert "scheduling" not in config["ai_platform_training_args"]
 
 
+def test_the_learning_rate_settings_reach_the_trainer_and_its_check(tmp_path):
+    spec = _compile(tmp_path, lr_scaling="sqrt")
+    trainer = spec["root"]["dag"]["tasks"]["VertexAccumulatingTrainer"]
+    params = {k: v["runtimeValue"]["constantValue"] for k, v in trainer["inputs"]["parameters"].items()}
+    assert params["lr_scaling"] == {"stringValue": "sqrt"}
+    with pytest.raises(ValueError, match="`lr_scaling`"):
+        _compile(tmp_path, lr_scaling="cubic")
+    # The Tuner picks a fixed accum_steps: the batch never changes, so a ramp is refused before compiling.
+    with pytest.raises(ValueError, match="`lr_ramp_updates` ramps the learning rate after a change of the batch"):
+        _compile(tmp_path, lr_ramp_updates=10)
+
+
 def test_effective_batch_must_divide_over_all_replicas(tmp_path):
     # 3 workers x 2 GPUs x accum 4 = 24 does not divide 64.
     with pytest.raises(ValueError, match="divide evenly"):
