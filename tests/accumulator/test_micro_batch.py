@@ -1,0 +1,162 @@
+"""`find_micro_batch`: the largest micro-batch that trains, found with real out-of-memory
+errors (`memory_cliff`), the training left as it was, and the split of E exact."""
+
+import random
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, find_micro_batch
+from tfx_gradient_accumulator.accumulator.micro_batch import MicroBatchFit, split
+from tests.accumulator import memory_cliff
+from tests.accumulator import reference as ref
+
+CLIFF = 40
+
+
+def _compiled(cliff=CLIFF, accum_steps=2, **kwargs):
+    model = memory_cliff.mlp(cliff)
+    model.compile(GradientAccumulator(keras.optimizers.Adam(1e-2), accum_steps, **kwargs), "mse")
+    return model
+
+
+def _values(variables):
+    return [np.array(v.numpy()) for v in variables]
+
+
+def test_the_cliff_is_real_and_the_process_trains_on_after_it():
+    model = _compiled(accum_steps=1, schedulable=True)
+    x, y = ref.regression_data(64)
+    with pytest.raises(tf.errors.ResourceExhaustedError):
+        model.train_on_batch(x[:CLIFF], y[:CLIFF])
+    model.train_on_batch(x[:CLIFF - 1], y[:CLIFF - 1])
+
+
+def test_the_probe_finds_the_largest_micro_batch_below_the_cliff():
+    model = _compiled()
+    x, y = ref.regression_data(16)
+    found = find_micro_batch(model, x, y, effective_batch_size=256)
+    assert found.largest_fitting == CLIFF - 1
+    assert found.probes == ((1, True), (2, True), (4, True), (8, True), (16, True), (32, True), (64, False),
+                            (48, False), (40, False), (36, True), (38, True), (39, True))
+    # 10% headroom: at most 35; N = ceil(256 / 35) = 8, and 256 / 8 = 32 even micro-batches.
+    assert (found.micro_batch, found.accum_steps) == (32, 8)
+    assert model.optimizer.accum_steps == 8
+    assert "micro-batch 32 x 8 steps" in str(found)
+
+
+def test_the_probe_stops_at_the_effective_batch_and_at_max_micro_batch():
+    model = _compiled(cliff=None)
+    x, y = ref.regression_data(8)
+    found = find_micro_batch(model, x, y, effective_batch_size=12, headroom=0.0)
+    assert [b for b, _ in found.probes] == [1, 2, 4, 8, 12]
+    assert (found.micro_batch, found.accum_steps, found.largest_fitting) == (12, 1, 12)
+    found = find_micro_batch(model, x, y, effective_batch_size=100, max_micro_batch=20, headroom=0.0)
+    assert (found.micro_batch, found.accum_steps) == (20, 5)
+
+
+def _draws():
+    return random.random(), np.random.rand(), float(tf.random.uniform([])), float(keras.random.uniform([]))
+
+
+def test_the_probe_changes_nothing_of_the_training():
+    x, y = ref.regression_data(16)
+    model = _compiled()
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)   # Adam's slots, the window's state
+    weights, slots = _values(model.variables), _values(model.optimizer.variables)
+    keras.utils.set_random_seed(7)
+    found = find_micro_batch(model, x, y, effective_batch_size=256)
+    after = _draws()
+    assert any(not fitted for _, fitted in found.probes)
+    for before_value, now in zip(weights, _values(model.variables)):
+        np.testing.assert_array_equal(before_value, now)
+    now = _values(model.optimizer.variables)
+    assert len(now) == len(slots)
+    changed = [b for a, b in zip(slots, now) if not np.array_equal(a, b)]
+    assert changed == [found.accum_steps] == [8]   # only the window's length, set to the N found
+    keras.utils.set_random_seed(7)
+    assert after == _draws()
+
+
+def test_an_open_window_is_refused():
+    x, y = ref.regression_data(16)
+    model = _compiled()
+    model.train_on_batch(x[:4], y[:4])
+    with pytest.raises(ValueError, match="window is open"):
+        find_micro_batch(model, x, y, effective_batch_size=64)
+    model.optimizer.close_partial_window()
+    find_micro_batch(model, x, y, effective_batch_size=64)
+
+
+@pytest.mark.parametrize("effective_batch_size", [256, 250])
+def test_training_at_the_found_split_is_keras_large_batch(effective_batch_size):
+    x, y = ref.regression_data(512)
+    model = _compiled()
+    found = find_micro_batch(model, x[:16], y[:16], effective_batch_size=effective_batch_size)
+    assert found.largest_fitting == CLIFF - 1 and found.accum_steps == 8
+    data = found.micro_batches(tf.data.Dataset.from_tensor_slices((x, y)).batch(effective_batch_size))
+    model.fit(data, epochs=2, verbose=0)
+
+    reference = memory_cliff.mlp(cliff=None)
+    reference.compile(keras.optimizers.Adam(1e-2), "mse")
+    reference.fit(x, y, batch_size=effective_batch_size, epochs=2, shuffle=False, verbose=0)
+    assert ref.max_abs_diff(model.get_weights(), reference.get_weights()) <= 1e-5
+    assert int(model.optimizer.iterations.numpy()) == 2 * -(-512 // effective_batch_size)   # short last too
+
+
+def test_split_keeps_headroom_and_evens_the_micro_batches():
+    assert split(1024, 300) == (256, 4)       # 270 safe -> 4 steps -> 256 each
+    assert split(1000, 300) == (250, 4)
+    assert split(1000, 1, 0.5) == (1, 1000)
+    assert split(10, 64) == (10, 1)
+    for e in range(1, 60):
+        for largest in range(1, 70):
+            b, n = split(e, largest)
+            assert b <= max(1, int(largest * 0.9)) and -(-e // b) == n and b * (n - 1) < e <= b * n
+
+
+def test_not_even_one_sample_fits():
+    model = _compiled(cliff=1)
+    x, y = ref.regression_data(4)
+    with pytest.raises(tf.errors.ResourceExhaustedError, match="not even a micro-batch of 1"):
+        find_micro_batch(model, x, y, effective_batch_size=64)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"effective_batch_size": 0}, ValueError, "effective_batch_size"),
+    ({"effective_batch_size": 2.5}, TypeError, "effective_batch_size"),
+    ({"effective_batch_size": 8, "headroom": 1.0}, ValueError, "headroom"),
+    ({"effective_batch_size": 8, "headroom": -0.1}, ValueError, "headroom"),
+    ({"effective_batch_size": 8, "max_micro_batch": 0}, ValueError, "max_micro_batch"),
+])
+def test_bad_options_are_refused_before_any_step(kwargs, error, match):
+    model = _compiled()
+    x, y = ref.regression_data(4)
+    with pytest.raises(error, match=match):
+        find_micro_batch(model, x, y, **kwargs)
+    assert int(model.optimizer.iterations.numpy()) == 0 and not model.optimizer.built
+
+
+def test_models_and_data_it_cannot_probe_are_refused():
+    x, y = ref.regression_data(4)
+    plain = memory_cliff.mlp(CLIFF)
+    with pytest.raises(ValueError, match="compiled"):
+        find_micro_batch(plain, x, y, effective_batch_size=8)
+    plain.compile(keras.optimizers.Adam(), "mse")
+    with pytest.raises(TypeError, match="GradientAccumulator"):
+        find_micro_batch(plain, x, y, effective_batch_size=8)
+    passthrough = _compiled(accum_steps=1)
+    with pytest.raises(ValueError, match="schedulable=True"):
+        find_micro_batch(passthrough, x, y, effective_batch_size=8)
+    with pytest.raises(TypeError, match="not a dataset|not .*Dataset"):
+        find_micro_batch(_compiled(), tf.data.Dataset.from_tensor_slices((x, y)).batch(2), effective_batch_size=8)
+    with pytest.raises(ValueError, match="same number of rows"):
+        find_micro_batch(_compiled(), x, y[:2], effective_batch_size=8)
+
+
+def test_it_is_public():
+    import tfx_gradient_accumulator
+    assert tfx_gradient_accumulator.find_micro_batch is find_micro_batch
+    assert tfx_gradient_accumulator.MicroBatchFit is MicroBatchFit
