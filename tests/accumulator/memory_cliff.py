@@ -4,10 +4,11 @@
 b < cliff samples (kilobytes) and of 2^40 floats (4 TiB) from b = cliff on: more than any
 machine has, so TensorFlow refuses the allocation at once with a real
 `ResourceExhaustedError`, before anything is written (on CPU too), and the process trains
-on. The tensor's value depends on the data (0 * sum(x): a constant of static shape would be
-folded by Grappler into another error), and it is reduced to zero and added to the input,
-so the model computes exactly what it computes without the layer (`x + 0.0` is `x`), and
-it has no weights and draws nothing: `mlp(cliff=None)` is the same model, with the same
+on. The tensor is filled with sum(x), and what is added to the input is its maximum minus
+sum(x): exactly 0.0 for finite data, so the model computes exactly what it computes without
+the layer (`x + 0.0` is `x`). Grappler cannot see that zero: a tensor multiplied by the
+constant 0.0 is folded away with the allocation behind it (TF 2.16), and a fill of constants
+of static shape is folded into another error. The layer has no weights and draws nothing: `mlp(cliff=None)` is the same model, with the same
 initial weights, for the reference run at the large batch.
 
 Tests of the micro-batch probe, of the Trainer's option and of mid-run recovery use it.
@@ -31,20 +32,30 @@ class MemoryCliff(keras.layers.Layer):
     def call(self, x):
         b = tf.shape(x, out_type=tf.int64)[0]
         elements = tf.where(b < self.cliff, b * b, tf.constant(OUT_OF_MEMORY_ELEMENTS, tf.int64))
-        aside = tf.fill(tf.reshape(elements, [1]), 0.0 * tf.reduce_sum(x))
-        return x + 0.0 * tf.reduce_sum(aside)
+        total = tf.reduce_sum(x)
+        aside = tf.fill(tf.reshape(elements, [1]), total)
+        return x + (tf.reduce_max(aside) - total)   # + 0.0 exactly, for finite data
 
     def get_config(self):
         return {**super().get_config(), "cliff": self.cliff}
 
 
-def mlp(cliff=None, seed=0):
-    """`reference.mlp`, with a `MemoryCliff(cliff)` after its input (none with `cliff=None`)."""
+class GlobalNoise(keras.layers.Layer):
+    """Adds noise drawn from Keras' global seed generator in training (no generator of its own):
+    a step changes the global random state, which a probe must put back."""
+
+    def call(self, x, training=False):
+        return x + 0.01 * keras.random.normal(tf.shape(x)) if training else x
+
+
+def mlp(cliff=None, seed=0, global_noise=False):
+    """`reference.mlp`, with a `MemoryCliff(cliff)` after its input (none with `cliff=None`),
+    and with `global_noise` a `GlobalNoise` layer after it."""
     keras.utils.set_random_seed(seed)
-    cliff_layers = [] if cliff is None else [MemoryCliff(cliff)]
+    first = ([] if cliff is None else [MemoryCliff(cliff)]) + ([GlobalNoise()] if global_noise else [])
     return keras.Sequential([
         keras.Input((ref.FEATURES,)),
-        *cliff_layers,
+        *first,
         keras.layers.Dense(16, activation="tanh"),
         keras.layers.Dense(8, activation="tanh"),
         keras.layers.Dense(1),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import GradientAccumulator, find_micro_batch
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, find_micro_batch, seam
 from tfx_gradient_accumulator.accumulator.micro_batch import MicroBatchFit, split
 from tests.accumulator import memory_cliff
 from tests.accumulator import reference as ref
@@ -16,8 +16,8 @@ from tests.accumulator import reference as ref
 CLIFF = 40
 
 
-def _compiled(cliff=CLIFF, accum_steps=2, **kwargs):
-    model = memory_cliff.mlp(cliff)
+def _compiled(cliff=CLIFF, accum_steps=2, global_noise=False, **kwargs):
+    model = memory_cliff.mlp(cliff, global_noise=global_noise)
     model.compile(GradientAccumulator(keras.optimizers.Adam(1e-2), accum_steps, **kwargs), "mse")
     return model
 
@@ -63,10 +63,10 @@ def _draws():
 
 def test_the_probe_changes_nothing_of_the_training():
     x, y = ref.regression_data(16)
-    model = _compiled()
+    model = _compiled(global_noise=True)   # each step draws from Keras' global generator
     model.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)   # Adam's slots, the window's state
     weights, slots = _values(model.variables), _values(model.optimizer.variables)
-    keras.utils.set_random_seed(7)
+    random_state = seam.random_state()
     found = find_micro_batch(model, x, y, effective_batch_size=256)
     after = _draws()
     assert any(not fitted for _, fitted in found.probes)
@@ -76,8 +76,19 @@ def test_the_probe_changes_nothing_of_the_training():
     assert len(now) == len(slots)
     changed = [b for a, b in zip(slots, now) if not np.array_equal(a, b)]
     assert changed == [found.accum_steps] == [8]   # only the window's length, set to the N found
-    keras.utils.set_random_seed(7)
-    assert after == _draws()
+    seam.restore_random_state(random_state)
+    assert after == _draws()      # the draws the training would have made without the probe
+
+
+def test_the_probe_draws_random_numbers_that_it_puts_back():
+    # What the test above relies on: a step of this model moves the global random state.
+    x, y = ref.regression_data(16)
+    model = _compiled(global_noise=True)
+    random_state = seam.random_state()
+    model.train_on_batch(x, y)
+    moved = _draws()
+    seam.restore_random_state(random_state)
+    assert moved != _draws()
 
 
 def test_an_open_window_is_refused():
