@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import GradientAccumulator, find_micro_batch, seam
-from tfx_gradient_accumulator.accumulator.micro_batch import MicroBatchFit, split
+from tfx_gradient_accumulator.accumulator.micro_batch import split
 from tests.accumulator import memory_cliff
 from tests.accumulator import reference as ref
 
@@ -165,9 +165,3 @@ def test_models_and_data_it_cannot_probe_are_refused():
         find_micro_batch(_compiled(), tf.data.Dataset.from_tensor_slices((x, y)).batch(2), effective_batch_size=8)
     with pytest.raises(ValueError, match="same number of rows"):
         find_micro_batch(_compiled(), x, y[:2], effective_batch_size=8)
-
-
-def test_it_is_public():
-    import tfx_gradient_accumulator
-    assert tfx_gradient_accumulator.find_micro_batch is find_micro_batch
-    assert tfx_gradient_accumulator.MicroBatchFit is MicroBatchFit
