@@ -148,6 +148,8 @@ def find_micro_batch(model: keras.Model, x: Any, y: Any = None, *, effective_bat
     sample = _sample_of(x, y, sample_weight)
     limit = min(effective_batch_size, max_micro_batch or effective_batch_size)
     with _StatePutBack(model, optimizer) as put_back:
+        if model.distribute_strategy.num_replicas_in_sync > 1:
+            _build_as_fit_does(model, sample, put_back)
         largest, probes = _search(lambda b: _step_fits(model, sample, b, put_back), limit)
     if largest == 0:
         raise tf.errors.ResourceExhaustedError(
@@ -207,7 +209,7 @@ def _step_fits(model, sample, micro_batch, put_back) -> bool:
     x, y, sample_weight = tf.nest.map_structure(
         lambda a: None if a is None else np.take(a, rows, axis=0), sample.arrays)
     try:
-        model.train_on_batch(x, y, sample_weight=sample_weight)
+        _train_step(model, x, y, sample_weight)
         fitted = True
     except tf.errors.OpError as err:
         if not _is_out_of_memory(err):
@@ -220,6 +222,29 @@ def _step_fits(model, sample, micro_batch, put_back) -> bool:
     logger.info("find_micro_batch: a step of %d samples %s.", micro_batch,
                 "fits" if fitted else "runs out of memory")
     return fitted
+
+
+def _train_step(model, x, y, sample_weight):
+    """One step of `fit`'s on the batch: under a strategy with several replicas, the batch
+    split among them as `fit` splits it (`train_on_batch` would hand each the whole batch)."""
+    strategy = model.distribute_strategy
+    if strategy.num_replicas_in_sync == 1:
+        model.train_on_batch(x, y, sample_weight=sample_weight)
+        return
+    data = (x,) if y is None and sample_weight is None else (x, y) if sample_weight is None else (x, y, sample_weight)
+    batches = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(data))
+    model.make_train_function()
+    model.train_function(iter(batches))
+
+
+def _build_as_fit_does(model, sample, put_back):
+    """One `train_on_batch` on one sample: it builds the compiled metrics, as `fit` does before
+    its first step, which the probes' steps (`train_function`) do not."""
+    x, y, sample_weight = tf.nest.map_structure(lambda a: None if a is None else a[:1], sample.arrays)
+    try:
+        model.train_on_batch(x, y, sample_weight=sample_weight)
+    finally:
+        put_back()
 
 
 def _is_out_of_memory(err: tf.errors.OpError) -> bool:
@@ -321,7 +346,7 @@ def _accumulator_of(model):
     if getattr(optimizer, "is_passthrough", False):
         raise ValueError("find_micro_batch sets the window's `accum_steps`: this GradientAccumulator "
                          "was made with accum_steps=1, a pass-through; make it with `schedulable=True`.")
-    held = int(optimizer.micro_step) if optimizer.built else 0
+    held = optimizer.held_micro_batches if optimizer.built else 0
     if held:
         raise ValueError(f"find_micro_batch sets `accum_steps`, which changes only between windows, and a "
                          f"window is open ({held} micro-batches held): call it before `fit`, "

@@ -165,3 +165,51 @@ def test_models_and_data_it_cannot_probe_are_refused():
         find_micro_batch(_compiled(), tf.data.Dataset.from_tensor_slices((x, y)).batch(2), effective_batch_size=8)
     with pytest.raises(ValueError, match="same number of rows"):
         find_micro_batch(_compiled(), x, y[:2], effective_batch_size=8)
+
+
+_UNDER_MIRRORED = """
+import os
+os.environ["KERAS_BACKEND"] = "tensorflow"
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras
+import numpy as np
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, find_micro_batch
+from tests.accumulator import memory_cliff, reference as ref
+x, y = ref.regression_data(512)
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    model = memory_cliff.mlp(40)
+    model.compile(GradientAccumulator(keras.optimizers.Adam(1e-2), schedulable=True), "mse")
+model.fit(x[:64], y[:64], batch_size=16, verbose=0, shuffle=False)      # every replica's window state filled
+before = [np.array(v.numpy()) for v in model.variables + model.optimizer.variables]
+found = find_micro_batch(model, x[:16], y[:16], effective_batch_size=256)
+after = [np.array(v.numpy()) for v in model.variables + model.optimizer.variables]
+changed = [b for a, b in zip(before, after) if not np.array_equal(a, b)]
+print("FOUND", found.largest_fitting, found.micro_batch, found.accum_steps, "CHANGED", changed)
+model.fit(found.micro_batches(tf.data.Dataset.from_tensor_slices((x, y)).batch(256)), epochs=1, verbose=0)
+reference = memory_cliff.mlp(None)
+reference.compile(keras.optimizers.Adam(1e-2), "mse")
+reference.fit(x[:64], y[:64], batch_size=16, verbose=0, shuffle=False)
+reference.fit(x, y, batch_size=256, epochs=1, shuffle=False, verbose=0)
+print("DELTA", ref.max_abs_diff(model.get_weights(), reference.get_weights()))
+"""
+
+
+def test_under_a_mirrored_strategy_the_cliff_is_per_replica_and_each_replica_is_put_back():
+    """2 replicas on CPU: a global micro-batch of b gives each b / 2, so the largest that fits
+    is 78 (39 each); every replica's window state is put back; training at the split found
+    then matches a single device's Keras large batch. In its own process: TensorFlow gives
+    every MirroredStrategy the same collective keys, which would clash with other tests'."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", _UNDER_MIRRORED], capture_output=True, text=True,
+                         timeout=600, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = out.stdout.split("FOUND ")[1].split()
+    assert found[:3] == ["78", "64", "4"], out.stdout[-2000:]
+    assert "CHANGED [array(4)]" in out.stdout or "CHANGED [4]" in out.stdout, out.stdout[-2000:]
+    assert float(out.stdout.split("DELTA ")[1].split()[0]) <= 1e-5, out.stdout[-2000:]
