@@ -109,7 +109,7 @@ class MicroBatchFit:
 
 def find_micro_batch(model: keras.Model, x: Any, y: Any = None, *, effective_batch_size: int,
                      sample_weight: Any = None, headroom: float = DEFAULT_HEADROOM,
-                     max_micro_batch: Optional[int] = None) -> MicroBatchFit:
+                     max_micro_batch: Optional[int] = None, uniform: bool = False) -> MicroBatchFit:
     """Finds the largest micro-batch that trains on this device, and sets the window to match.
 
     Call it after `compile` and before `fit`. It runs real training steps on batches of
@@ -130,21 +130,30 @@ def find_micro_batch(model: keras.Model, x: Any, y: Any = None, *, effective_bat
         headroom: the share of the largest micro-batch that fit left unused, in [0, 1):
             the margin for fragmentation and for data larger than the sample.
         max_micro_batch: None, or the largest micro-batch to try (E at most).
+        uniform: False (the default): N = ceil(E / b), the window's last micro-batch
+            shorter when b does not divide E (train through `MicroBatchFit.micro_batches`).
+            True: b divides E (and the strategy's replicas divide b), so that
+            `fit(x, y, batch_size=b)` or any pipeline batched at one size trains E per
+            update; b can be smaller then (E = 1000, 100 fitting, 90 with the headroom:
+            50 x 20, not 84 x 12).
 
     Returns:
         A `MicroBatchFit`: `micro_batch`, `accum_steps`, `largest_fitting` and the `probes`.
 
     Raises:
         TypeError, ValueError: a bad option, a model that is not built or not compiled
-            with a `GradientAccumulator` that can change its window, or data `x` that is
-            a dataset or has no rows.
+            with a `GradientAccumulator` that can change its window, data `x` that is
+            a dataset or has no rows, or `uniform` with E not a multiple of the replicas.
         tf.errors.ResourceExhaustedError: not even one sample's step fits on this device.
         NotImplementedError: the model trains under a strategy with several workers.
     """
-    effective_batch_size, headroom, max_micro_batch = validate_micro_batch_search(
-        effective_batch_size, headroom, max_micro_batch)
+    effective_batch_size, headroom, max_micro_batch, uniform = validate_micro_batch_search(
+        effective_batch_size, headroom, max_micro_batch, uniform)
     optimizer = _accumulator_of(model)
     _refuse_several_workers(model)
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    if uniform:
+        _refuse_indivisible(effective_batch_size, replicas)
     sample = _sample_of(x, y, sample_weight)
     limit = min(effective_batch_size, max_micro_batch or effective_batch_size)
     with _StatePutBack(model, optimizer) as put_back:
@@ -157,23 +166,42 @@ def find_micro_batch(model: keras.Model, x: Any, y: Any = None, *, effective_bat
             f"(effective_batch_size={effective_batch_size}): the model, its optimizer state and one "
             "sample's activations need more memory than it has. Use a smaller model or a device "
             "with more memory.")
-    micro_batch, accum_steps = split(effective_batch_size, largest, headroom)
+    micro_batch, accum_steps = split(effective_batch_size, largest, headroom, uniform, replicas)
     optimizer.set_accum_steps(accum_steps)
     found = MicroBatchFit(micro_batch, accum_steps, effective_batch_size, largest, tuple(probes))
     logger.info("find_micro_batch: %s.", found)
     return found
 
 
-def split(effective_batch_size: int, largest_fitting: int, headroom: float = DEFAULT_HEADROOM) -> Tuple[int, int]:
+def split(effective_batch_size: int, largest_fitting: int, headroom: float = DEFAULT_HEADROOM,
+          uniform: bool = False, replicas: int = 1) -> Tuple[int, int]:
     """`(b, N)` for the effective batch E, given the largest micro-batch that fit.
 
     b at most `(1 - headroom) * largest_fitting` (1 at least), N = ceil(E / b), and then
     b = ceil(E / N): the smallest micro-batch with that N, so that the micro-batches are
-    even and the last one is short by less than N samples.
+    even and the last one is short by less than N samples. With `uniform`, the smallest
+    N from there on that divides E into micro-batches that `replicas` divides: b * N = E,
+    for pipelines that batch at one size.
+
+    Raises:
+        ValueError: `uniform` and E is not a multiple of `replicas`.
     """
     safe = max(1, math.floor(largest_fitting * (1.0 - headroom) + 1e-9))
     accum_steps = -(-effective_batch_size // min(safe, effective_batch_size))
-    return -(-effective_batch_size // accum_steps), accum_steps
+    if not uniform:
+        return -(-effective_batch_size // accum_steps), accum_steps
+    _refuse_indivisible(effective_batch_size, replicas)
+    while effective_batch_size % accum_steps or (effective_batch_size // accum_steps) % replicas:
+        accum_steps += 1
+    return effective_batch_size // accum_steps, accum_steps
+
+
+def _refuse_indivisible(effective_batch_size, replicas):
+    """ValueError unless E splits evenly among `replicas`."""
+    if effective_batch_size % replicas:
+        raise ValueError(f"find_micro_batch(uniform=True): `effective_batch_size`={effective_batch_size} does "
+                         f"not split into micro-batches of one size over {replicas} replicas; give a "
+                         f"multiple of {replicas}, or uniform=False.")
 
 
 def _search(fits: Callable[[int], bool], limit: int) -> Tuple[int, List[Tuple[int, bool]]]:

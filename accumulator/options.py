@@ -271,7 +271,7 @@ def validate_lr_ramp_updates(lr_ramp_updates: Any, by: str = "update") -> int:
 
 
 def validate_micro_batch_search(effective_batch_size: Any, headroom: Any,
-                                max_micro_batch: Any = None) -> tuple:
+                                max_micro_batch: Any = None, uniform: Any = False) -> tuple:
     """Checks `find_micro_batch`'s options (`accumulator.micro_batch`).
 
     Args:
@@ -279,9 +279,11 @@ def validate_micro_batch_search(effective_batch_size: Any, headroom: Any,
         headroom: the share of the largest micro-batch that fit to leave unused, a number
             in [0, 1).
         max_micro_batch: None, or the largest micro-batch to try, an int >= 1.
+        uniform: True or False: every micro-batch of a window the same size (b divides E).
 
     Returns:
-        `(effective_batch_size, headroom, max_micro_batch)` as int, float, int or None.
+        `(effective_batch_size, headroom, max_micro_batch, uniform)` as int, float, int or
+        None, bool.
 
     Raises:
         TypeError: an integer option that is no integer.
@@ -294,7 +296,7 @@ def validate_micro_batch_search(effective_batch_size: Any, headroom: Any,
                          f"that fit left unused); received {headroom!r}.")
     if max_micro_batch is not None:
         max_micro_batch = integer_at_least(max_micro_batch, "max_micro_batch")
-    return effective_batch_size, float(headroom), max_micro_batch
+    return effective_batch_size, float(headroom), max_micro_batch, validate_bool(uniform, "uniform")
 
 
 def refuse_unknown_arguments(kwargs: Mapping[str, Any], advice: str = "") -> None:

@@ -128,6 +128,33 @@ def test_split_keeps_headroom_and_evens_the_micro_batches():
             assert b <= max(1, int(largest * 0.9)) and -(-e // b) == n and b * (n - 1) < e <= b * n
 
 
+def test_a_uniform_split_divides_the_effective_batch():
+    assert split(1000, 100, uniform=True) == (50, 20)     # not (84, 12): 84 does not divide 1000
+    assert split(1024, 300, uniform=True) == (256, 4)
+    assert split(97, 50, uniform=True) == (1, 97)          # a prime E: one sample a step
+    assert split(1000, 100, uniform=True, replicas=8) == (40, 25)
+    with pytest.raises(ValueError, match="effective_batch_size.*8 replicas"):
+        split(1001, 100, uniform=True, replicas=8)
+    for e in range(1, 60):
+        for largest in range(1, 70):
+            b, n = split(e, largest, uniform=True)
+            assert b * n == e and b <= max(1, int(largest * 0.9))
+
+
+def test_with_a_uniform_split_fit_at_the_micro_batch_is_keras_large_batch():
+    x, y = ref.regression_data(500)
+    model = _compiled()
+    found = find_micro_batch(model, x[:16], y[:16], effective_batch_size=250, uniform=True)
+    assert (found.largest_fitting, found.micro_batch, found.accum_steps) == (CLIFF - 1, 25, 10)
+    model.fit(x, y, batch_size=found.micro_batch, epochs=2, shuffle=False, verbose=0)
+
+    reference = memory_cliff.mlp(cliff=None)
+    reference.compile(keras.optimizers.Adam(1e-2), "mse")
+    reference.fit(x, y, batch_size=250, epochs=2, shuffle=False, verbose=0)
+    assert ref.max_abs_diff(model.get_weights(), reference.get_weights()) <= 1e-5
+    assert int(model.optimizer.iterations.numpy()) == 4
+
+
 def test_not_even_one_sample_fits():
     model = _compiled(cliff=1)
     x, y = ref.regression_data(4)
@@ -141,6 +168,7 @@ def test_not_even_one_sample_fits():
     ({"effective_batch_size": 8, "headroom": 1.0}, ValueError, "headroom"),
     ({"effective_batch_size": 8, "headroom": -0.1}, ValueError, "headroom"),
     ({"effective_batch_size": 8, "max_micro_batch": 0}, ValueError, "max_micro_batch"),
+    ({"effective_batch_size": 8, "uniform": "yes"}, (TypeError, ValueError), "uniform"),
 ])
 def test_bad_options_are_refused_before_any_step(kwargs, error, match):
     model = _compiled()
