@@ -115,8 +115,10 @@ def find_micro_batch(model: keras.Model, x: Any, y: Any = None, *, effective_bat
     Call it after `compile` and before `fit`. It runs real training steps on batches of
     growing size made from the sample (x, y), until one runs out of memory, puts
     everything back as it was, and sets the model's `GradientAccumulator` to
-    N = ceil(E / b) micro-batches per update; train with `fit(..., batch_size=b)` (or a
-    dataset batched at b). The training is the same as at any other split of E.
+    N = ceil(E / b) micro-batches per update. Train with `found.micro_batches(dataset)`
+    (a dataset batched at E, each batch cut into its N micro-batches), or, with
+    `uniform=True`, with `fit(x, y, batch_size=found.micro_batch)`. The training is the
+    same as at any other split of E.
 
     Args:
         model: a built Keras 3 model, compiled with a `GradientAccumulator` that can change
@@ -157,7 +159,7 @@ def find_micro_batch(model: keras.Model, x: Any, y: Any = None, *, effective_bat
     sample = _sample_of(x, y, sample_weight)
     limit = min(effective_batch_size, max_micro_batch or effective_batch_size)
     with _StatePutBack(model, optimizer) as put_back:
-        if model.distribute_strategy.num_replicas_in_sync > 1:
+        if replicas > 1:
             _build_as_fit_does(model, sample, put_back)
         largest, probes = _search(lambda b: _step_fits(model, sample, b, put_back), limit)
     if largest == 0:
@@ -322,13 +324,8 @@ class _StatePutBack:
 
 
 def _unique(variables):
-    """`variables` without repeats (a variable can be the model's and a metric's)."""
-    seen, kept = set(), []
-    for v in variables:
-        if id(v) not in seen:
-            seen.add(id(v))
-            kept.append(v)
-    return kept
+    """`variables` without repeats (a variable can be the model's and a metric's), in order."""
+    return list({id(v): v for v in variables}.values())
 
 
 @dataclasses.dataclass(frozen=True)
