@@ -25,6 +25,7 @@ if flavours.keras_is_3():
     from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation
     from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule, EpochWindows
     from tfx_gradient_accumulator.accumulator.gradient_cache import GradientCache
+    from tfx_gradient_accumulator.accumulator.micro_batch import MicroBatchFit, find_micro_batch
     from tfx_gradient_accumulator.accumulator.optimizer import GradientAccumulator
 else:
     # TF <= 2.15: `keras` is Keras 2. The Keras 3 features (AccumBatchNormalization,
@@ -61,5 +62,5 @@ __all__ = [
     "validate_accum_steps",
 ]
 if flavours.keras_is_3():
-    __all__ += ["AccumBatchNormalization", "use_accumulated_batch_norm"]
+    __all__ += ["AccumBatchNormalization", "MicroBatchFit", "find_micro_batch", "use_accumulated_batch_norm"]
 __version__ = "0.3.0"

@@ -37,7 +37,7 @@ __all__ = [
     "LR_SCALINGS", "PARTIAL_WINDOW_MODES", "SUMMED_NOISE_SCALE_MESSAGE", "WindowOptions", "integer_at_least",
     "refuse_unknown_arguments", "validate_accum_steps", "validate_auto", "validate_bool",
     "validate_loss_reduction", "validate_lr_scaling", "validate_measure_noise_scale",
-    "validate_merge_duplicate_rows", "validate_partial_window", "validate_schedule",
+    "validate_merge_duplicate_rows", "validate_micro_batch_search", "validate_partial_window", "validate_schedule",
     "validate_schedule_by", "validate_smoothing",
 ]
 
@@ -281,6 +281,35 @@ def validate_lr_ramp_updates(lr_ramp_updates: Any, by: str = "update", changes: 
         raise ValueError("`lr_ramp_updates` counts updates: it goes with by='update'; received "
                          f"by={by!r}.")
     return lr_ramp_updates
+
+
+def validate_micro_batch_search(effective_batch_size: Any, headroom: Any,
+                                max_micro_batch: Any = None, uniform: Any = False) -> tuple:
+    """Checks `find_micro_batch`'s options (`accumulator.micro_batch`).
+
+    Args:
+        effective_batch_size: the samples per update the run trains with, an int >= 1.
+        headroom: the share of the largest micro-batch that fit to leave unused, a number
+            in [0, 1).
+        max_micro_batch: None, or the largest micro-batch to try, an int >= 1.
+        uniform: True or False: every micro-batch of a window the same size (b divides E).
+
+    Returns:
+        `(effective_batch_size, headroom, max_micro_batch, uniform)` as int, float, int or
+        None, bool.
+
+    Raises:
+        TypeError: an integer option that is no integer.
+        ValueError: a value out of its range.
+    """
+    effective_batch_size = integer_at_least(effective_batch_size, "effective_batch_size")
+    if (isinstance(headroom, bool) or not isinstance(headroom, (int, float))
+            or not 0 <= headroom < 1):
+        raise ValueError(f"`headroom` must be a number in [0, 1) (the share of the largest micro-batch "
+                         f"that fit left unused); received {headroom!r}.")
+    if max_micro_batch is not None:
+        max_micro_batch = integer_at_least(max_micro_batch, "max_micro_batch")
+    return effective_batch_size, float(headroom), max_micro_batch, validate_bool(uniform, "uniform")
 
 
 def refuse_unknown_arguments(kwargs: Mapping[str, Any], advice: str = "") -> None:

@@ -47,7 +47,7 @@ MIN_BLOCKS = 20            # the docs hold more; fewer means the collector lost 
 # Pages whose claims are shown by running examples: each must keep at least one.
 PAGES_WITH_EXAMPLES = (
     "README.md", "docs/guide/index.md", "docs/guide/weighting.md", "docs/guide/partial-windows.md",
-    "docs/guide/batch-norm.md", "docs/guide/schedules.md", "docs/guide/mixed-precision.md",
+    "docs/guide/batch-norm.md", "docs/guide/schedules.md", "docs/guide/micro-batch.md", "docs/guide/mixed-precision.md",
     "docs/guide/keras-builtin.md", "docs/guide/embeddings.md", "docs/noise-scale.md", "docs/keras2.md",
     "docs/distributed.md", "docs/keras-changes.md", "docs/tfx.md", "docs/cluster.md", "docs/guide/check.md",
 )

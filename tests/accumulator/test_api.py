@@ -163,3 +163,13 @@ def test_config_round_trip():
     assert isinstance(clone, GradientAccumulator)
     assert clone.accum_steps == 6 and clone.name == "acc"
     assert clone.inner_optimizer.get_config() == optimizer.inner_optimizer.get_config()
+
+
+def test_find_micro_batch_is_public():
+    import tfx_gradient_accumulator
+    from tfx_gradient_accumulator import accumulator
+    from tfx_gradient_accumulator.accumulator import micro_batch
+
+    for name in ("find_micro_batch", "MicroBatchFit"):
+        assert name in accumulator.__all__
+        assert getattr(tfx_gradient_accumulator, name) is getattr(accumulator, name) is getattr(micro_batch, name)

@@ -100,7 +100,7 @@ ROOMS = {
     "schedules": ("callbacks", "auto_batch"),
     "optimizers": ("optimizer", "keras2", "keras2.optimizer", "keras2.gradient_cache", "keras2.task_cache",
                    "gradient_cache", "batch_norm"),
-    "training": ("backup", "fit_hook", "hooks", "row_room"),
+    "training": ("backup", "fit_hook", "hooks", "row_room", "micro_batch"),
     "entry points": ("autowrap", "tuning", "check_report", "check_arguments", "check_runs", "check_compare",
                      "check_arbiter", "check", ""),
 }

@@ -1,0 +1,396 @@
+"""`find_micro_batch`: the largest micro-batch that trains on this device, found by trying.
+
+A user who accumulates gradients sets one number that matters to the training, the
+effective batch E (samples per update). How E splits into N micro-batches of b samples
+depends on the device, the model and the data, and a wrong guess either fails with an
+out-of-memory error or wastes the device. Since the window is exact for micro-batches of
+any size (even a short last one: it weighs by samples), every split of E trains the same
+weights, so the split can be left to the device:
+
+1. **Search.** Real training steps (forward, backward, the window's accumulation and the
+   inner optimizer's update: the step `fit` runs, under the model's strategy, with its
+   compiled options such as XLA) on batches of b samples made by repeating the sample's
+   rows: b = 1, 2, 4, ... doubling until a step raises `ResourceExhaustedError` (or b
+   reaches E), then bisection between the last b that fit and the first that did not,
+   down to adjacent sizes. A search is about 2 log2(b) steps.
+2. **Margin.** The micro-batch taken is at most `(1 - headroom)` times the largest that
+   fit (`headroom=0.1` by default), then balanced: N = ceil(E / b), and b = ceil(E / N),
+   the smallest micro-batch with the same N (same number of steps, less memory, even
+   micro-batches). Why a margin: the probe measures one step on fresh memory and on the
+   sample's shapes. Training runs many steps, and the allocator's fragmentation grows
+   with them (TensorFlow's BFC allocator: a few percent), evaluation and callbacks hold
+   buffers of their own, and data whose shapes vary (sequences padded per batch) can
+   need more than the sample did. Memory grows about linearly in b above a constant
+   (weights, optimizer state), so a tenth of b leaves at least a tenth of the
+   activations' memory free. For data that grows, probe with the largest examples, or
+   raise `headroom`.
+3. **Nothing changes.** Every variable of the model (weights, batch-norm statistics,
+   random layers' seeds), of the optimizer (window, inner slots, iterations) and of the
+   compiled metrics is put back after each probe, and so is the random state of Python,
+   NumPy, TensorFlow and Keras (`seam.random_state`): training after the probe is the
+   training without it. The probe never reads the training data (a reshuffling
+   `tf.data.Dataset` would move to its next order): it is given one sample batch.
+
+A step that runs out of memory leaves the process usable: the allocation is refused
+before anything is written, and the variables are put back anyway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import math
+from typing import Any, Callable, List, Optional, Tuple
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfx_gradient_accumulator.accumulator import _tf, seam
+from tfx_gradient_accumulator.accumulator.options import validate_micro_batch_search
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HEADROOM = 0.1
+# What an out-of-memory error says when a runtime wraps it in another class (XLA on some
+# GPUs raises InternalError with the status text).
+_OUT_OF_MEMORY_TEXTS = ("RESOURCE_EXHAUSTED", "out of memory", "OOM when allocating")
+
+__all__ = ["DEFAULT_HEADROOM", "MicroBatchFit", "find_micro_batch"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatchFit:
+    """What `find_micro_batch` found.
+
+    Attributes:
+        micro_batch: b, the samples per training step to train with (`fit`'s `batch_size`).
+        accum_steps: N = ceil(E / b), the micro-batches per update (set on the optimizer).
+        effective_batch_size: E, the samples per update.
+        largest_fitting: the largest micro-batch whose step ran (b before the margin).
+        probes: `(micro_batch, fitted)` for every step tried, in order.
+    """
+
+    micro_batch: int
+    accum_steps: int
+    effective_batch_size: int
+    largest_fitting: int
+    probes: Tuple[Tuple[int, bool], ...]
+
+    def micro_batches(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
+        """`dataset`, batched at the effective batch, with each batch cut into micro-batches.
+
+        Every batch of E samples becomes `accum_steps` micro-batches of `micro_batch`
+        samples, the last one shorter when b does not divide E; a shorter last batch of
+        the epoch becomes fewer (its window closes at the epoch's end, as Keras' short
+        last batch). So one window is one batch of `dataset`, whatever E is. (`fit(x, y,
+        batch_size=micro_batch)` does the same only when `micro_batch * accum_steps` is E.)
+
+        Args:
+            dataset: a `tf.data.Dataset` whose elements are batches of E samples.
+
+        Returns:
+            The dataset of micro-batches, for `fit`.
+        """
+        micro_batch = self.micro_batch
+
+        def cut(*element):
+            element = element[0] if len(element) == 1 else element
+            return tf.data.Dataset.from_tensor_slices(element).batch(micro_batch)
+
+        return dataset.flat_map(cut)
+
+    def __str__(self) -> str:
+        tried = ", ".join(f"{b} {'fits' if ok else 'OOM'}" for b, ok in self.probes)
+        return (f"micro-batch {self.micro_batch} x {self.accum_steps} steps for the effective batch "
+                f"{self.effective_batch_size} (largest that fit: {self.largest_fitting}; tried {tried})")
+
+
+def find_micro_batch(model: keras.Model, x: Any, y: Any = None, *, effective_batch_size: int,
+                     sample_weight: Any = None, headroom: float = DEFAULT_HEADROOM,
+                     max_micro_batch: Optional[int] = None, uniform: bool = False) -> MicroBatchFit:
+    """Finds the largest micro-batch that trains on this device, and sets the window to match.
+
+    Call it after `compile` and before `fit`. It runs real training steps on batches of
+    growing size made from the sample (x, y), until one runs out of memory, puts
+    everything back as it was, and sets the model's `GradientAccumulator` to
+    N = ceil(E / b) micro-batches per update. Train with `found.micro_batches(dataset)`
+    (a dataset batched at E, each batch cut into its N micro-batches), or, with
+    `uniform=True`, with `fit(x, y, batch_size=found.micro_batch)`. The training is the
+    same as at any other split of E.
+
+    Args:
+        model: a built Keras 3 model, compiled with a `GradientAccumulator` that can change
+            its `accum_steps` (`accum_steps` > 1, or `schedulable=True`).
+        x: a sample of the inputs, as `fit` takes them (an array, or a dict or list of
+            arrays): one batch, of any size; its rows are repeated to make each probe's
+            batch. Not a dataset: reading one would move a reshuffling dataset on.
+        y: the targets for `x`, as `fit` takes them (None for models that need none).
+        effective_batch_size: E, the samples per update the run trains with.
+        sample_weight: optional per-sample weights for `x`.
+        headroom: the share of the largest micro-batch that fit left unused, in [0, 1):
+            the margin for fragmentation and for data larger than the sample.
+        max_micro_batch: None, or the largest micro-batch to try (E at most).
+        uniform: False (the default): N = ceil(E / b), the window's last micro-batch
+            shorter when b does not divide E (train through `MicroBatchFit.micro_batches`).
+            True: b divides E (and the strategy's replicas divide b), so that
+            `fit(x, y, batch_size=b)` or any pipeline batched at one size trains E per
+            update; b can be smaller then (E = 1000, 100 fitting, 90 with the headroom:
+            50 x 20, not 84 x 12).
+
+    Returns:
+        A `MicroBatchFit`: `micro_batch`, `accum_steps`, `largest_fitting` and the `probes`.
+
+    Raises:
+        TypeError, ValueError: a bad option, a model that is not built or not compiled
+            with a `GradientAccumulator` that can change its window, data `x` that is
+            a dataset or has no rows, or `uniform` with E not a multiple of the replicas.
+        tf.errors.ResourceExhaustedError: not even one sample's step fits on this device.
+        NotImplementedError: the model trains under a strategy with several workers.
+    """
+    effective_batch_size, headroom, max_micro_batch, uniform = validate_micro_batch_search(
+        effective_batch_size, headroom, max_micro_batch, uniform)
+    optimizer = _accumulator_of(model)
+    _refuse_several_workers(model)
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    if uniform:
+        _refuse_indivisible(effective_batch_size, replicas)
+    sample = _sample_of(x, y, sample_weight)
+    limit = min(effective_batch_size, max_micro_batch or effective_batch_size)
+    with _StatePutBack(model, optimizer) as put_back:
+        if replicas > 1:
+            _build_as_fit_does(model, sample, put_back)
+        largest, probes = _search(lambda b: _step_fits(model, sample, b, put_back), limit)
+    if largest == 0:
+        raise tf.errors.ResourceExhaustedError(
+            None, None, f"find_micro_batch: not even a micro-batch of 1 sample trains on this device "
+            f"(effective_batch_size={effective_batch_size}): the model, its optimizer state and one "
+            "sample's activations need more memory than it has. Use a smaller model or a device "
+            "with more memory.")
+    micro_batch, accum_steps = split(effective_batch_size, largest, headroom, uniform, replicas)
+    optimizer.set_accum_steps(accum_steps)
+    found = MicroBatchFit(micro_batch, accum_steps, effective_batch_size, largest, tuple(probes))
+    logger.info("find_micro_batch: %s.", found)
+    return found
+
+
+def split(effective_batch_size: int, largest_fitting: int, headroom: float = DEFAULT_HEADROOM,
+          uniform: bool = False, replicas: int = 1) -> Tuple[int, int]:
+    """`(b, N)` for the effective batch E, given the largest micro-batch that fit.
+
+    b at most `(1 - headroom) * largest_fitting` (1 at least), N = ceil(E / b), and then
+    b = ceil(E / N): the smallest micro-batch with that N, so that the micro-batches are
+    even and the last one is short by less than N samples. With `uniform`, the smallest
+    N from there on that divides E into micro-batches that `replicas` divides: b * N = E,
+    for pipelines that batch at one size.
+
+    Raises:
+        ValueError: `uniform` and E is not a multiple of `replicas`.
+    """
+    safe = max(1, math.floor(largest_fitting * (1.0 - headroom) + 1e-9))
+    accum_steps = -(-effective_batch_size // min(safe, effective_batch_size))
+    if not uniform:
+        return -(-effective_batch_size // accum_steps), accum_steps
+    _refuse_indivisible(effective_batch_size, replicas)
+    while effective_batch_size % accum_steps or (effective_batch_size // accum_steps) % replicas:
+        accum_steps += 1
+    return effective_batch_size // accum_steps, accum_steps
+
+
+def _refuse_indivisible(effective_batch_size, replicas):
+    """ValueError unless E splits evenly among `replicas`."""
+    if effective_batch_size % replicas:
+        raise ValueError(f"find_micro_batch(uniform=True): `effective_batch_size`={effective_batch_size} does "
+                         f"not split into micro-batches of one size over {replicas} replicas; give a "
+                         f"multiple of {replicas}, or uniform=False.")
+
+
+def _search(fits: Callable[[int], bool], limit: int) -> Tuple[int, List[Tuple[int, bool]]]:
+    """The largest b in [1, limit] for which `fits(b)`, by doubling then bisection (0: none),
+    assuming that what does not fit at b does not fit above it; and the probes tried."""
+    probes: List[Tuple[int, bool]] = []
+
+    def probe(b):
+        probes.append((b, fits(b)))
+        return probes[-1][1]
+
+    fitting, failing, b = 0, None, 1
+    while failing is None:
+        if not probe(b):
+            failing = b
+        elif b >= limit:
+            return b, probes
+        else:
+            fitting, b = b, min(2 * b, limit)
+    while failing - fitting > 1:
+        middle = (fitting + failing) // 2
+        if probe(middle):
+            fitting = middle
+        else:
+            failing = middle
+    return fitting, probes
+
+
+def _step_fits(model, sample, micro_batch, put_back) -> bool:
+    """Whether one training step on `micro_batch` samples runs without running out of memory
+    (the state is put back after it either way)."""
+    rows = np.arange(micro_batch) % sample.rows
+    x, y, sample_weight = tf.nest.map_structure(
+        lambda a: None if a is None else np.take(a, rows, axis=0), sample.arrays)
+    try:
+        _train_step(model, x, y, sample_weight)
+        fitted = True
+    except tf.errors.OpError as err:
+        if not _is_out_of_memory(err):
+            raise
+        fitted = False
+    finally:
+        del x, y, sample_weight
+        gc.collect()
+        put_back()
+    logger.info("find_micro_batch: a step of %d samples %s.", micro_batch,
+                "fits" if fitted else "runs out of memory")
+    return fitted
+
+
+def _train_step(model, x, y, sample_weight):
+    """One step of `fit`'s on the batch: under a strategy with several replicas, the batch
+    split among them as `fit` splits it (`train_on_batch` would hand each the whole batch)."""
+    strategy = model.distribute_strategy
+    if strategy.num_replicas_in_sync == 1:
+        model.train_on_batch(x, y, sample_weight=sample_weight)
+        return
+    data = (x,) if y is None and sample_weight is None else (x, y) if sample_weight is None else (x, y, sample_weight)
+    batches = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(data))
+    model.make_train_function()
+    model.train_function(iter(batches))
+
+
+def _build_as_fit_does(model, sample, put_back):
+    """One `train_on_batch` on one sample: it builds the compiled metrics, as `fit` does before
+    its first step, which the probes' steps (`train_function`) do not."""
+    x, y, sample_weight = tf.nest.map_structure(lambda a: None if a is None else a[:1], sample.arrays)
+    try:
+        model.train_on_batch(x, y, sample_weight=sample_weight)
+    finally:
+        put_back()
+
+
+def _is_out_of_memory(err: tf.errors.OpError) -> bool:
+    """Whether `err` is an out-of-memory error (or one a runtime wrapped as another class)."""
+    return isinstance(err, tf.errors.ResourceExhaustedError) or any(
+        text in str(err) for text in _OUT_OF_MEMORY_TEXTS)
+
+
+class _StatePutBack:
+    """The values of every variable of a model, its optimizer and its metrics (each replica's
+    own, under a strategy), and the random state, as they were when entered; `__call__`
+    puts them back (after each probe)."""
+
+    def __init__(self, model, optimizer):
+        self._model, self._optimizer = model, optimizer
+
+    def __enter__(self):
+        if not self._optimizer.built:
+            # As `fit`'s first step would: zeros, no random draw.
+            self._optimizer.build(self._model.trainable_variables)
+        self._accum_steps = int(self._optimizer.accum_steps)
+        strategy = self._model.distribute_strategy
+        variables = _unique(list(self._model.variables) + list(self._optimizer.variables)
+                            + list(self._model.metrics_variables))
+        self._components = [c for v in variables for c in _tf.local_components(v, strategy)]
+        self._values = [c.numpy() for c in self._components]
+        self._random = seam.random_state()
+        # Every probe closes its window: the step measured includes the inner update.
+        self._optimizer.set_accum_steps(1)
+        return self
+
+    def __call__(self):
+        for component, value in zip(self._components, self._values):
+            if _tf.runtime_shape(component) == value.shape:
+                component.assign(value, read_value=False)
+            else:
+                # A window's one-row stand-in that the probe's first gradient filled stays
+                # filled, emptied: zeros, to which the first step adds what it would have put.
+                component.assign(tf.zeros_like(component), read_value=False)
+        self._model.reset_metrics()   # metrics the probe built; `fit` resets them anyway
+        seam.restore_random_state(self._random)
+
+    def __exit__(self, *exc):
+        self()
+        self._optimizer.set_accum_steps(self._accum_steps)
+        return False
+
+
+def _unique(variables):
+    """`variables` without repeats (a variable can be the model's and a metric's), in order."""
+    return list({id(v): v for v in variables}.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sample:
+    """The sample batch: `(x, y, sample_weight)` as NumPy arrays, and its rows."""
+
+    arrays: tuple
+    rows: int
+
+
+def _sample_of(x, y, sample_weight) -> _Sample:
+    """The sample as NumPy arrays, checked: not a dataset, every array with the same rows."""
+    if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or callable(getattr(x, "__next__", None)):
+        raise TypeError(
+            "find_micro_batch takes one sample batch `x` (and `y`) as arrays, not "
+            f"{type(x).__name__}: reading a dataset would move a reshuffling one on to its next "
+            "order, so training would see other data. Pass one batch, e.g. "
+            "`x, y = next(iter(dataset))` taken from a copy of the pipeline that does not shuffle.")
+    arrays = tf.nest.map_structure(lambda a: None if a is None else np.asarray(a), (x, y, sample_weight))
+    rows = {np.shape(a)[0] if np.ndim(a) else 0 for a in tf.nest.flatten(arrays) if a is not None}
+    if len(rows) != 1 or 0 in rows:
+        raise ValueError("find_micro_batch: `x`, `y` and `sample_weight` must be arrays with the same "
+                         f"number of rows (at least 1); received rows {sorted(rows)}.")
+    return _Sample(arrays, rows.pop())
+
+
+def _accumulator_of(model):
+    """The model's `GradientAccumulator`, checked: it can take any `accum_steps`."""
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"find_micro_batch takes a Keras 3 model; received {type(model).__name__}.")
+    if not model.built:
+        raise ValueError("find_micro_batch needs a built model (give it a `keras.Input`, or call it "
+                         "once): building it while probing would draw its initial weights from the "
+                         "random state the training starts from.")
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or not model.compiled:
+        raise ValueError("find_micro_batch needs a compiled model: compile it with "
+                         "GradientAccumulator(optimizer, schedulable=True) and the loss first.")
+    if not callable(getattr(optimizer, "set_accum_steps", None)) or not hasattr(optimizer, "inner_optimizer"):
+        raise TypeError(
+            "find_micro_batch probes the step training will run, window included: compile the model "
+            f"with GradientAccumulator(optimizer, schedulable=True), not {type(optimizer).__name__}.")
+    if getattr(optimizer, "is_passthrough", False):
+        raise ValueError("find_micro_batch sets the window's `accum_steps`: this GradientAccumulator "
+                         "was made with accum_steps=1, a pass-through; make it with `schedulable=True`.")
+    held = optimizer.held_micro_batches if optimizer.built else 0
+    if held:
+        raise ValueError(f"find_micro_batch sets `accum_steps`, which changes only between windows, and a "
+                         f"window is open ({held} micro-batches held): call it before `fit`, "
+                         "or close the window first (`optimizer.close_partial_window()`).")
+    if getattr(optimizer, "auto_accumulation", None) is not None:
+        raise ValueError("find_micro_batch sets `accum_steps`; accum_steps='auto' grows it itself. "
+                         "Use one or the other.")
+    return optimizer
+
+
+def _refuse_several_workers(model):
+    """Refuses a strategy spanning several workers (see the module's docstring)."""
+    strategy = model.distribute_strategy
+    resolver = getattr(strategy, "cluster_resolver", None)
+    spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
+    workers = sum(len(spec.get(job, ())) for job in ("chief", "worker"))
+    if workers > 1:
+        raise NotImplementedError(
+            "find_micro_batch does not probe under a strategy with several workers yet: each probe's "
+            "step all-reduces the gradients, and a worker that runs out of memory would leave the "
+            "others waiting in that all-reduce. Find the micro-batch on one worker's devices (the "
+            "same model under its own strategy), and give every worker the `accum_steps` found.")

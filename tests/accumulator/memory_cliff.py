@@ -1,0 +1,62 @@
+"""A model with a real memory cliff: its step runs out of memory from a micro-batch you choose.
+
+`MemoryCliff(cliff)` builds, from its input, a tensor of b^2 floats for a batch of
+b < cliff samples (kilobytes) and of 2^40 floats (4 TiB) from b = cliff on: more than any
+machine has, so TensorFlow refuses the allocation at once with a real
+`ResourceExhaustedError`, before anything is written (on CPU too), and the process trains
+on. The tensor is filled with sum(x), and what is added to the input is its maximum minus
+sum(x): exactly 0.0 for finite data, so the model computes exactly what it computes without
+the layer (`x + 0.0` is `x`). Grappler cannot see that zero: a tensor multiplied by the
+constant 0.0 is folded away with the allocation behind it (TF 2.16), and a fill of constants
+of static shape is folded into another error. The layer has no weights and draws nothing: `mlp(cliff=None)` is the same model, with the same
+initial weights, for the reference run at the large batch.
+
+Tests of the micro-batch probe, of the Trainer's option and of mid-run recovery use it.
+"""
+
+import keras
+import tensorflow as tf
+
+from tests.accumulator import reference as ref
+
+OUT_OF_MEMORY_ELEMENTS = 2 ** 40
+
+
+class MemoryCliff(keras.layers.Layer):
+    """The identity, whose step needs 4 TiB for a batch of `cliff` samples or more."""
+
+    def __init__(self, cliff, **kwargs):
+        super().__init__(**kwargs)
+        self.cliff = int(cliff)
+
+    def call(self, x):
+        b = tf.shape(x, out_type=tf.int64)[0]
+        elements = tf.where(b < self.cliff, b * b, tf.constant(OUT_OF_MEMORY_ELEMENTS, tf.int64))
+        total = tf.reduce_sum(x)
+        aside = tf.fill(tf.reshape(elements, [1]), total)
+        return x + (tf.reduce_max(aside) - total)   # + 0.0 exactly, for finite data
+
+    def get_config(self):
+        return {**super().get_config(), "cliff": self.cliff}
+
+
+class GlobalNoise(keras.layers.Layer):
+    """Adds noise drawn from Keras' global seed generator in training (no generator of its own):
+    a step changes the global random state, which a probe must put back."""
+
+    def call(self, x, training=False):
+        return x + 0.01 * keras.random.normal(tf.shape(x)) if training else x
+
+
+def mlp(cliff=None, seed=0, global_noise=False):
+    """`reference.mlp`, with a `MemoryCliff(cliff)` after its input (none with `cliff=None`),
+    and with `global_noise` a `GlobalNoise` layer after it."""
+    keras.utils.set_random_seed(seed)
+    first = ([] if cliff is None else [MemoryCliff(cliff)]) + ([GlobalNoise()] if global_noise else [])
+    return keras.Sequential([
+        keras.Input((ref.FEATURES,)),
+        *first,
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dense(8, activation="tanh"),
+        keras.layers.Dense(1),
+    ])
