@@ -623,16 +623,10 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
             layer.set_accum_steps(accum_steps)
 
     def make_row_room(self, rows) -> dict:
-        """Under XLA: room for the rows of per-sample sparse gradients, made outside the
-        compiled step (`accumulator.row_room` calls it before `fit` compiles; a step
-        traced with static shapes makes its own: `window_rows.has_room`).
-
-        Args:
-            rows: (variable, rows of one micro-batch) pairs.
-
-        Returns:
-            {variable path: rows of one micro-batch} of every room the window has.
-        """
+        """Under XLA: room for per-sample sparse rows, made outside the compiled step
+        (`accumulator.row_room`, before `fit` compiles; `window_rows.has_room` as a step
+        of static shapes is traced). `rows`: (variable, rows of one micro-batch) pairs.
+        Returns {variable path: rows of one micro-batch} of every room the window has."""
         s = self._state
         for variable, count in rows:
             index = s.index_of(variable)
