@@ -16,6 +16,13 @@ the library's memory use):
   rounds, for a ratio as tight as this machine allows to judge against 0.98.
 * ``overhead``: the same contenders on a tiny model (a few ms per step): the
   fixed cost per micro-step, in microseconds.
+* ``kernel_count``: kernels executed per non-closing and per closing step (plain
+  `fit`, Keras' built-in accumulation, a hand-written tape loop, ours, ours with
+  the noise scale; N = 2, 8; a dense and an embedding model; XLA off and on),
+  counted from profiler traces on the CPU, the same on every machine:
+  `benchmarks/kernel_count.py` in its own process, which writes
+  docs/benchmarks/cpu/kernel_count.json and .md (about 2 minutes); results.json
+  keeps its goals' verdicts.
 * ``memory``: peak training memory on a ~100 MB MLP, one fresh process per
   measurement, repeated; against "accumulator <= plain b + 1.2 x parameters".
 * ``distributed``: cross-replica reductions per update (MirroredStrategy, 2
@@ -144,6 +151,23 @@ def _run_overhead(results):
     results["overhead"] = _measure("--mode=throughput", f"--workload={OVERHEAD_WORKLOAD}", f"--accums={OVERHEAD_ACCUM}",
                                    "--contenders=plain_b,accumulator,keras_builtin,plain_b_loop,seeds_loop,accumulator_loop",
                                    *_quick(["--segment_seconds=1.0"] if not QUICK.value else []))
+
+
+def _run_kernel_count(results):
+    """`benchmarks.kernel_count` in its own process, on the CPU whatever the machine (the counts are the
+    CPU executor's), into docs/benchmarks/cpu/; results.json keeps its goals."""
+    folder = os.path.join(ROOT, OUT.value, "cpu")
+    command = [sys.executable, "-m", "benchmarks.kernel_count", f"--out={folder}"]
+    logging.info("measuring: %s  (load %s)", " ".join(command[1:]), _load())
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800,
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow",
+                                  CUDA_VISIBLE_DEVICES=""))
+    if out.returncode:
+        raise RuntimeError(f"benchmarks.kernel_count failed:\n{out.stderr[-3000:]}")
+    with open(os.path.join(folder, "kernel_count.json")) as f:
+        goals = json.load(f)["goals"]
+    results["kernel_count"] = {"goals": len(goals), "met": sum(g["met"] for g in goals),
+                               "missed": [g for g in goals if not g["met"]]}
 
 
 def _run_memory(results):
