@@ -73,11 +73,20 @@ _XLA_RUN = re.compile(r"(Executable::Execute|XlaLaunch|_XlaRun)")
 _RUNTIME = {"BlockUntilReady", "ParallelFor", "ExecutorDoneCallback", "PrefetchConsume", "PrefetchProduce",
             "FunctionRun"}
 
-OUT = flags.DEFINE_string("out", "docs/benchmarks/cpu", "Folder for kernel_count.json and .md.")
-ACCUMS = flags.DEFINE_list("accums", ["2", "8"], "Window lengths N.")
-MODEL_NAMES = flags.DEFINE_list("models", list(MODELS), f"Models, of {list(MODELS)}.")
-XLA = flags.DEFINE_list("xla", ["off", "on"], "XLA settings to count: off, on.")
-CONTENDER_NAMES = flags.DEFINE_list("contenders", CONTENDERS, f"Contenders, of {CONTENDERS}.")
+
+# The command line's flags (`_define_flags`), None where the module is imported.
+OUT = ACCUMS = MODEL_NAMES = XLA = CONTENDER_NAMES = None
+
+
+def _define_flags():
+    """The command line's flags, defined only when this module runs as a program: the
+    tests import it beside other benchmarks whose flags share names (`out`)."""
+    global OUT, ACCUMS, MODEL_NAMES, XLA, CONTENDER_NAMES
+    OUT = flags.DEFINE_string("out", "docs/benchmarks/cpu", "Folder for kernel_count.json and .md.")
+    ACCUMS = flags.DEFINE_list("accums", ["2", "8"], "Window lengths N.")
+    MODEL_NAMES = flags.DEFINE_list("models", list(MODELS), f"Models, of {list(MODELS)}.")
+    XLA = flags.DEFINE_list("xla", ["off", "on"], "XLA settings to count: off, on.")
+    CONTENDER_NAMES = flags.DEFINE_list("contenders", CONTENDERS, f"Contenders, of {CONTENDERS}.")
 
 
 # ------------------------------------------------------------------ counting
@@ -381,4 +390,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)
