@@ -221,6 +221,21 @@ def _flag(name: str, convert: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
+# The flags that take a value: name, type, what it is and allows, its default when the function gives none.
+_FLAGS = (
+    ("accum_steps", int, "micro-batches per update, an integer >= 2", DEFAULT_ACCUM_STEPS),
+    ("batch_size", int, "the micro-batch, an integer >= 1",
+     "the dataset's batch, or for arrays the largest up to 32 that gives --updates updates"),
+    ("updates", int, "updates trained each way, an integer >= 1", DEFAULT_UPDATES),
+    ("tolerance", float, "the |dw| always accepted, a positive number", f"{DEFAULT_TOLERANCE:g}"),
+    ("floor_factor", float, "a variable's limit in multiples of its floor, a number >= 1",
+     f"{DEFAULT_FLOOR_FACTOR:g}"),
+    ("arbiter_factor", float, "the arbiter's factor over Keras' own distance from float64, a finite number >= 1",
+     f"{DEFAULT_ARBITER_FACTOR:g}"),
+    ("seed", int, "the seed of every run and of the permutation", 0),
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     """The command line's flags, each with its default in its help."""
     parser = argparse.ArgumentParser(
@@ -230,32 +245,15 @@ def _parser() -> argparse.ArgumentParser:
                     "2 bad arguments. A flag overrides what the target returns.")
     parser.add_argument("target", help="module:function returning (model_fn, data, optimizer_fn) or a "
                                        "dict of check_exact's arguments")
-    parser.add_argument("--accum_steps", type=_flag("accum_steps", int),
-                        help=f"micro-batches per update, an integer >= 2 (default: the function's, else "
-                             f"{DEFAULT_ACCUM_STEPS})")
-    parser.add_argument("--batch_size", type=_flag("batch_size", int),
-                        help="the micro-batch, an integer >= 1 (default: the function's, else the dataset's "
-                             "batch, or for arrays the largest up to 32 that gives --updates updates)")
-    parser.add_argument("--updates", type=_flag("updates", int),
-                        help=f"updates trained each way, an integer >= 1 (default: the function's, else "
-                             f"{DEFAULT_UPDATES})")
-    parser.add_argument("--tolerance", type=_flag("tolerance", float),
-                        help=f"the |dw| always accepted, a positive number (default: the function's, else "
-                             f"{DEFAULT_TOLERANCE:g})")
-    parser.add_argument("--floor_factor", type=_flag("floor_factor", float),
-                        help=f"a variable's limit in multiples of its floor, a number >= 1 (default: the "
-                             f"function's, else {DEFAULT_FLOOR_FACTOR:g})")
+    for name, convert, what, default in _FLAGS:
+        parser.add_argument(f"--{name}", type=_flag(name, convert),
+                            help=f"{what} (default: the function's, else {default})")
     parser.add_argument("--arbiter", dest="arbiter", action="store_const", const=True,
                         help="always run the float64 arbiter (default: off: the function's, else \"auto\": "
                              "run it when some variable is over its limit)")
     parser.add_argument("--no_arbiter", dest="arbiter", action="store_const", const=False,
                         help="never run the float64 arbiter: the float32 verdict alone (default: off; see "
                              "--arbiter)")
-    parser.add_argument("--arbiter_factor", type=_flag("arbiter_factor", float),
-                        help=f"the arbiter's factor over Keras' own distance from float64, a finite number "
-                             f">= 1 (default: the function's, else {DEFAULT_ARBITER_FACTOR:g})")
-    parser.add_argument("--seed", type=_flag("seed", int),
-                        help="the seed of every run and of the permutation (default: the function's, else 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines (default: off)")
     return parser
 
@@ -280,9 +278,7 @@ def main(argv=None):
         target = load_target(args.target)
     except (ValueError, ImportError) as err:
         parser.error(str(err))
-    flags = {name: getattr(args, name) for name in
-             ("accum_steps", "batch_size", "updates", "tolerance", "floor_factor", "arbiter", "arbiter_factor",
-              "seed")}
+    flags = {name: getattr(args, name) for name in [flag[0] for flag in _FLAGS] + ["arbiter"]}
     target.update({name: value for name, value in flags.items() if value is not None})
     if args.quiet:
         target["verbose"] = False
