@@ -82,8 +82,8 @@ def check_exact(model_fn: Callable[[], Any], data, optimizer_fn: Optional[Callab
         updates: optimizer updates trained each way (default 3).
         loss: the loss given to `compile` (default: the loss `model_fn` compiled with).
         compile_kwargs: more `compile` arguments for all three runs (`loss_weights`,
-            `jit_compile`, ...). Default `jit_compile=False` (a sparse gradient needs
-            `merge_duplicate_rows=True` under XLA).
+            `jit_compile`, ...). Default `jit_compile=False`; `jit_compile=True` checks
+            the XLA-compiled step (Keras' "auto" on one GPU).
         accumulator_options: keyword arguments of `GradientAccumulator`
             (`merge_duplicate_rows`, ...), the fields of `WindowOptions` but
             `accum_steps`; checked before any training.
