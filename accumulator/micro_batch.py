@@ -290,7 +290,8 @@ class _StatePutBack:
     puts them back (after each probe)."""
 
     def __init__(self, model, optimizer):
-        self._model, self._optimizer = model, optimizer
+        self._model = model
+        self._optimizer = optimizer
 
     def __enter__(self):
         if not self._optimizer.built:
