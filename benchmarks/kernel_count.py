@@ -251,9 +251,12 @@ def goals(cells):
     """The goals, per (model, N, XLA, step kind): [{"goal", "model", "accum", "xla", "step", "contender",
     "count", "bound", "met", "launching", "launching_bound", "launching_met"}]; counts are `executed`."""
     by_key = {(c["model"], c["accum"], c["xla"], c["contender"]): c for c in cells if "error" not in c}
+    # A TensorFlow whose XLA:CPU traces neither its runs nor its thunks (2.16) shows nothing of the
+    # cluster's work (what has no ':' there is its runtime's own events): no XLA goals then.
+    traces_thunks = any(c[s]["xla_runs"] for c in by_key.values() for s in ("non_closing", "closing"))
     found = []
     for (model, accum, xla, contender), cell in sorted(by_key.items()):
-        if contender != "accumulator":
+        if contender != "accumulator" or (xla == "on" and not traces_thunks):
             continue
         keras_cell = by_key.get((model, accum, xla, "keras_builtin"))
         noise_cell = by_key.get((model, accum, xla, "accumulator_noise_scale"))
@@ -310,6 +313,10 @@ def markdown(results):
         if not cells:
             continue
         lines += [f"## Kernels per step, XLA {xla}", ""]
+        if xla == "on" and not any(c.get("non_closing", {}).get("xla_runs") for c in cells):
+            lines += ["This TensorFlow's XLA:CPU traces neither its runs nor its thunks: the rows below are not "
+                      "the cluster's work (its thunk column holds runtime events), and no XLA goal is judged (TensorFlow 2.21's does: "
+                      "`python -m benchmarks.kernel_count` in the newest environment).", ""]
         if xla == "on":
             lines += ["Under XLA the step is one compiled cluster: *kernels* are those the executor runs around "
                       "it, *XLA thunks* the operations XLA:CPU's runtime executed inside it (fusions, copies, "
