@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import flavours, refusals, seam
 from tfx_gradient_accumulator.accumulator.forwarding import InnerOptimizerForwarding
+from tfx_gradient_accumulator.accumulator.loss_scaling import WindowLossScaling
 from tfx_gradient_accumulator.accumulator.options import (  # noqa: F401  (validators re-exported: the public names)
     DEFAULT_SMOOTHING, PARTIAL_WINDOW_MODES, WindowOptions, refuse_unknown_arguments,
     validate_accum_steps, validate_measure_noise_scale, validate_partial_window,
@@ -23,9 +24,6 @@ from tfx_gradient_accumulator.accumulator.options import (  # noqa: F401  (valid
 from tfx_gradient_accumulator.accumulator.window import AccumulationWindow, optimizer_chain, refuse_nested_accumulation
 
 logger = logging.getLogger(__name__)
-
-# float32 values from here on round to inf in float16 (its largest finite value is 65504).
-FLOAT16_OVERFLOW = 65520.0
 
 # Supported = tested (`make test`): setup.py declares the same range.
 OLDEST_KERAS = (3, 8)
@@ -57,7 +55,7 @@ def _resolve_optimizer(optimizer):
 
 
 @keras.saving.register_keras_serializable(package="accumulator")
-class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, keras.optimizers.Optimizer,
+class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, AccumulationWindow, keras.optimizers.Optimizer,
                           metaclass=flavours.OneNameForBothKeras):
     """Accumulates gradients over `accum_steps` micro-batches, then updates once.
 
@@ -287,62 +285,10 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, keras.op
             grads = self._beyond_float16_as_non_finite(grads, variables)
         self._updater.apply(grads, variables)
 
-    def _beyond_float16_as_non_finite(self, grads, variables):
-        """`grads` (the window's mean at the loss scale), or NaN where the large batch's
-        float16 gradient would have overflowed: the LossScaleOptimizer then skips the
-        window and halves the scale, as it skips the large batch's step.
-
-        Each micro-batch's float16 gradient is a share of the large batch's; their sum,
-        in float32, can pass float16's range where the large batch's own float16 sum
-        rounds to inf (from 65520 on). Variables of layers that compute in float32
-        (known from the model `compile` was called on: `take_loss_scaling_from`), and
-        maxima (`overwrite_with_gradient`), are not checked."""
-        s, layers = self._state, getattr(self, "_float16_layers", None)
-        checked = None if layers is None else {id(v) for layer in layers for v in layer.trainable_weights}
-        values = [g.values if isinstance(g, tf.IndexedSlices) else g
-                  for i, (g, v) in enumerate(zip(grads, variables))
-                  if g is not None and i not in s.overwrite_indices and (checked is None or id(v) in checked)]
-        if not values:
-            return grads
-        # NaN and inf fail the comparison too: the LossScaleOptimizer skips those anyway.
-        in_range = tf.reduce_all(tf.stack([tf.reduce_all(tf.abs(v) < FLOAT16_OVERFLOW) for v in values]))
-
-        def checked_value(g):
-            return tf.where(in_range, g, tf.constant(float("nan"), g.dtype))
-
-        return [g if g is None else tf.IndexedSlices(checked_value(g.values), g.indices, g.dense_shape)
-                if isinstance(g, tf.IndexedSlices) else checked_value(g) for g in grads]
-
     def _updates_without_reduction(self):
         """Context in which the inner optimizers do not all-reduce again."""
         # Keras 3 has no public switch: see `seam.gradients_already_reduced`.
         return seam.gradients_already_reduced(optimizer_chain(self._updater))
-
-    def _window_gradient_scale(self):
-        """The loss scale the window's mean carries (None without a LossScaleOptimizer)."""
-        # In Keras 3 the loss is scaled by `scale_loss` and the LossScaleOptimizer
-        # unscales in `apply`: the window's mean carries its scale S.
-        if self.loss_scale_optimizer is None:
-            return None
-        return self.loss_scale_optimizer.scale_loss(1.0)
-
-    def _loss_scale_divisor(self):
-        """N: each micro-batch's loss is scaled by S / N, not by the window's S (None: no
-        loss scaling, or a pass-through).
-
-        The large batch's loss is the mean over N micro-batches' worth of samples, so
-        at scale S each sample's float16 gradient is S / (N b) times its term; a
-        micro-batch's own mean at S would make it S / b, N times larger, and windows
-        would overflow at a scale N times smaller than the large batch's steps do. At
-        S / N each micro-batch's float16 intermediates are the large batch's (exactly
-        for equal micro-batches), and the window's sums, divided by the window's weight
-        over N, carry S again for the LossScaleOptimizer to unscale (for N a power of
-        two, scaling by S / N and back is exact: the same bits as scaling by S)."""
-        if self.loss_scale_optimizer is None or self.is_passthrough:
-            return None
-        if self._window_built():
-            return tf.cast(self._state.accum_steps, tf.float32)
-        return float(self._accum_steps)
 
     # ------------------------------------------------------------ forwarding
     # (and `iterations`, `learning_rate`, `exclude_from_weight_decay`: `InnerOptimizerForwarding`)
@@ -362,60 +308,6 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, keras.op
         if not hasattr(self.inner_optimizer, "optimizers"):
             raise AttributeError(f"{type(self.inner_optimizer).__name__} has no sub-optimizers.")
         return self.inner_optimizer.optimizers
-
-    def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
-        """The micro-batch's loss scaled by its share of the loss scale: S / accum_steps
-        under a `LossScaleOptimizer` of scale S (S in a pass-through).
-
-        Custom loops scale each micro-batch's loss with this, not with the inner
-        `LossScaleOptimizer`'s `scale_loss`: the window's sums then carry S, which
-        the LossScaleOptimizer unscales (`_loss_scale_divisor` says why S / N).
-
-        Args:
-            loss: the micro-batch's loss.
-
-        Returns:
-            The scaled loss (unchanged without loss scaling).
-        """
-        divisor = self._loss_scale_divisor()
-        if divisor is None:
-            return self._updater.scale_loss(loss)
-        return loss * (self.loss_scale_optimizer.scale_loss(1.0) / divisor)
-
-    def take_loss_scaling_from(self, wrapper: keras.optimizers.LossScaleOptimizer,
-                               float16_layers: list | None = None) -> bool:
-        """Puts the loss scaling of `wrapper`, a `LossScaleOptimizer` around this
-        accumulator, inside it: what `compile` does under mixed_float16 (`accumulator.hooks`).
-
-        The accumulator then holds `LossScaleOptimizer(inner)` with `wrapper`'s
-        settings (`loss_scale_optimizer`): one scale per window, a window with any
-        non-finite micro-batch skipped whole. Outside, `wrapper` would unscale each
-        micro-batch and skip single micro-batches.
-
-        Args:
-            wrapper: the `LossScaleOptimizer` around this accumulator (then unused).
-            float16_layers: the layers that compute in float16 (the large batch's
-                gradients of their variables are float16); None: all variables count
-                as theirs. A window whose mean at the loss scale is beyond float16's
-                range in any of them is skipped, as the large batch's float16 gradient
-                would overflow there.
-
-        Returns:
-            Whether the scaling is inside now: already (a `LossScaleOptimizer` given or
-            taken before: `wrapper` is dropped) or taken; False for an accumulator
-            built without one, whose variables are fixed.
-        """
-        if float16_layers is not None:
-            self._untracked(_float16_layers=list(float16_layers))
-        if self.loss_scale_optimizer is not None:
-            return True
-        if self.built:
-            return False
-        self._updater = keras.optimizers.LossScaleOptimizer(
-            self._updater, initial_scale=wrapper.initial_scale,
-            dynamic_growth_steps=wrapper.dynamic_growth_steps, name=wrapper.name)
-        self.loss_scale_optimizer = self._updater
-        return True
 
     def save_own_variables(self, store: dict) -> None:
         """Saves the state, with every replica's window rows (Keras 3's saving).

@@ -98,7 +98,7 @@ ROOMS = {
     "mechanics": ("_tf", "replicas", "lookups", "across_replicas", "cache_passes"),
     "window": ("loop_notes", "window_rows", "window_saving", "window_noise", "window", "weighting", "forwarding"),
     "schedules": ("callbacks", "auto_batch"),
-    "optimizers": ("optimizer", "keras2", "keras2.optimizer", "keras2.gradient_cache", "keras2.task_cache",
+    "optimizers": ("loss_scaling", "optimizer", "keras2", "keras2.optimizer", "keras2.gradient_cache", "keras2.task_cache",
                    "gradient_cache", "batch_norm"),
     "training": ("backup", "fit_hook", "hooks", "row_room", "micro_batch"),
     "entry points": ("autowrap", "tuning", "check_report", "check_arguments", "check_runs", "check_compare",
