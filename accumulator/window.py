@@ -631,7 +631,7 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
         for variable, count in rows:
             index = s.index_of(variable)
             if s.rows[index] is not None:
-                s.row_room[index] = max(int(count), s.row_room.get(index, 0))
+                window_rows.note_room(s, index, count)
         window_rows.grow_rooms(s, int(s.accum_steps.numpy()))
         return {getattr(s.variables[i], "path", None) or s.variables[i].name: n for i, n in s.row_room.items()}
 

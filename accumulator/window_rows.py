@@ -118,8 +118,10 @@ class WindowRows:
             # Divided where they lie (see _tf.divide_in_place): no second copy of the
             # rows next to the buffer while the inner optimizer runs.
             divide_in_place([backing_variable(self.values)], weight_sum)
-            read = read_room if count is None and seam.in_xla_context() else read_rows
-            slices = tf.IndexedSlices(*read(self.values, self.indices, self.count, count), shape)
+            if count is None and seam.in_xla_context():
+                slices = tf.IndexedSlices(*read_room(self.values, self.indices, self.count), shape)
+            else:
+                slices = tf.IndexedSlices(*read_rows(self.values, self.indices, self.count, count), shape)
         else:
             slices = replicas.gather_over_replicas(tf.IndexedSlices(
                 *read_rows(self.values, self.indices, self.count), shape))
@@ -197,7 +199,7 @@ def has_room(state, index, grad):
     largest micro-batch traced (or read from `fit`'s first batch) times the window."""
     rows = grad.indices.shape.num_elements()
     if rows is not None:
-        state.row_room[index] = max(rows, state.row_room.get(index, 0))
+        note_room(state, index, rows)
     if index not in state.row_room:
         return False
     with tf.init_scope():
@@ -206,6 +208,11 @@ def has_room(state, index, grad):
     # empty array): its length is then the one it was built with.
     grow_rooms(state, window if window.shape == () else state.built_accum_steps, [index])
     return True
+
+
+def note_room(state, index, rows):
+    """Variable `index`'s room holds at least `rows` rows per micro-batch (rooms only grow)."""
+    state.row_room[index] = max(int(rows), state.row_room.get(index, 0))
 
 
 def grow_rooms(state, window, indices=None):
@@ -346,7 +353,7 @@ def read_rows(values, indices, count, static_count=None):
     return backing_variable(values)[:count], backing_variable(indices)[:count]
 
 
-def read_room(values, indices, count, static_count=None):
+def read_room(values, indices, count):
     """Under XLA: the whole room, the rows past `count` read as zero rows of index 0
     (static size; a zero row changes nothing in Keras' sparse updates)."""
     values, indices = backing_variable(values), backing_variable(indices)
