@@ -48,6 +48,7 @@ class AccumulatingTrainerSpec(standard_component_specs.TrainerSpec):
         executor.GRADIENT_CACHE_KEY: ExecutionParameter(type=int, optional=True),
         executor.GATHER_ACROSS_REPLICAS_KEY: ExecutionParameter(type=int, optional=True),
         executor.ACCUM_STEPS_AUTO_KEY: ExecutionParameter(type=int, optional=True),
+        executor.ACCUM_STEPS_FIT_KEY: ExecutionParameter(type=int, optional=True),
         executor.MAX_EFFECTIVE_BATCH_SIZE_KEY: ExecutionParameter(type=int, optional=True),
         executor.ACCUM_SCHEDULE_BY_KEY: ExecutionParameter(type=str, optional=True),
         executor.LR_SCALING_KEY: ExecutionParameter(type=str, optional=True),
@@ -88,7 +89,14 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             `final_accum_steps`, `final_effective_batch_size`; TensorBoard
             shows each decision (`accumulation/effective_batch_size_taken`) and
             the run_fn's own TensorBoard callback the logs `accum_steps`,
-            `effective_batch_size`, `noise_scale`, `lr_multiplier`.
+            `effective_batch_size`, `noise_scale`, `lr_multiplier`. "fit": the
+            largest micro-batch that trains a step on the worker's device, found
+            before training by real steps of the run_fn's model on its data
+            (`accumulator.find_micro_batch`, 10% headroom, then a divisor of
+            `effective_batch_size`), sets it: accum_steps = effective_batch_size
+            / micro-batch; needs `effective_batch_size` (which may be tuned alone)
+            and one worker. Recorded: `accum_steps_fit`, `accum_steps`,
+            `micro_batch_size`, `largest_fitting_micro_batch`, `micro_batch_probes`.
         effective_batch_size: samples per optimizer update over all replicas;
             when set, training datasets from `fn_args.data_accessor` come batched
             at `effective_batch_size // accum_steps`. The `hyperparameters`
@@ -254,7 +262,8 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
                              schedule_by=accum_schedule_by, lr_scaling=lr_scaling,
                              max_effective_batch_size=max_effective_batch_size,
                              gather_across_replicas=gather_across_replicas, lr_ramp_updates=ramp)
-        if auto:
+        fit = accum_steps == settings_lib.FIT
+        if auto or fit:
             accum_steps = None
         if accum_schedule is not None:
             accum_schedule = json.dumps(validate_schedule(accum_schedule))
@@ -292,6 +301,7 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             gradient_cache=int(gradient_cache),
             gather_across_replicas=int(gather_across_replicas),
             accum_steps_auto=int(auto),
+            accum_steps_fit=int(fit),
             max_effective_batch_size=max_effective_batch_size,
             accum_schedule_by=accum_schedule_by,
             lr_scaling=lr_scaling,

@@ -160,7 +160,7 @@ def verify(run_fn: Callable, fn_args, settings, mode: str | None, strategy: tf.d
     try:
         verdict = _verdict(run_fn, fn_args, settings, strategy, chief)
     finally:
-        _forget_the_check(before)
+        forget_the_probe(before)
     if role is not None and role.workers > 1:
         verdict = _the_chiefs(verdict, strategy, chief)
     return _decide(verdict, mode)
@@ -231,8 +231,8 @@ def _decide(verdict, mode):
     return verdict
 
 
-def _forget_the_check(before):
-    """Keras' global state as before the check (layer names, the graph), so the run_fn's
+def forget_the_probe(before):
+    """Keras' global state as before the check (or `accum_steps="fit"`'s probe) (layer names, the graph), so the run_fn's
     training sees its models named as without it; and as `before` (taken before the
     probe) the dtype policy, which clearing the session forgets, and the random state:
     the check seeds every generator, and the probe's run_fn drew from them."""

@@ -21,7 +21,8 @@ from tfx.types import standard_component_specs
 
 from tfx_gradient_accumulator.accumulator.autowrap import accumulating_compile
 from tfx_gradient_accumulator.accumulator.distribute import strategy_from_environment
-from tfx_gradient_accumulator.components import cluster, exactness, fn_args_utils, noise_scale, preemption, run_fn_swaps, settings as settings_lib
+from tfx_gradient_accumulator.components import (
+    cluster, exactness, fn_args_utils, micro_batch_fit, noise_scale, preemption, run_fn_swaps, settings as settings_lib)
 
 ACCUM_STEPS_KEY = "accum_steps"
 EFFECTIVE_BATCH_SIZE_KEY = "effective_batch_size"
@@ -34,6 +35,7 @@ MERGE_DUPLICATE_ROWS_KEY = "merge_duplicate_rows"
 GRADIENT_CACHE_KEY = "gradient_cache"
 GATHER_ACROSS_REPLICAS_KEY = "gather_across_replicas"
 ACCUM_STEPS_AUTO_KEY = "accum_steps_auto"
+ACCUM_STEPS_FIT_KEY = "accum_steps_fit"
 MAX_EFFECTIVE_BATCH_SIZE_KEY = "max_effective_batch_size"
 ACCUM_SCHEDULE_BY_KEY = "accum_schedule_by"
 LR_SCALING_KEY = "lr_scaling"
@@ -108,6 +110,7 @@ class Executor(tfx_trainer_executor.GenericExecutor):
         settings = _resolve_settings(fn_args.hyperparameters, exec_properties, strategy.num_replicas_in_sync)
         role = cluster.role_from_environment()
         cluster.refuse_one_strategy_per_worker(role, strategy)
+        settings = micro_batch_fit.settle(run_fn, fn_args, settings, strategy, role)
         backup = preemption.backup_for(input_dict, exec_properties, settings.steps_per_update, role.chief)
         verdict = exactness.verify(run_fn, fn_args_utils.for_accumulation(fn_args, settings, role.workers),
                                    settings, exec_properties.get(exactness.VERIFY_EXACTNESS_KEY), strategy, role)
@@ -153,6 +156,8 @@ def _resolve_settings(hyperparameters, exec_properties, replicas):
     parameters = {keyword: exec_properties.get(key) for keyword, key in _RESOLVE_KEYWORDS.items()}
     if _as_bool(exec_properties.get(ACCUM_STEPS_AUTO_KEY)):
         parameters["accum_steps"] = settings_lib.AUTO
+    if _as_bool(exec_properties.get(ACCUM_STEPS_FIT_KEY)):
+        parameters["accum_steps"] = settings_lib.FIT
     if parameters["schedule"]:
         parameters["schedule"] = json.loads(parameters["schedule"])
     parameters["measure_noise_scale"] = _as_bool(parameters["measure_noise_scale"])
@@ -233,6 +238,8 @@ def _write_record(output_dict, model_run_dir, run, outcome):
                   "unapplied_micro_batches": outcome.open_windows, "workers": run.role.workers, **backup_ints}
     strings = {"distribution_strategy": type(strategy).__name__, "partial_window": settings.partial_window,
                "accum_schedule_by": settings.schedule_by, "lr_scaling": settings.lr_scaling, **backup_strings}
+    if settings.fitted is not None:       # accum_steps="fit": every step tried, (micro-batch, fitted)
+        strings["micro_batch_probes"] = json.dumps([list(p) for p in settings.fitted.probes])
     if schedule_taken is not None:
         # What "auto" did, as the by-update schedule that replays it: AccumulatingTrainer(
         # accum_schedule=json.loads(this), accum_schedule_by="update", lr_scaling=...,

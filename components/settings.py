@@ -29,6 +29,9 @@ GRADIENT_CACHE = "gradient_cache"
 GATHER_ACROSS_REPLICAS = "gather_across_replicas"
 MAX_EFFECTIVE_BATCH_SIZE = "max_effective_batch_size"
 LR_RAMP_UPDATES = "lr_ramp_updates"
+# accum_steps="fit": the micro-batch that fits the device, found before training
+# (`components.micro_batch_fit`), splits the effective batch.
+FIT = "fit"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,8 @@ class AccumulationSettings:
     max_effective_batch_size: Optional[int] = None      # set: accum_steps="auto"
     gather_across_replicas: bool = False                 # only with gradient_cache
     lr_ramp_updates: int = 0                             # "auto" or a schedule by update
+    fit_to_device: bool = False                          # accum_steps="fit"
+    fitted: Any = dataclasses.field(default=None, compare=False)   # what the fit found (MicroBatchFit)
 
     @property
     def auto(self) -> bool:
@@ -89,7 +94,7 @@ class AccumulationSettings:
         """The options of the run's `GradientAccumulator`s (schedulable with a schedule or "auto")."""
         return WindowOptions(
             accum_steps=self.accum_steps, partial_window=self.partial_window,
-            schedulable=self.schedule is not None or self.auto, measure_noise_scale=self.measure_noise_scale,
+            schedulable=self.schedule is not None or self.auto or self.fit_to_device, measure_noise_scale=self.measure_noise_scale,
             noise_scale_smoothing=self.noise_scale_smoothing, merge_duplicate_rows=self.merge_duplicate_rows)
 
     def compile_arguments(self) -> Dict[str, Any]:
@@ -123,6 +128,8 @@ class AccumulationSettings:
             "max_effective_batch_size": self.max_effective_batch_size or 0,
             "gather_across_replicas": int(self.gather_across_replicas),
             "lr_ramp_updates": self.lr_ramp_updates,
+            "accum_steps_fit": int(self.fit_to_device),
+            **({"largest_fitting_micro_batch": self.fitted.largest_fitting} if self.fitted else {}),
         }
 
 
@@ -163,17 +170,15 @@ def resolve(
 
     Args:
         hyperparameters: the Tuner's best (`HyperParameters.get_config()`), or None.
-        accum_steps: the component's `accum_steps` (an int, "auto" or None).
+        accum_steps: the component's `accum_steps` (an int, "auto", "fit" or None).
         effective_batch_size: the component's, or None.
         replicas: the replicas of the run's strategy, over all workers.
         schedule: `{epoch or update: accum_steps}` or None; replaces `accum_steps`.
         partial_window: "apply", "carry" or "drop" (None: "apply").
-        measure_noise_scale: whether to measure the noise scale (None: False).
-        noise_scale_smoothing: its decay (None: 0.99).
-        merge_duplicate_rows: the component's (None: False).
-        gradient_cache: the component's (None: False; see `refuse_with_gradient_cache`).
-        schedule_by: "epoch" or "update" (None: "epoch").
-        lr_scaling: "none", "linear" or "sqrt" (None: "none").
+        measure_noise_scale, noise_scale_smoothing: whether to measure the noise scale (None:
+            False), and its decay (None: 0.99).
+        merge_duplicate_rows, gradient_cache: the component's (None: False).
+        schedule_by, lr_scaling: "epoch"/"update"; "none"/"linear"/"sqrt" (None: the first).
         max_effective_batch_size: the limit of "auto" (needed with it, refused without).
         gather_across_replicas: the component's (None: False; needs `gradient_cache`).
         lr_ramp_updates: the learning rate's ramp, in updates (None: the default; `ramp_setting`).
@@ -193,6 +198,7 @@ def resolve(
     lr_scaling = validate_lr_scaling(lr_scaling or "none")
     values = hyperparameter_values(hyperparameters)
     sources = {}
+    fit, accum_steps, values = fit_setting(accum_steps, effective_batch_size, values, schedule, cache)
     if values.get(ACCUM_STEPS) == AUTO and schedule is None:
         # Tuned with AccumulatingHyperModel(accum_steps="auto"): its limit comes along.
         accum_steps = AUTO
@@ -200,7 +206,7 @@ def resolve(
             max_effective_batch_size = values[MAX_EFFECTIVE_BATCH_SIZE]
     auto = accum_steps == AUTO
     if accum_steps is not None and isinstance(accum_steps, str) and not auto:
-        raise ValueError(f"`{ACCUM_STEPS}` must be an int >= 1 or {AUTO!r}; received {accum_steps!r}.")
+        raise ValueError(f"`{ACCUM_STEPS}` must be an int >= 1, {AUTO!r} or {FIT!r}; received {accum_steps!r}.")
     if auto and schedule is not None:
         raise ValueError(f"`{ACCUM_STEPS}={AUTO!r}` makes its own schedule: leave `accum_schedule` unset.")
     if auto and cache:
@@ -238,8 +244,8 @@ def resolve(
                 f"= {accum * replicas} micro-batches per replica; try "
                 f"{(effective // (accum * replicas) or 1) * accum * replicas}."
             )
-    if schedule is not None:
-        sources[ACCUM_STEPS] = "schedule"
+    if schedule is not None or fit:
+        sources[ACCUM_STEPS] = "schedule" if schedule is not None else FIT
     if auto:
         sources[ACCUM_STEPS] = AUTO
         if effective is None:
@@ -261,7 +267,38 @@ def resolve(
         refuse_measuring_without_windows(schedule, accum, sources)
     return AccumulationSettings(accum, effective, replicas, schedule, partial_window, sources,
                                 measure, smoothing, merge, cache, schedule_by, lr_scaling, max_effective_batch_size,
-                                gather, ramp_setting(lr_ramp_updates, auto, schedule, schedule_by, accum))
+                                gather, ramp_setting(lr_ramp_updates, auto, schedule, schedule_by, accum),
+                                fit_to_device=fit)
+
+
+def fit_setting(accum_steps, effective_batch_size, values: Dict[str, Any], schedule, cache: bool):
+    """`accum_steps="fit"`, checked: (whether to fit, the `accum_steps` to resolve, `values`).
+
+    The effective batch is then the one number that matters: the micro-batch that fits
+    the device, found before training, splits it (1 until then). So it needs
+    `effective_batch_size`, and refuses what sets the window otherwise.
+
+    Args:
+        accum_steps: the component's `accum_steps`.
+        effective_batch_size: the component's.
+        values: the hyperparameters' values (their `accum_steps` is dropped with "fit").
+        schedule: the component's `accum_schedule`, or None.
+        cache: `gradient_cache`.
+
+    Raises:
+        ValueError: "fit" without an effective batch, or with a schedule, "auto" or
+            `gradient_cache`.
+    """
+    if accum_steps != FIT:
+        return False, accum_steps, values
+    if values.get(EFFECTIVE_BATCH_SIZE, effective_batch_size) is None:
+        raise ValueError(f"`{ACCUM_STEPS}={FIT!r}` needs `{EFFECTIVE_BATCH_SIZE}`: the samples per update, "
+                         "which the micro-batch that fits the device splits.")
+    if schedule is not None or cache or values.get(ACCUM_STEPS) == AUTO:
+        raise ValueError(f"`{ACCUM_STEPS}={FIT!r}` finds the window's length itself: leave `accum_schedule`, "
+                         f"`{GRADIENT_CACHE}` and accum_steps={AUTO!r} unset (received "
+                         f"{'accum_schedule' if schedule is not None else GRADIENT_CACHE if cache else AUTO}).")
+    return True, 1, {k: v for k, v in values.items() if k != ACCUM_STEPS}
 
 
 def default_lr_ramp_updates() -> int:
