@@ -161,7 +161,8 @@ def train_step(cache, data, attribute: str) -> dict:
         grads = optimizer.get_unscaled_gradients(grads)
     with cache_passes.ready_for_update(grads):
         optimizer.apply_gradients(zip(grads, variables))
-    return {**{metric.name: metric.result() for metric in model.metrics}, **logs}
+    return {**{metric.name: metric.result() for metric in model.metrics},
+            **_per_replica(logs, cache.gather_across_replicas)}
 
 
 def test_step(cache, data, attribute: str) -> dict:
@@ -181,8 +182,18 @@ def test_step(cache, data, attribute: str) -> dict:
     shares, gathered = across_replicas.global_batch(floats, others)
     loss = _task_loss(model, attribute, shares.whole["whole"], gathered, options, True)
     regularization = tf.reduce_sum([tf.reduce_sum(term) for term in model.losses])
-    return {**{metric.name: metric.result() for metric in model.metrics},
-            "loss": loss, "regularization_loss": regularization, "total_loss": loss + regularization}
+    logs = {"loss": loss, "regularization_loss": regularization, "total_loss": loss + regularization}
+    return {**{metric.name: metric.result() for metric in model.metrics}, **_per_replica(logs, True)}
+
+
+def _per_replica(logs: dict, gathered: bool) -> dict:
+    """The losses a replica logs. Keras 2 sums the replicas' logs (its own losses are
+    scaled by 1/R for that); a gathered loss is the global batch's on every replica,
+    so each logs 1/R of it and the sum is one device's."""
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    if not gathered or replicas == 1:
+        return logs
+    return {name: value / replicas for name, value in logs.items()}
 
 
 def _task_loss(model, attribute, floats, others, options, gathered: bool):
