@@ -199,6 +199,7 @@ def test_under_mirrored_strategy_like_tfrs_under_the_same_strategy():
     assert deltas.max_abs_diff(one_device.get_weights(), expected.get_weights()) > 1e-3
 
 
+WORKER_KWARGS = dict(options="int")     # tests/keras2/gradient_cache_worker.py, 2 workers
 MEAN = "mean"   # the task's loss averaged over the batch (SUM_OVER_BATCH_SIZE), as the demo's module does
 
 
