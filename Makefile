@@ -133,10 +133,12 @@ test-tfx: $(VENV)/.installed
 
 # What make test leaves out (`@pytest.mark.apart`: slow runs whose behaviour a test in
 # make test covers too): multi-process runs in the TFX environment (about 18 minutes on
-# 2 cores), KerasHub's SGD conformance cases and a worker-kill case in the newest (about 4).
-test-apart: $(VENV)/.installed $(LATEST)/.installed-py$(LATEST_PY)
+# 2 cores), KerasHub's SGD conformance cases and a worker-kill case in the newest (about 4),
+# the Keras 2 and TFRS negatives gathered on 2 worker processes (about 2).
+test-apart: $(VENV)/.installed $(LATEST)/.installed-py$(LATEST_PY) $(KERAS2_LATEST)/.installed-py$(KERAS2_LATEST_PY)
 	$(VENV)/bin/python -m pytest $(TFX_TESTS) -m apart $(PYTEST_ARGS)
 	$(LATEST)/bin/python -m pytest tests/accumulator -m apart $(PYTEST_ARGS)
+	TF_USE_LEGACY_KERAS=1 $(KERAS2_LATEST)/bin/python -m pytest tests/keras2 -m apart $(PYTEST_ARGS)
 
 test-latest: $(LATEST)/.installed-py$(LATEST_PY)
 	$(LATEST)/bin/python -m pytest tests/accumulator -m "not apart" $(PYTEST_ARGS) 2>&1 | $(PREFIX)

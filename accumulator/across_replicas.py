@@ -69,6 +69,34 @@ class GlobalBatch:
         return tf.nest.map_structure(lambda g: g[self._offset:self._offset + self._count], grads)
 
 
+def global_batch(representations, scored: dict):
+    """The global batch of this replica's representations and of what the loss reads beside them.
+
+    Args:
+        representations: this replica's outputs (any structure of dense tensors).
+        scored: what the loss reads beside them, by name ({"x", "y",
+            "sample_weight"} for a Keras model; the task's other arguments for a
+            TensorFlow Recommenders one), None where not given.
+
+    Returns:
+        `(shares, scored)`: the `GlobalBatch` (`shares.whole["whole"]`: the
+        representations), and `scored` with the given ones replaced by the global
+        batch's.
+    """
+    given = {name: value for name, value in scored.items() if value is not None}
+    shares = GlobalBatch({"whole": representations, **given})
+    return shares, {**scored, **{name: shares.whole[name] for name in given}}
+
+
+class Scored:
+    """What `cache_passes.cached_gradients`' `gather` returns: the gathered
+    representations (`whole`), with the way back to this replica's rows (`own`)
+    and the replica count (`replicas`)."""
+
+    def __init__(self, whole, shares: GlobalBatch):
+        self.whole, self.own, self.replicas = whole, shares.own, shares.replicas
+
+
 def _block(tensor, here, longest, replicas):
     """`tensor` padded to `longest` samples, at index `here` of R such blocks (zeros elsewhere)."""
     summable = tf.cast(tensor, tf.int32) if tensor.dtype == tf.bool else tensor

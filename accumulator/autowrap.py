@@ -273,15 +273,14 @@ def _set_up_gradient_cache(model, optimizer, accum_steps, gradient_cache, gather
 
 def _set_gathering(model, gather_across_replicas):
     """The component's (or tuner's) `gather_across_replicas` replaces the model's own,
-    checked as `GradientCache` checks it; a change is said, as for accum_steps."""
+    checked as `GradientCache` (of the model's Keras) checks it; a change is said, as
+    for accum_steps."""
     if flavours.is_keras2_object(model):
-        if gather_across_replicas:
-            raise ValueError(
-                "gather_across_replicas=True is available for Keras 3 models; the run_fn's GradientCache "
-                "wraps a Keras 2 (tf_keras) model, whose replicas score their own share alone. Leave "
-                "gather_across_replicas off, or write the model with Keras 3.")
-        return
-    validate_gather_across_replicas(model.model, gather_across_replicas)
+        from tfx_gradient_accumulator.accumulator.keras2 import gradient_cache as keras2_gradient_cache
+
+        keras2_gradient_cache.validate_gather_across_replicas(model.model, gather_across_replicas)
+    else:
+        validate_gather_across_replicas(model.model, gather_across_replicas)
     if model.gather_across_replicas != gather_across_replicas:
         logger.warning("GradientCache(gather_across_replicas=%s) is given gather_across_replicas=%s by "
                        "accumulating_compile (the component's value).", model.gather_across_replicas,

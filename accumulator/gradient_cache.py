@@ -201,9 +201,9 @@ class GradientCache(keras.Model, metaclass=flavours.OneNameForBothKeras):
         gather = None
         if self.gather_across_replicas:
             def gather(whole):
-                shares, gathered = _global_batch(whole, scored)
+                shares, gathered = across_replicas.global_batch(whole, scored)
                 scored.update(gathered)
-                return _Scored(shares.whole["whole"], shares)
+                return across_replicas.Scored(shares.whole["whole"], shares)
 
         loss, whole, grads = cache_passes.cached_gradients(
             lambda part: self.model(part, training=True), x, self.accum_steps, score, variables,
@@ -233,7 +233,7 @@ class GradientCache(keras.Model, metaclass=flavours.OneNameForBothKeras):
             return super().test_step(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y_pred = self(x, training=False)
-        shares, gathered = _global_batch(y_pred, {"x": x, "y": y, "sample_weight": sample_weight})
+        shares, gathered = across_replicas.global_batch(y_pred, {"x": x, "y": y, "sample_weight": sample_weight})
         loss = self.compute_loss(y_pred=shares.whole["whole"], training=False, **gathered)
         seam.loss_tracker(self).update_state(loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -280,23 +280,6 @@ def is_gradient_cache(model: object) -> bool:
         Whether it is a `GradientCache` of either Keras.
     """
     return isinstance(model, GradientCache)
-
-
-def _global_batch(representations, scored):
-    """The global batch of this replica's representations and of what the loss reads
-    beside them ({"x", "y", "sample_weight"}, None where not given): the
-    `across_replicas.GlobalBatch` (`whole["whole"]`: the representations), and
-    `scored` with the given ones replaced by the global batch's."""
-    given = {name: value for name, value in scored.items() if value is not None}
-    shares = across_replicas.GlobalBatch({"whole": representations, **given})
-    return shares, {**scored, **{name: shares.whole[name] for name in given}}
-
-
-class _Scored:
-    """The gathered representations, with the way back to this replica's rows."""
-
-    def __init__(self, whole, shares):
-        self.whole, self.own, self.replicas = whole, shares.own, shares.replicas
 
 
 def _is_float(variable):

@@ -5,7 +5,8 @@ elsewhere, or gone from the installed Keras/TF): Keras' `_all_reduce_sum_gradien
 `_flatten_layers`, `_loss_tracker`, `_moments`, `_learning_rate`, `_maybe_symbolic_build`,
 `reduce_per_replica`, `get_global_attribute`, `set_global_attribute`; TensorFlow's
 `strategy_supports_no_merge_call`, `GraphOrParentsInXlaContext`, `_collective_key_base`,
-`_set_global_seed`; Keras 2's `_callable_losses`, `_validate_compile`. Why each is needed:
+`_set_global_seed`; Keras 2's `_callable_losses`, `_validate_compile`, and the losses'
+`_allow_sum_over_batch_size` that `_get_reduction` reads. Why each is needed:
 DEVELOPERS.md, "Design notes by module". Also the optimizers' second moments that
 `accumulator.preconditioning` reads: `_get_variable_index` (Keras 2: `_var_key`,
 `_index_dict`) and the slot lists `_velocities`, `_velocity_hats`, `_average_gradients`,
@@ -100,6 +101,9 @@ PRIVATE_NAMES = (
     PrivateName("tf_keras", "Model._validate_compile",
                 "Keras 2 GradientCache of a TFRS model: compile under a strategy before its towers build",
                 keras2=True),
+    PrivateName("tf_keras", "losses.Loss._get_reduction",
+                "Keras 2 GradientCache gathered across replicas: a task's SUM_OVER_BATCH_SIZE loss scored on "
+                "the global batch (it reads the loss's `_allow_sum_over_batch_size`)", keras2=True),
 )
 
 
@@ -367,6 +371,27 @@ def keras2_weight_regularization_count(model):
     the callables Keras 2 evaluates each time `losses` is read (not losses added
     while the model runs)."""
     return sum(len(getattr(layer, "_callable_losses", ())) for layer in [model, *model.submodules])
+
+
+@contextlib.contextmanager
+def keras2_losses_scoring_the_global_batch(holder):
+    """Context: the Keras 2 loss objects `holder` holds (a TFRS task's, by its
+    attributes) take `SUM_OVER_BATCH_SIZE` under a strategy, as Keras 2's compiled
+    losses do. Keras 2 refuses that reduction in a replica (a replica's mean of its
+    share, summed over the replicas, is not the batch's mean); on a gathered global
+    batch the mean is one device's, so it is right there. Put back on exit."""
+    keras2 = flavours.keras2_module()
+    losses = [value for value in vars(holder).values()
+              if keras2 is not None and isinstance(value, keras2.losses.Loss)
+              and hasattr(value, "_allow_sum_over_batch_size")]
+    before = [loss._allow_sum_over_batch_size for loss in losses]
+    for loss in losses:
+        loss._allow_sum_over_batch_size = True
+    try:
+        yield
+    finally:
+        for loss, value in zip(losses, before):
+            loss._allow_sum_over_batch_size = value
 
 
 def batch_norm_moments(layer, inputs, mask):

@@ -163,8 +163,9 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             (`GradientCache(..., gather_across_replicas=True)`), so the run trains
             like one device on the effective batch, at the cost of one
             all-reduce of the representations, inputs and targets per step. Needs
-            a Keras 3 model with its own `compute_loss` (refused otherwise, before
-            training). Recorded as `gather_across_replicas` (0/1). Refused without
+            a model with its own `compute_loss` (Keras 3 or Keras 2), or a
+            TensorFlow Recommenders retrieval model (its task scores the global
+            batch); refused otherwise, before training. Recorded as `gather_across_replicas` (0/1). Refused without
             `gradient_cache`.
         backup_dir: back training up under this folder (local, or a bucket
             every worker reads) and resume from it when the executor is

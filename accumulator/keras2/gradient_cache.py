@@ -8,7 +8,7 @@ for a Keras 2 model; a TensorFlow Recommenders model goes to `keras2.task_cache`
 
 from __future__ import annotations
 
-from tfx_gradient_accumulator.accumulator import cache_passes, flavours, refusals, seam
+from tfx_gradient_accumulator.accumulator import across_replicas, cache_passes, flavours, refusals, seam
 from tfx_gradient_accumulator.accumulator.keras2 import task_cache
 from tfx_gradient_accumulator.accumulator.options import CacheOptions
 
@@ -24,6 +24,33 @@ _RANDOM_LAYERS = tuple(getattr(keras2.layers, name) for name in
                        if hasattr(keras2.layers, name))
 
 
+def validate_gather_across_replicas(model, gather_across_replicas: bool) -> bool:
+    """Checks that the Keras 2 `model` can be scored over the global batch.
+
+    Args:
+        model: the wrapped model.
+        gather_across_replicas: the option asked for.
+
+    Returns:
+        `gather_across_replicas`.
+
+    Raises:
+        ValueError: it is not a bool, or it is True and `model` has no `compute_loss`
+            of its own and is no TensorFlow Recommenders model (Keras 2 scales a
+            compiled loss per replica, for the replica's share).
+    """
+    CacheOptions(gather_across_replicas=gather_across_replicas)      # a bool
+    if (gather_across_replicas and type(model).compute_loss is keras2.Model.compute_loss
+            and task_cache.find_task(model) is None):
+        raise ValueError(
+            "GradientCache(gather_across_replicas=True) needs the model's own `compute_loss` "
+            f"(`{type(model).__name__}` has none): Keras 2 scales a compiled loss per replica, "
+            "for the replica's share. Override compute_loss(x, y, y_pred, sample_weight) to "
+            "return the loss of the batch it is given, as on one device, or use "
+            "gather_across_replicas=False.")
+    return gather_across_replicas
+
+
 @keras2.utils.register_keras_serializable(package="accumulator")
 class GradientCache(keras2.Model):
     """Trains a Keras 2 `model` on each batch in `accum_steps` micro-batches with the whole batch's loss.
@@ -34,7 +61,9 @@ class GradientCache(keras2.Model):
     Keras 2's own `train_step` computes it; a `mixed_float16` model's
     `LossScaleOptimizer` scales passes 2 and 3 and skips a non-finite step; Keras 2's
     optimizers merge repeated rows themselves, as for the large batch. A TensorFlow
-    Recommenders model (`tfrs.Model`) has its task score the whole batch.
+    Recommenders model (`tfrs.Model`) has its task score the whole batch. Under a
+    strategy, `gather_across_replicas=True` scores the global batch on every replica,
+    as the Keras 3 class does.
 
     ```python
     import tf_keras as keras          # or tf.keras with TF_USE_LEGACY_KERAS=1, or TF <= 2.15
@@ -50,14 +79,20 @@ class GradientCache(keras2.Model):
             axis is the batch) are what the loss scores. Unchanged: its
             `compute_loss`, if it overrides one, is the loss.
         accum_steps: micro-batches per batch (positive int), as for the Keras 3 class.
-        gather_across_replicas: False only: scoring the global batch is the Keras 3
-            class's.
+        gather_across_replicas: under a `tf.distribute` strategy with R replicas,
+            `False` (the default) scores each replica's share alone, as Keras 2's (and
+            TFRS's) own large batch does under the strategy; `True` scores the whole
+            global batch on every replica (`accumulator.across_replicas`), so R
+            replicas train like one device on the global batch: the model's own
+            `compute_loss` (the loss of the batch it is given), or a TFRS model's
+            task, whose `SUM_OVER_BATCH_SIZE` loss is then the global batch's mean.
         **kwargs: passed on to Keras 2's `Model` (`name`, ...; `dtype` defaults to
             the model's precision policy).
 
     Raises:
         TypeError: `model` is not a Keras 2 model, or `accum_steps` is not an integer.
-        ValueError: `accum_steps` < 1 or `gather_across_replicas=True`; in `fit`,
+        ValueError: `accum_steps` < 1, `gather_across_replicas` is not a bool or the
+            model has neither a `compute_loss` of its own nor a TFRS task; in `fit`,
             before any training: a trainable batch normalization, random layers
             (`Dropout`, `GaussianNoise`, ...: Keras 2's generators cannot replay a
             draw), activity regularizers or other losses added while the model runs.
@@ -68,11 +103,6 @@ class GradientCache(keras2.Model):
             raise TypeError(f"`model` must be a Keras 2 `{keras2.__name__}.Model`; received "
                             f"{type(model).__name__}.")
         options = CacheOptions(accum_steps, gather_across_replicas)
-        if options.gather_across_replicas:
-            raise ValueError(
-                "GradientCache(gather_across_replicas=True) is available for Keras 3 models; "
-                "this model is a Keras 2 one, whose GradientCache scores each replica's "
-                "share alone. Pass gather_across_replicas=False (the default).")
         # The model's precision policy: `compile` then wraps the optimizer of a
         # mixed_float16 model in a LossScaleOptimizer, as for the model itself.
         kwargs.setdefault("dtype", model.dtype_policy)
@@ -81,6 +111,7 @@ class GradientCache(keras2.Model):
         self.model = model
         # A TensorFlow Recommenders model: its task scores the whole batch (`task_cache`).
         self._task_attribute = task_cache.find_task(model)
+        self.gather_across_replicas = validate_gather_across_replicas(model, options.gather_across_replicas)
         # Built with the model: `fit` never calls the wrapper itself, and loading
         # restores the optimizer's state only onto a built model's variables.
         # A TFRS model has no `call` to build with: its towers build inside `compute_loss`.
@@ -159,14 +190,25 @@ class GradientCache(keras2.Model):
         optimizer = self.optimizer
         scaling = isinstance(optimizer, keras2.mixed_precision.LossScaleOptimizer)
 
+        # What the loss reads beside the representations: this replica's, or when
+        # gathering the global batch's (`gather` replaces them).
+        scored = {"x": x, "y": y, "sample_weight": sample_weight}
+
         def score(whole):
-            loss = self.compute_loss(x, y, whole, sample_weight)
+            loss = self.compute_loss(y_pred=whole, **scored)
             return loss, optimizer.get_scaled_loss(loss) if scaling else loss
+
+        gather = None
+        if self.gather_across_replicas:
+            def gather(whole):
+                shares, gathered = across_replicas.global_batch(whole, scored)
+                scored.update(gathered)
+                return across_replicas.Scored(shares.whole["whole"], shares)
 
         variables = self.trainable_variables
         _, whole, grads = cache_passes.cached_gradients(
             lambda part: self.model(part, training=True), x, self.accum_steps, score, variables,
-            after_pass_1=self._refuse_losses_added_while_running)
+            after_pass_1=self._refuse_losses_added_while_running, gather=gather)
         if scaling:
             grads = optimizer.get_unscaled_gradients(grads)
         with cache_passes.ready_for_update(grads):
@@ -174,7 +216,8 @@ class GradientCache(keras2.Model):
         return self.compute_metrics(x, y, whole, sample_weight)
 
     def test_step(self, data) -> dict:
-        """Keras 2's own, or a TFRS model's own evaluation.
+        """Keras 2's own, or a TFRS model's own evaluation; when gathering, the loss
+        of the global batch (as one device scores it).
 
         Args:
             data: the batch.
@@ -183,10 +226,18 @@ class GradientCache(keras2.Model):
             The metrics' results.
         """
         if self._task_attribute is not None:
+            if self.gather_across_replicas:
+                return task_cache.test_step(self, data, self._task_attribute)
             # A TFRS model has no `call`: its own evaluation (`compute_loss` with
             # training=False, its metrics and logs), as TFRS's `evaluate` runs it.
             return self.model.test_step(data)
-        return super().test_step(data)
+        if not self.gather_across_replicas:
+            return super().test_step(data)
+        x, y, sample_weight = keras2.utils.unpack_x_y_sample_weight(data)
+        y_pred = self(x, training=False)
+        shares, gathered = across_replicas.global_batch(y_pred, {"x": x, "y": y, "sample_weight": sample_weight})
+        self.compute_loss(y_pred=shares.whole["whole"], **gathered)
+        return self.compute_metrics(x, y, y_pred, sample_weight)
 
     def _refuse_what_would_not_be_exact(self):
         """Refuses batch normalization, random layers and activity regularizers."""
@@ -214,9 +265,9 @@ class GradientCache(keras2.Model):
             raise ValueError(refusals.LOSSES_ADDED_WHILE_RUNNING)
 
     def get_config(self) -> dict:
-        """The name, the wrapped model (serialized) and `accum_steps`."""
+        """The name, the wrapped model (serialized), `accum_steps` and `gather_across_replicas`."""
         return {"name": self.name, "model": keras2.utils.serialize_keras_object(self.model),
-                "accum_steps": self.accum_steps}
+                "accum_steps": self.accum_steps, "gather_across_replicas": self.gather_across_replicas}
 
     @classmethod
     def from_config(cls, config: dict, custom_objects: dict | None = None) -> GradientCache:

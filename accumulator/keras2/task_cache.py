@@ -13,7 +13,7 @@ import sys
 
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import cache_passes, flavours
+from tfx_gradient_accumulator.accumulator import across_replicas, cache_passes, flavours, seam
 
 _UNSUPPORTED_ARGUMENTS = ("score_mask",)
 
@@ -69,14 +69,14 @@ class _Recorder:
         return self.stand_in
 
 
-def _record(model, attribute, part):
-    """The task's arguments when `model.compute_loss(part, training=True)` runs."""
+def _record(model, attribute, part, training: bool = True):
+    """The task's arguments when `model.compute_loss(part, training=training)` runs."""
     task = getattr(model, attribute)
     recorder = _Recorder(task)
     # Set past Keras' attribute tracking, and put back: the model is unchanged.
     object.__setattr__(model, attribute, recorder)
     try:
-        loss = model.compute_loss(part, training=True)
+        loss = model.compute_loss(part, training=training)
     finally:
         object.__setattr__(model, attribute, task)
     if len(recorder.calls) != 1:
@@ -125,6 +125,7 @@ def train_step(cache, data, attribute: str) -> dict:
     model, optimizer = cache.model, cache.optimizer
     scaling = isinstance(optimizer, flavours.keras2_module().mixed_precision.LossScaleOptimizer)
     first_pass = []
+    scored = {}   # the task's other arguments (ids): the batch's, or when gathering the global batch's
 
     def forward(part):
         floats, others, options = _split(_record(model, attribute, part))
@@ -133,21 +134,74 @@ def train_step(cache, data, attribute: str) -> dict:
         return floats
 
     def score(whole):
-        others = {name: tf.concat([o[name] for o, _ in first_pass], 0) for name in first_pass[0][0]}
-        loss = getattr(model, attribute)(**whole, **others, **first_pass[0][1])
+        if not scored:
+            scored.update({name: tf.concat([o[name] for o, _ in first_pass], 0) for name in first_pass[0][0]})
+        loss = _task_loss(model, attribute, whole, scored, first_pass[0][1], cache.gather_across_replicas)
         regularization = tf.reduce_sum([tf.reduce_sum(term) for term in model.losses])
         total = loss + regularization
         logs.update(loss=loss, regularization_loss=regularization, total_loss=total)
         return total, optimizer.get_scaled_loss(total) if scaling else total
+
+    gather = None
+    if cache.gather_across_replicas:
+        def gather(whole):
+            others = {name: tf.concat([o[name] for o, _ in first_pass], 0) for name in first_pass[0][0]}
+            shares, gathered = across_replicas.global_batch(whole, others)
+            scored.update(gathered)
+            return across_replicas.Scored(shares.whole["whole"], shares)
 
     logs = {}
     variables = []  # filled after pass 1: a TFRS tower may build its weights only then
     _, _, grads = cache_passes.cached_gradients(
         forward, data, cache.accum_steps, score, variables,
         after_pass_1=lambda: (cache._refuse_losses_added_while_running(),
-                              variables.extend(model.trainable_variables)))
+                              variables.extend(model.trainable_variables)),
+        gather=gather)
     if scaling:
         grads = optimizer.get_unscaled_gradients(grads)
     with cache_passes.ready_for_update(grads):
         optimizer.apply_gradients(zip(grads, variables))
-    return {**{metric.name: metric.result() for metric in model.metrics}, **logs}
+    return {**{metric.name: metric.result() for metric in model.metrics},
+            **_per_replica(logs, cache.gather_across_replicas)}
+
+
+def test_step(cache, data, attribute: str) -> dict:
+    """A TFRS model's evaluation step with its task scoring the global batch
+    (`gather_across_replicas`): TFRS's `test_step`, its loss one device's.
+
+    Args:
+        cache: the Keras 2 `GradientCache`.
+        data: the step's batch, as `tfrs.Model.compute_loss` takes it.
+        attribute: the model's task attribute (`find_task`).
+
+    Returns:
+        The logs as `tfrs.Model.test_step` returns them.
+    """
+    model = cache.model
+    floats, others, options = _split(_record(model, attribute, data, training=False))
+    shares, gathered = across_replicas.global_batch(floats, others)
+    loss = _task_loss(model, attribute, shares.whole["whole"], gathered, options, True)
+    regularization = tf.reduce_sum([tf.reduce_sum(term) for term in model.losses])
+    logs = {"loss": loss, "regularization_loss": regularization, "total_loss": loss + regularization}
+    return {**{metric.name: metric.result() for metric in model.metrics}, **_per_replica(logs, True)}
+
+
+def _per_replica(logs: dict, gathered: bool) -> dict:
+    """The losses a replica logs. Keras 2 sums the replicas' logs (its own losses are
+    scaled by 1/R for that); a gathered loss is the global batch's on every replica,
+    so each logs 1/R of it and the sum is one device's."""
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    if not gathered or replicas == 1:
+        return logs
+    return {name: value / replicas for name, value in logs.items()}
+
+
+def _task_loss(model, attribute, floats, others, options, gathered: bool):
+    """The real task's loss on the batch's arguments. On a gathered global batch its
+    Keras 2 loss may average (`SUM_OVER_BATCH_SIZE`), which Keras 2 refuses in a replica:
+    that batch is one device's (`seam.keras2_losses_scoring_the_global_batch`)."""
+    task = getattr(model, attribute)
+    if not gathered:
+        return task(**floats, **others, **options)
+    with seam.keras2_losses_scoring_the_global_batch(task):
+        return task(**floats, **others, **options)

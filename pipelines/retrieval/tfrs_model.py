@@ -40,6 +40,11 @@ class TwoTowerModel(tfrs.Model):
     gradients and losses grow with the effective batch; Adam's update is nearly
     scale-free, so a sum would train alike, but its logged losses would not).
 
+    Under a strategy with several replicas, Keras 2 refuses this mean inside a
+    replica (a share's mean is not the batch's); with the Trainer's
+    `gather_across_replicas=True` every replica's task scores the whole effective
+    batch, whose mean it is, as on one device: this module runs unchanged there.
+
     Args:
         dim: the embeddings' size.
     """

@@ -65,9 +65,9 @@ def large_batch(make_optimizer, data, epochs=2, make=built, **compile_kwargs):
     return model
 
 
-def cached(make_optimizer, data, epochs=2, make=built, **compile_kwargs):
+def cached(make_optimizer, data, epochs=2, make=built, gather=False, **compile_kwargs):
     inner = make()
-    model = GradientCache(inner, N)
+    model = GradientCache(inner, N, gather_across_replicas=gather)
     model.compile(optimizer=make_optimizer(), **compile_kwargs)
     model.fit(data, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
     return inner
@@ -96,10 +96,13 @@ def test_the_one_name_gives_the_keras2_class():
     assert isinstance(model, k2.Model) and model.accum_steps == N
     with pytest.raises(ValueError, match="accum_steps"):
         GradientCache(built(), 0)
-    # Negatives across replicas are for Keras 3 models; the default passes through.
-    with pytest.raises(ValueError, match="gather_across_replicas=True\\) is available for Keras 3"):
-        GradientCache(built(), N, gather_across_replicas=True)
-    assert isinstance(GradientCache(built(), N, gather_across_replicas=False), k2.Model)
+    # Negatives across replicas: a model with its own compute_loss, as for Keras 3.
+    assert GradientCache(built(), N, gather_across_replicas=True).gather_across_replicas is True
+    assert GradientCache(built(), N).gather_across_replicas is False
+    with pytest.raises(ValueError, match="needs the model's own `compute_loss`.*Keras 2 scales"):
+        GradientCache(_functional(), N, gather_across_replicas=True)
+    with pytest.raises(TypeError, match="gather_across_replicas` must be True or False"):
+        GradientCache(built(), N, gather_across_replicas="yes")
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
@@ -192,6 +195,34 @@ def test_two_mirrored_replicas_train_like_keras2_large_batch_under_the_same_stra
     # Control: one device, whose loss sees all 64 negatives where each replica sees its 32.
     control = large_batch(lambda: k2.optimizers.SGD(0.5), data)
     assert deltas.max_abs_diff(control.get_weights(), expected.get_weights()) > 1e-3
+
+
+def test_two_mirrored_replicas_gathered_train_like_keras2_large_batch_on_one_device():
+    """gather_across_replicas=True on 2 replicas: every replica scores the global batch
+    of 64 (each sample meets 63 negatives), so the run lands on tf_keras' own large
+    batch on one device. Control: tf_keras' own large batch under the same strategy
+    (each replica's 32 alone, their losses summed by the strategy) lands elsewhere."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
+                                              cross_device_ops=tf.distribute.ReductionToOneDevice())
+    data = interactions()
+    make = lambda: k2.optimizers.Adam(1e-2)
+    make_regularized = lambda: built(regularizer=k2.regularizers.L2(1e-2))   # counts once, as on one device
+    expected = large_batch(make, data, make=make_regularized)
+    with strategy.scope():
+        inner = cached(make, data, make=make_regularized, gather=True)
+    measured = deltas.max_abs_diff(inner.get_weights(), expected.get_weights())
+    print(f"[measured] Keras 2, 2 replicas gathered vs tf_keras' one-device large batch: max |dw| = {measured:.1e}")
+    assert measured <= TOLERANCE
+    with strategy.scope():
+        control = large_batch(make, data, make=make_regularized)
+    assert deltas.max_abs_diff(control.get_weights(), expected.get_weights()) > 1e-3
+    assert deltas.max_abs_diff(expected.get_weights(), make_regularized().get_weights()) > 1e-2   # it trained
+
+
+def test_gathering_is_saved_with_the_model():
+    model = GradientCache(built(), N, gather_across_replicas=True)
+    again = type(model).from_config(model.get_config(), custom_objects={"TwoTower": TwoTower})
+    assert (again.gather_across_replicas, again.accum_steps) == (True, N)
 
 
 def test_saved_and_loaded_it_resumes_like_the_uninterrupted_large_batch(tmp_path):

@@ -50,12 +50,14 @@ class MovielensModel(tfrs.Model if tfrs else object):
         movie_embeddings = self.movie_model(features["movie_title"])
         if not self.options:
             return self.task(user_embeddings, movie_embeddings)
+        # "int": the candidates' ids as the tower's lookup gives them (ids that can be
+        # gathered across replicas; strings cannot).
+        ids = self.movie_model.layers[0](features["movie_title"]) if self.options == "int" else features["movie_title"]
         return self.task(user_embeddings, movie_embeddings, sample_weight=features["weight"],
-                         candidate_sampling_probability=features["probability"],
-                         candidate_ids=features["movie_title"])
+                         candidate_sampling_probability=features["probability"], candidate_ids=ids)
 
 
-def tutorial_model(options=False, regularizer=None):
+def tutorial_model(options=False, regularizer=None, loss=None):
     def tower(vocabulary, seed):
         return k2.Sequential([
             k2.layers.StringLookup(vocabulary=vocabulary, mask_token=None),
@@ -63,9 +65,10 @@ def tutorial_model(options=False, regularizer=None):
                                 embeddings_initializer=k2.initializers.RandomUniform(seed=seed))])
 
     user_model, movie_model = tower(USERS, 1), tower(MOVIES, 2)
-    candidates = tf.data.Dataset.from_tensor_slices(MOVIES).batch(16).map(lambda ids: (ids, movie_model(ids)))
+    ids_of = movie_model.layers[0] if options == "int" else tf.identity
+    candidates = tf.data.Dataset.from_tensor_slices(MOVIES).batch(16).map(lambda ids: (ids_of(ids), movie_model(ids)))
     task = tfrs.tasks.Retrieval(metrics=tfrs.metrics.FactorizedTopK(candidates=candidates, ks=(1, 5, 10)),
-                                remove_accidental_hits=options)
+                                remove_accidental_hits=bool(options), loss=loss)
     return MovielensModel(user_model, movie_model, task, options=options)
 
 
@@ -194,6 +197,58 @@ def test_under_mirrored_strategy_like_tfrs_under_the_same_strategy():
     one_device = tutorial_model(**kwargs)
     train(GradientCache(one_device, N), BATCH, k2.optimizers.Adagrad(0.1))
     assert deltas.max_abs_diff(one_device.get_weights(), expected.get_weights()) > 1e-3
+
+
+WORKER_KWARGS = dict(options="int")     # tests/keras2/gradient_cache_worker.py, 2 workers
+MEAN = "mean"   # the task's loss averaged over the batch (SUM_OVER_BATCH_SIZE), as the demo's module does
+
+
+@pytest.mark.parametrize("case", ["options-regularizer", MEAN])
+def test_gathered_on_two_replicas_like_tfrs_large_batch_on_one_device(case):
+    """gather_across_replicas=True on 2 replicas, batches of 32: each replica's task
+    scores all 32 (the task's options gathered with their samples; the regularization
+    counted once), so the run lands on TFRS's own `fit` on one device at 32, and its
+    logged losses and `evaluate` are that run's. With MEAN the task's
+    SUM_OVER_BATCH_SIZE loss is the global batch's mean (TFRS's own `fit` refuses it
+    under a strategy). Control: TFRS's own `fit` under the same strategy (each
+    replica's 16 alone) lands elsewhere."""
+    kwargs = (dict(options="int", regularizer=k2.regularizers.l2(1e-3)) if case != MEAN else
+              dict(loss=k2.losses.CategoricalCrossentropy(from_logits=True,
+                                                          reduction=k2.losses.Reduction.SUM_OVER_BATCH_SIZE)))
+    optimizer = (lambda: k2.optimizers.SGD(2.0)) if case == MEAN else (lambda: k2.optimizers.Adagrad(0.1))
+    expected = tutorial_model(**kwargs)
+    expected_logs = train(expected, BATCH, optimizer())
+    with two_replicas().scope():
+        inner = tutorial_model(**kwargs)
+        cache = GradientCache(inner, N, gather_across_replicas=True)
+        logs = train(cache, BATCH, optimizer())
+    measured = deltas.max_abs_diff(inner.get_weights(), expected.get_weights())
+    print(f"[measured] TFRS ({case}), 2 replicas gathered vs TFRS's one-device large batch: max |dw| = {measured:.1e}")
+    assert measured <= TOLERANCE
+    assert deltas.max_abs_diff(expected.get_weights(), initial(**kwargs).get_weights()) > 1e-2  # it trained
+    for name in ("loss", "regularization_loss", "total_loss"):
+        np.testing.assert_allclose(logs[name], expected_logs[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    data = tf.data.Dataset.from_tensor_slices(interactions()).batch(BATCH)
+    evaluated = cache.evaluate(data, return_dict=True, verbose=0)
+    expected_evaluated = expected.evaluate(data, return_dict=True, verbose=0)
+    assert set(evaluated) == set(expected_evaluated)
+    for name in ("loss", "regularization_loss", "total_loss"):
+        np.testing.assert_allclose(evaluated[name], expected_evaluated[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    with two_replicas().scope():
+        control = tutorial_model(**kwargs)
+        if case == MEAN:
+            with pytest.raises(ValueError, match="Reduction.SUM"):
+                train(control, BATCH, optimizer(), epochs=1)
+            return
+        train(control, BATCH, optimizer())
+    assert deltas.max_abs_diff(control.get_weights(), expected.get_weights()) > 1e-3
+
+
+def test_gathering_refuses_string_candidate_ids_with_a_message():
+    with two_replicas().scope():
+        cache = GradientCache(tutorial_model(options=True), N, gather_across_replicas=True)
+        with pytest.raises(ValueError, match="string tensor, which cannot be gathered"):
+            train(cache, BATCH, k2.optimizers.Adagrad(0.1), epochs=1)
 
 
 def cache_compiled():
