@@ -168,7 +168,9 @@ def _cases():
             if optimizer_name in APART:
                 marks.append(pytest.mark.apart)
             if (family, optimizer_name) in MACHINE_DEPENDENT:
-                marks.append(pytest.mark.xfail(reason=MACHINE_DEPENDENT[(family, optimizer_name)], strict=False))
+                # Apart too: it cannot fail make test, and it is the family's slowest case.
+                marks += [pytest.mark.apart,
+                          pytest.mark.xfail(reason=MACHINE_DEPENDENT[(family, optimizer_name)], strict=False)]
             yield pytest.param(family, optimizer_name, id=f"{family}-{optimizer_name}", marks=marks)
 
 
@@ -196,7 +198,10 @@ def test_keras_io_vit_patch_encoder_accumulates_like_keras_large_batch(optimizer
 # up once per batch (BERT, GPT-2, keras.io's text layer, the ViT patch encoder),
 # BERT's token-type ids (per sample); the sentence pairs' encoder called twice and the
 # CLIP towers through GradientCache below and in test_conformance_pairs.py.
-XLA_FAMILIES = ("bert", "gpt2")
+# In make test: BERT and keras.io's text layer (45 s each on 2 loaded cores); GPT-2,
+# keras.io's ViT encoder and the CLIP towers' GradientCache under XLA run apart (35 s to
+# 2 min each; `make test-apart`).
+XLA_FAMILIES = ("bert", pytest.param("gpt2", marks=pytest.mark.apart))
 
 
 @pytest.mark.parametrize("family", XLA_FAMILIES)
@@ -205,7 +210,8 @@ def test_keras_hub_backbone_under_xla_accumulates_like_keras_xla_large_batch(fam
     assert_like_keras_large_batch(lambda: cm.hub_model(family), x, y, "adamw", jit_compile=True)
 
 
-@pytest.mark.parametrize("make", [cm.keras_io_text_classifier, cm.keras_io_vit], ids=["text", "vit"])
+@pytest.mark.parametrize("make", [pytest.param(cm.keras_io_text_classifier, id="text"),
+                                  pytest.param(cm.keras_io_vit, id="vit", marks=pytest.mark.apart)])
 def test_keras_io_layers_under_xla_accumulate_like_keras_xla_large_batch(make):
     features = cm.hub_inputs("text", SAMPLES)["token_ids"] if make is cm.keras_io_text_classifier \
         else cm.hub_inputs("image", SAMPLES)
@@ -242,7 +248,8 @@ def _clip_large_batch_permuted(optimizer, data, seed, jit_compile="auto"):
     return model.get_weights()
 
 
-@pytest.mark.parametrize("jit_compile", ["auto", True], ids=["default", "xla"])
+@pytest.mark.parametrize("jit_compile", ["auto", pytest.param(True, id="xla", marks=pytest.mark.apart)],
+                         ids=["default", "xla"])
 def test_gradient_cache_trains_a_clip_with_keras_hub_vit_like_keras_large_batch(jit_compile):
     # Both towers look their position tables up once per batch (KerasHub's ViT with
     # position_ids, keras.io's TokenAndPositionEmbedding); AdamW keeps repeated rows apart.

@@ -146,7 +146,9 @@ def _resumable(examples, tmp_path, **more):
                                        backup_every=1, **more)
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+# On 2 processes apart (2 min; `make test-apart`): one process covers the backup's resume,
+# and test_cluster's other 2-process runs the cluster's.
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.apart)])
 def test_a_killed_run_resumes_from_its_backup_with_the_weights_of_an_uninterrupted_one(
         workers, examples, stock, tmp_path):
     """Backups every update (4 micro-steps); the last replica is SIGKILLed after
@@ -231,6 +233,7 @@ def test_vertex_executor_runs_the_job_and_publishes_the_chiefs_record(examples, 
     assert np.abs(_predictions(outputs) - stock[1]).max() <= 1e-5
 
 
+@pytest.mark.apart      # 3 min; test_exactness covers the verdict on one process
 def test_verify_exactness_on_two_processes_gives_the_one_process_verdict_once_and_trains_as_without_it(
         examples, tmp_path):
     """`verify_exactness=True` on a 2-process cluster, with a module that constructs its own
