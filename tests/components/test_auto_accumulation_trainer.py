@@ -127,7 +127,7 @@ def test_a_ramped_auto_run_moves_the_learning_rate_gradually_and_its_record_repl
      "is the limit of `accum_steps='auto'`"),
     (dict(accum_steps="auto", effective_batch_size=8, max_effective_batch_size=16, gradient_cache=True),
      ValueError, "not supported with `gradient_cache=True`"),
-    (dict(accum_steps="some", effective_batch_size=8), ValueError, "must be an int >= 1 or 'auto'"),
+    (dict(accum_steps="some", effective_batch_size=8), ValueError, "must be an int >= 1, 'auto' or 'fit'"),
     (dict(accum_steps=2, lr_scaling="cubic"), ValueError, "`lr_scaling` must be one of"),
     (dict(accum_steps=2, accum_schedule_by="batch"), ValueError, "`accum_schedule_by` must be 'epoch' or 'update'"),
 ])

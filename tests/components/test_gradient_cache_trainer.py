@@ -51,7 +51,7 @@ def test_gradient_cache_trains_like_the_stock_trainer_at_the_effective_batch(exa
         "accumulation": {"accum_steps": 4, "micro_batch_size": 8, "replicas": 1, "effective_batch_size": 32,
                          "measure_noise_scale": 0, "merge_duplicate_rows": 0, "gradient_cache": 1,
                          "accum_steps_auto": 0, "max_effective_batch_size": 0, "gather_across_replicas": 0,
-                         "lr_ramp_updates": 0,
+                         "lr_ramp_updates": 0, "accum_steps_fit": 0,
                          "optimizer_updates": 6},
     }
     print("max |dw| against the stock Trainer:", max_abs_diff(weights, stock_weights),

@@ -22,7 +22,7 @@ def test_precedence():
     assert s.as_properties() == {"accum_steps": 8, "micro_batch_size": 8, "replicas": 2, "effective_batch_size": 64,
                                  "measure_noise_scale": 0, "merge_duplicate_rows": 0, "gradient_cache": 0,
                                  "accum_steps_auto": 0, "max_effective_batch_size": 0,
-                                 "gather_across_replicas": 0, "lr_ramp_updates": 0}
+                                 "gather_across_replicas": 0, "lr_ramp_updates": 0, "accum_steps_fit": 0}
 
 
 @pytest.mark.parametrize(
