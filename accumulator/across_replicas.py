@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tfx_gradient_accumulator.accumulator.options import CacheOptions
+
 SUM = tf.distribute.ReduceOp.SUM
 
 
@@ -119,3 +121,20 @@ def _refuse_what_cannot_be_summed(tensor):
             f"{'string' if tensor.dtype == tf.string else 'rank-unknown'} tensor, which cannot be "
             "gathered across replicas. Map strings to ids in the input pipeline (e.g. "
             "StringLookup in a tf.data map), or use gather_across_replicas=False.")
+
+
+def refuse_gathering_with_a_compiled_loss(model, gather_across_replicas: bool, base_model: type, keras_name: str,
+                                          scores_the_batch_itself: bool = False) -> bool:
+    """`gather_across_replicas`, checked for either Keras' `GradientCache`: True needs a loss
+    that scores the batch it is given (the model's own `compute_loss`, not `base_model`'s,
+    or `scores_the_batch_itself`), since Keras scales a compiled loss per replica."""
+    CacheOptions(gather_across_replicas=gather_across_replicas)      # a bool
+    if (gather_across_replicas and not scores_the_batch_itself
+            and type(model).compute_loss is base_model.compute_loss):
+        raise ValueError(
+            "GradientCache(gather_across_replicas=True) needs the model's own `compute_loss` "
+            f"(`{type(model).__name__}` has none): {keras_name} scales a compiled loss per replica, "
+            "for the replica's share. Override compute_loss(x, y, y_pred, sample_weight) to "
+            "return the loss of the batch it is given, as on one device, or use "
+            "gather_across_replicas=False.")
+    return gather_across_replicas

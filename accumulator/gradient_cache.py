@@ -29,15 +29,7 @@ def validate_gather_across_replicas(model: keras.Model, gather_across_replicas: 
         ValueError: it is not a bool, or it is True and `model` has no `compute_loss`
             of its own (Keras scales a compiled loss per replica).
     """
-    CacheOptions(gather_across_replicas=gather_across_replicas)      # a bool
-    if gather_across_replicas and type(model).compute_loss is keras.Model.compute_loss:
-        raise ValueError(
-            "GradientCache(gather_across_replicas=True) needs the model's own `compute_loss` "
-            f"(`{type(model).__name__}` has none): Keras scales a compiled loss per replica, "
-            "for the replica's share. Override compute_loss(x, y, y_pred, sample_weight) to "
-            "return the loss of the batch it is given, as on one device, or use "
-            "gather_across_replicas=False.")
-    return gather_across_replicas
+    return across_replicas.refuse_gathering_with_a_compiled_loss(model, gather_across_replicas, keras.Model, "Keras")
 
 
 @keras.saving.register_keras_serializable(package="accumulator")

@@ -39,16 +39,9 @@ def validate_gather_across_replicas(model, gather_across_replicas: bool) -> bool
             of its own and is no TensorFlow Recommenders model (Keras 2 scales a
             compiled loss per replica, for the replica's share).
     """
-    CacheOptions(gather_across_replicas=gather_across_replicas)      # a bool
-    if (gather_across_replicas and type(model).compute_loss is keras2.Model.compute_loss
-            and task_cache.find_task(model) is None):
-        raise ValueError(
-            "GradientCache(gather_across_replicas=True) needs the model's own `compute_loss` "
-            f"(`{type(model).__name__}` has none): Keras 2 scales a compiled loss per replica, "
-            "for the replica's share. Override compute_loss(x, y, y_pred, sample_weight) to "
-            "return the loss of the batch it is given, as on one device, or use "
-            "gather_across_replicas=False.")
-    return gather_across_replicas
+    return across_replicas.refuse_gathering_with_a_compiled_loss(
+        model, gather_across_replicas, keras2.Model, "Keras 2",
+        scores_the_batch_itself=gather_across_replicas is True and task_cache.find_task(model) is not None)
 
 
 @keras2.utils.register_keras_serializable(package="accumulator")
