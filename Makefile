@@ -132,29 +132,30 @@ test-tfx: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest $(TFX_TESTS) -m "not apart and not sweep" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
 
 # What make test leaves out (`@pytest.mark.apart`: slow runs whose behaviour a test in
-# make test covers too): multi-process runs in the TFX environment (about 18 minutes on
-# 2 cores), KerasHub's SGD conformance cases and a worker-kill case in the newest (about 4),
-# the Keras 2 and TFRS negatives gathered on 2 worker processes (about 2).
+# make test covers too; DEVELOPERS.md, "Tests that run apart", names each), the newest
+# Keras' every-optimizer sweeps, and in the oldest Keras the library's files but its
+# core (OLDEST_TESTS).
 test-apart: $(VENV)/.installed $(LATEST)/.installed-py$(LATEST_PY) $(KERAS2_LATEST)/.installed-py$(KERAS2_LATEST_PY) \
 		$(OLDEST)/.installed-py$(OLDEST_PY)
 	$(VENV)/bin/python -m pytest $(TFX_TESTS) -m apart $(PYTEST_ARGS)
-	$(LATEST)/bin/python -m pytest tests/accumulator -m apart $(PYTEST_ARGS)
-	$(OLDEST)/bin/python -m pytest $(OLDEST_APART) -m "not sweep and not apart" $(PYTEST_ARGS)
+	$(LATEST)/bin/python -m pytest tests/accumulator -m "apart or sweep" $(PYTEST_ARGS)
+	$(OLDEST)/bin/python -m pytest tests/accumulator $(OLDEST_TESTS:%=--ignore=%) -m "not sweep and not apart" $(PYTEST_ARGS)
 	TF_USE_LEGACY_KERAS=1 $(KERAS2_LATEST)/bin/python -m pytest tests/keras2 -m apart $(PYTEST_ARGS)
 
+# The newest Keras runs the library's tests, its sweeps over every optimizer apart (the
+# representative optimizers run here and in the oldest: tests/sweeps.py).
 test-latest: $(LATEST)/.installed-py$(LATEST_PY)
-	$(LATEST)/bin/python -m pytest tests/accumulator -m "not apart" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
+	$(LATEST)/bin/python -m pytest tests/accumulator -m "not apart and not sweep" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
 
-# The oldest Keras runs the library's tests but these, whose paths through Keras and
-# TensorFlow the others take too and which the newest runs in make test (the check's
-# reports and command line, processes on a cluster, the micro-batch probe, the noise
-# scale's and "auto"'s maths: 16 of its 40 minutes); make test-apart runs them there.
-OLDEST_APART := tests/accumulator/test_check.py tests/accumulator/test_multiworker.py \
-	tests/accumulator/test_gradient_cache_multiworker.py tests/accumulator/test_micro_batch.py \
-	tests/accumulator/test_noise_scale.py tests/accumulator/test_auto_batch.py
+# The oldest Keras runs the library's core: the files whose paths go through what
+# differs between Keras versions (private names, saving, compile and fit, XLA, mixed
+# precision, the loss API GradientCache calls, callbacks, replicas): about 12 of the 26
+# minutes its whole would take; make test-apart runs the rest there.
+OLDEST_TESTS := $(addprefix tests/accumulator/,test_seam.py test_api.py test_optimizer.py test_exactness.py \
+	test_window.py test_xla.py test_mixed_precision.py test_saving.py test_saving_before_training.py \
+	test_callbacks.py test_mirrored.py test_gradient_cache.py test_weighting.py test_flavours.py test_options.py)
 test-oldest: $(OLDEST)/.installed-py$(OLDEST_PY)
-	$(OLDEST)/bin/python -m pytest tests/accumulator $(OLDEST_APART:%=--ignore=%) -m "not sweep and not apart" \
-		$(PYTEST_ARGS) 2>&1 | $(PREFIX)
+	$(OLDEST)/bin/python -m pytest $(OLDEST_TESTS) -m "not sweep and not apart" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
 
 test-keras2-tf215: $(KERAS2_TF215)/.installed-py$(KERAS2_TF215_PY)
 	$(KERAS2_TF215)/bin/python -m pytest tests/keras2 -m "not apart" $(PYTEST_ARGS) 2>&1 | $(PREFIX)

@@ -87,6 +87,7 @@ def throughput():
                 if name not in shared:
                     shared[name] = c.build(name, workload, size, 1, x, y)
                     shared[name].run(1)         # trace, warm up
+                    print(f"built and warmed {name} in {time.perf_counter() - start:.2f} s", file=sys.stderr, flush=True)
                 built[(name, n)] = shared[name]
                 continue
             try:
@@ -97,6 +98,8 @@ def throughput():
                 continue
             built[(name, n)] = contender
             build_seconds[f"{name}@{n}"] = round(time.perf_counter() - start, 2)
+            # Progress on stderr: a measurement cut before its first round says where its time went.
+            print(f"built and warmed {name}@{n} in {build_seconds[f'{name}@{n}']} s", file=sys.stderr, flush=True)
 
     # The step time of plain b sizes the segments.
     reference = built.get(("plain_b", accums[0])) or next(iter(built.values()))

@@ -102,9 +102,12 @@ def _measure(*args, timeout=None):
                                  timeout=timeout or MEASURE_SECONDS.value,
                                  env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow",
                                           BENCH_PARTIAL=partial))
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as expired:
             if not os.path.exists(partial):
-                raise
+                said = expired.stderr or ""
+                said = said.decode(errors="replace") if isinstance(said, bytes) else said
+                raise RuntimeError(f"{' '.join(args)} was cut after {expired.timeout} s before its first "
+                                   f"round ended; it said:\n{said[-3000:]}") from None
             logging.warning("cut after %s s: keeping the rounds it completed", timeout or MEASURE_SECONDS.value)
             with open(partial) as f:
                 return {**json.load(f), "cut": True}

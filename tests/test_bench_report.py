@@ -86,6 +86,7 @@ def test_embedding_memory_report_judges_the_extra_against_rows_and_finds_a_table
     assert (tmp_path / "embedding_memory.png").exists()
 
 
+@pytest.mark.apart      # 60 s of a real cut measurement
 def test_a_measurement_cut_by_its_time_limit_keeps_its_rounds_and_says_so(tmp_path):
     # A real measurement (a tiny model on CPU, many rounds asked) stopped after 40 s:
     # the rounds it completed come back marked "cut", and the report says so.

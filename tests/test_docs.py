@@ -42,6 +42,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SETUP_MARK = "<!-- docs-test: setup -->"
 STANDALONE_MARK = "<!-- docs-test: standalone -->"
+# Before a block (or before its other mark): the block takes a minute or more and a test
+# of `make test` shows its claim too, so it runs in `make test-apart` (marker apart).
+APART_MARK = "<!-- docs-test: apart -->"
 SNIPPET_TIMEOUT = 240
 MIN_BLOCKS = 20            # the docs hold more; fewer means the collector lost some
 # Pages whose claims are shown by running examples: each must keep at least one.
@@ -77,7 +80,7 @@ def fenced_blocks(text):
                                       and lines[j].strip().strip(fence[0]) == ""):
             body.append(lines[j][len(indent):] if lines[j].startswith(indent) else lines[j])
             j += 1
-        before = [line.strip() for line in lines[:i] if line.strip()]
+        before = [line.strip() for line in lines[:i] if line.strip() and line.strip() != APART_MARK]
         mark = before[-1] if before and before[-1] in (SETUP_MARK, STANDALONE_MARK) else None
         blocks.append((i + 1, language, textwrap.dedent("\n".join(body)) + "\n", mark))
         i = j + 1
@@ -107,7 +110,23 @@ def python_snippets(files=None, root=ROOT):
     return snippets
 
 
+def apart_blocks(files=None, root=ROOT):
+    """The ids ("page:line") of the python blocks an APART_MARK precedes (blank lines and
+    one other docs-test mark between are fine)."""
+    apart = set()
+    for path in files or markdown_files(root):
+        text = path.read_text(encoding="utf-8")
+        lines = [line.strip() for line in text.splitlines()]
+        for line, language, _, _ in fenced_blocks(text):
+            before = [text for text in lines[:line - 1] if text][-2:]
+            if language == "python" and APART_MARK in before and (
+                    before[-1] == APART_MARK or before[-1] in (SETUP_MARK, STANDALONE_MARK)):
+                apart.add(f"{path.relative_to(root).as_posix()}:{line}")
+    return apart
+
+
 SNIPPETS = python_snippets()
+APART_SNIPPETS = apart_blocks()
 
 
 def _env(tmp_path):
@@ -151,7 +170,8 @@ def snippet_results(request, tmp_path_factory):
     pool.shutdown(cancel_futures=True)
 
 
-@pytest.mark.parametrize("code", [code for _, code in SNIPPETS], ids=[name for name, _ in SNIPPETS])
+@pytest.mark.parametrize("code", [pytest.param(code, id=name, marks=[pytest.mark.apart] * (name in APART_SNIPPETS))
+                                  for name, code in SNIPPETS])
 def test_snippet_runs(code, request, snippet_results):
     returncode, stdout, stderr = snippet_results[request.node.callspec.id].result()
     if returncode is None:
@@ -171,9 +191,22 @@ def test_every_block_is_collected():
             if language not in LANGUAGES:
                 unlabelled.append(f"{path.relative_to(ROOT)}:{line} ({language or 'no language'})")
     assert not unlabelled, f"fences without one of {sorted(LANGUAGES)}: {unlabelled}"
-    pages = {name.split(":")[0] for name, _ in SNIPPETS}
+    pages = {name.split(":")[0] for name, _ in SNIPPETS if name not in APART_SNIPPETS}
     missing = sorted(set(PAGES_WITH_EXAMPLES) - pages)
-    assert not missing, f"pages with no python block collected: {missing}"
+    assert not missing, f"pages with no python block that make test runs: {missing}"
+
+
+def test_a_block_marked_apart_runs_apart_and_keeps_its_other_mark(tmp_path):
+    page = tmp_path / "docs" / "page.md"
+    page.parent.mkdir()
+    page.write_text("<!-- docs-test: setup -->\n```python\nx = 1\n```\n\n<!-- docs-test: apart -->\n"
+                    "<!-- docs-test: standalone -->\n\n```python\ny = 2\n```\n\n"
+                    "<!-- docs-test: apart -->\n```python\nprint(x)\n```\n\n```python\nprint(x + 1)\n```\n",
+                    encoding="utf-8")
+    assert dict(python_snippets([page], root=tmp_path)) == {
+        "docs/page.md:9": "y = 2\n", "docs/page.md:14": "x = 1\nprint(x)\n",
+        "docs/page.md:18": "x = 1\nprint(x + 1)\n"}
+    assert apart_blocks([page], root=tmp_path) == {"docs/page.md:9", "docs/page.md:14"}
 
 
 def test_setup_blocks_are_prepended(tmp_path):

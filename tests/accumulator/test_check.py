@@ -165,6 +165,7 @@ def _users_text_model(attention_dropout=0.0):
     return model
 
 
+@pytest.mark.apart      # 61 s; a zero rate kept exact (above) and the random layers (below) run in make test
 def test_a_users_text_model_with_rates_at_0_is_exact_and_keeps_its_floor():
     report = check_exact(_users_text_model, lookup_models.text_data(96), None, 4, batch_size=8, verbose=False)
     assert report.exact and report.verdict == "exact", str(report)
@@ -174,6 +175,7 @@ def test_a_users_text_model_with_rates_at_0_is_exact_and_keeps_its_floor():
     assert sum(v.moved > 1e-3 for v in report.variables) > len(report.variables) // 2
 
 
+@pytest.mark.apart      # 49 s; as above
 def test_attention_dropout_is_named_alone_when_it_explains_the_difference():
     report = check_exact(lambda: _users_text_model(attention_dropout=0.1), lookup_models.text_data(96), None, 4,
                          batch_size=8, verbose=False)

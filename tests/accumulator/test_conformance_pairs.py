@@ -89,7 +89,9 @@ def test_sentence_similarity_one_encoder_called_twice(optimizer_fn):
     _assert_like_large_batch(cm.sentence_similarity, optimizer_fn, x, y, "mse")
 
 
-@pytest.mark.parametrize("optimizer_fn", [pytest.param(_adamw, id="adamw"), SGD_APART])
+# Apart (64 s): the CLIP towers' GradientCache (test_conformance) and test_gradient_cache's
+# in-batch negatives run in make test.
+@pytest.mark.parametrize("optimizer_fn", [pytest.param(_adamw, id="adamw", marks=pytest.mark.apart), SGD_APART])
 def test_gradient_cache_sentence_embedder_with_in_batch_negatives(optimizer_fn):
     _assert_like_large_batch(cm.sentence_embedder, optimizer_fn, cm.sentence_ids(SAMPLES), cache=True)
 

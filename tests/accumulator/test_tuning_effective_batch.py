@@ -46,6 +46,9 @@ def test_trials_differ_in_the_effective_batch_or_the_models_own_hyperparameters(
     seen = {(v["effective_batch_size"], v["learning_rate"]) for v in trials}
     assert len(trials) == len(seen) == 4       # 2 effective batches x 2 learning rates
     assert all(v["accum_steps"] == 2 for v in trials)   # 32 // 16
-    # Control: searching accum_steps too spends trials that differ in it alone.
+
+
+@pytest.mark.apart      # 12 trials (about 100 s); the search above is the behaviour
+def test_control_searching_accum_steps_too_spends_trials_that_differ_in_it_alone(tmp_path):
     searched = _trials(tmp_path / "all")
     assert len(searched) == 12 and len({(v["effective_batch_size"], v["learning_rate"]) for v in searched}) == 4

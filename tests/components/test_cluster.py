@@ -111,6 +111,7 @@ def test_a_run_fn_that_makes_its_own_mirrored_strategy_trains_on_two_processes(e
     assert _model_dir_entries(outputs) == ["Format-Serving"]
 
 
+@pytest.mark.apart      # 55 s; two processes exporting from the chief run in make test above
 def test_the_demo_module_trains_on_two_processes_and_the_chief_exports_it(tmp_path):
     from tfx_gradient_accumulator.pipelines.digits import model as digits_module
     examples = fixtures.write_digits_examples(str(tmp_path / "examples"))

@@ -75,6 +75,7 @@ def stock(transformed, legacy, tmp_path_factory):
     return _served(outputs)
 
 
+@pytest.mark.apart      # 191 s; the penguin module on one process and test_cluster's two processes run in make test
 def test_tfx_penguin_module_trains_on_two_processes_like_the_stock_trainer(transformed, legacy, stock, tmp_path):
     outputs, results = _run(transformed, tmp_path, 2, legacy=legacy, accum_steps=ACCUM, effective_batch_size=EFFECTIVE)
     assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]

@@ -122,6 +122,7 @@ def _assert_same_statistics(expected, actual):
     assert any(k.endswith(".mean") for k in floats)
 
 
+@pytest.mark.apart      # 111 s; an option of run_local, whose default mode runs in make test
 def test_multi_processing_gives_the_data_components_the_default_runners_outputs(tmp_path, sdk_workers):
     data_root = str(tmp_path / "data")
     write_digits_csv(data_root)

@@ -58,6 +58,7 @@ def run_tfrs_in_a_fresh_process(output_dir):
     return result.stdout
 
 
+@pytest.mark.apart      # 191 s, a quality bar; the TFRS module through GradientCache runs in tests/keras2
 def test_the_tfrs_model_reaches_the_keras_3_models_recall(tmp_path, command_line, capsys):
     command_line("--pipeline=retrieval", f"--output_dir={tmp_path}", f"--train_updates={UPDATES}",
                  "--max_trials=0")
