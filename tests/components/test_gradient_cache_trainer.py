@@ -9,7 +9,11 @@ negatives) lands elsewhere, so the comparison can fail.
 """
 
 import glob
+import importlib.util
+import json
 import os
+import subprocess
+import sys
 
 import keras
 import pytest
@@ -19,6 +23,7 @@ from tests.accumulator.reference import max_abs_diff
 from tests.components import fixtures
 
 MODULE = os.path.join(fixtures.TESTDATA, "two_tower_module.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOLERANCE = 1e-5
 PLAIN = {"plain": True}
 
@@ -230,3 +235,29 @@ def test_a_keras_2_module_gathered_across_two_replicas_trains_like_the_stock_tra
           max_abs_diff(weights, stock_weights))
     assert max_abs_diff(weights, stock_weights) <= TOLERANCE
     assert max_abs_diff(weights, _keras2_initial_weights()) > 1e-2          # it trained
+
+
+@pytest.mark.apart      # about 90 s: four Trainer runs in a fresh process
+@pytest.mark.skipif(importlib.util.find_spec("tensorflow_recommenders") is None,
+                    reason="TensorFlow Recommenders is not installed (make setup installs it)")
+def test_the_retrieval_demos_tfrs_module_gathered_on_two_replicas_trains_like_tfrs_large_batch(tmp_path):
+    """The demo's TFRS module file, unchanged, through the Trainer with
+    `gather_across_replicas=1` on 2 replicas (tests/components/tfrs_gathered_process.py,
+    in a process of its own: TFRS needs Keras 2). Reference: TFRS's own step on the
+    batch of 64 on one device (accum_steps=1); the exported towers' embeddings of every
+    user and item are compared. Control: the same 2 replicas without gathering, which
+    tf_keras refuses (the module's loss is the batch's mean)."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    done = subprocess.run([sys.executable, "-m", "tests.components.tfrs_gathered_process", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print("[measured] the demo's TFRS module, max |d embedding| from TFRS's large batch of 64: 2 replicas gathered",
+          result["gathered"], "one device", result["one"], "(moved", result["moved"], ")")
+    assert result["gathered"] <= TOLERANCE and result["one"] <= TOLERANCE
+    assert result["moved"] > 1e-2                                            # it trained
+    assert result["gathered_recorded"] == {"gather_across_replicas": 1, "replicas": 2, "gradient_cache": 1,
+                                           "accum_steps": 4}
+    assert (result["trained"]["tfrs_model"], result["trained"]["optimizer_updates"]) == (True, 4)
+    assert result["control"].startswith("ValueError") and "Reduction.SUM" in result["control"], result["control"]
