@@ -31,6 +31,9 @@ weights, so the split can be left to the device:
    training without it. The probe never reads the training data (a reshuffling
    `tf.data.Dataset` would move to its next order): it is given one sample batch.
 
+4. **On a cluster**, each worker probes a copy of the model on its own device and every
+   worker takes the smallest micro-batch any of them found (`micro_batch_workers`).
+
 A step that runs out of memory leaves the process usable: the allocation is refused
 before anything is written, and the variables are put back anyway.
 """
@@ -47,7 +50,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import _tf, seam
+from tfx_gradient_accumulator.accumulator import _tf, micro_batch_workers, seam
 from tfx_gradient_accumulator.accumulator.options import validate_micro_batch_search
 
 logger = logging.getLogger(__name__)
@@ -147,21 +150,31 @@ def find_micro_batch(model: keras.Model, x: Any, y: Any = None, *, effective_bat
             with a `GradientAccumulator` that can change its window, data `x` that is
             a dataset or has no rows, or `uniform` with E not a multiple of the replicas.
         tf.errors.ResourceExhaustedError: not even one sample's step fits on this device.
-        NotImplementedError: the model trains under a strategy with several workers.
+        TypeError: on several workers, a model that cannot be copied from its configuration.
     """
     effective_batch_size, headroom, max_micro_batch, uniform = validate_micro_batch_search(
         effective_batch_size, headroom, max_micro_batch, uniform)
     optimizer = _accumulator_of(model)
-    _refuse_several_workers(model)
-    replicas = model.distribute_strategy.num_replicas_in_sync
+    strategy = model.distribute_strategy
+    replicas = strategy.num_replicas_in_sync
     if uniform:
         _refuse_indivisible(effective_batch_size, replicas)
     sample = _sample_of(x, y, sample_weight)
     limit = min(effective_batch_size, max_micro_batch or effective_batch_size)
-    with _StatePutBack(model, optimizer) as put_back:
-        if replicas > 1:
-            _build_as_fit_does(model, sample, put_back)
-        largest, probes = _search(lambda b: _step_fits(model, sample, b, put_back), limit)
+    workers = micro_batch_workers.workers_of(strategy)
+    probed, probed_optimizer = model, optimizer
+    if workers > 1:     # each worker probes a copy on its first device: b is per device there
+        probed = micro_batch_workers.local_copy(model)
+        probed_optimizer, limit = _accumulator_of(probed), max(1, limit // replicas)
+    with _StatePutBack(probed, probed_optimizer) as put_back:
+        if probed.distribute_strategy.num_replicas_in_sync > 1:
+            _build_as_fit_does(probed, sample, put_back)
+        largest, probes = _search(lambda b: _step_fits(probed, sample, b, put_back), limit)
+    del probed, probed_optimizer
+    if workers > 1:
+        logger.info("find_micro_batch: a step of %d samples per device is the largest that fits this "
+                    "worker; taking the smallest of its %d workers'.", largest, workers)
+        largest = micro_batch_workers.smallest_over_workers(strategy, largest) * replicas
     if largest == 0:
         raise tf.errors.ResourceExhaustedError(
             None, None, f"find_micro_batch: not even a micro-batch of 1 sample trains on this device "
@@ -382,17 +395,3 @@ def _accumulator_of(model):
         raise ValueError("find_micro_batch sets `accum_steps`; accum_steps='auto' grows it itself. "
                          "Use one or the other.")
     return optimizer
-
-
-def _refuse_several_workers(model):
-    """Refuses a strategy spanning several workers (see the module's docstring)."""
-    strategy = model.distribute_strategy
-    resolver = getattr(strategy, "cluster_resolver", None)
-    spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
-    workers = sum(len(spec.get(job, ())) for job in ("chief", "worker"))
-    if workers > 1:
-        raise NotImplementedError(
-            "find_micro_batch does not probe under a strategy with several workers yet: each probe's "
-            "step all-reduces the gradients, and a worker that runs out of memory would leave the "
-            "others waiting in that all-reduce. Find the micro-batch on one worker's devices (the "
-            "same model under its own strategy), and give every worker the `accum_steps` found.")

@@ -5,7 +5,9 @@ depends on the device, the model and the data. Here the run_fn runs up to its fi
 `fit` (`exactness.probe`: its own model, compiled with the run's `GradientAccumulator`,
 on its own data pipeline, under the run's strategy), and
 `accumulator.find_micro_batch` trains real steps of that model on one batch of that
-data, at growing micro-batches, until one runs out of memory. The micro-batch taken
+data, at growing micro-batches, until one runs out of memory (on a cluster each worker
+probes a copy of the model on its own device, and all take the smallest found: one
+collective). The micro-batch taken
 leaves 10% headroom and divides E (the Trainer's datasets are batched at one size), so
 N = E / b, and the run then trains from the start exactly as with that `accum_steps`.
 The probe's model is dropped, and Keras' global state and every random generator are put
@@ -41,16 +43,11 @@ def settle(run_fn, fn_args, settings: settings_lib.AccumulationSettings, strateg
         The settings, with `accum_steps` = E / b and `fitted` (the `MicroBatchFit`).
 
     Raises:
-        ValueError: several workers (not supported yet), or a run_fn that never calls
-            `fit` on a compiled Keras 3 model.
+        ValueError: a run_fn that never calls `fit` on a compiled Keras 3 model.
         tf.errors.ResourceExhaustedError: not even one sample's step fits the device.
     """
     if not settings.fit_to_device:
         return settings
-    if role.workers > 1:
-        raise ValueError(
-            f"accum_steps='fit' finds the micro-batch on one worker; this run has {role.workers} workers. "
-            "Find it with one worker of the same device type, then set the `accum_steps` it recorded.")
     logging.info("accum_steps='fit': running the run_fn up to its fit, then training steps of growing "
                  "micro-batches of its data until one runs out of memory (effective batch %d).",
                  settings.effective_batch_size)

@@ -38,6 +38,11 @@ def main():
     parser.add_argument("--auto-overhead", type=float, default=0.0,
                         help="> 0: AutoAccumulation with this max_sample_overhead grows the window from --accum "
                              "(up to 8 micro-batches); each worker writes the schedule it took")
+    parser.add_argument("--find-micro-batch", type=int, default=0,
+                        help="> 0: the effective batch E; find_micro_batch on a memory_cliff MLP whose cliff "
+                             "is --cliffs' entry for this worker, then fit at the split it found; each "
+                             "worker writes what it found")
+    parser.add_argument("--cliffs", default="", help="per worker, comma-separated (with --find-micro-batch)")
     args = parser.parse_args()
 
     if args.hooks != "all":
@@ -59,6 +64,8 @@ def main():
         x, y = text_data(samples)
     if args.keras2:
         keras = flavours.keras2_module()
+    if args.find_micro_batch:
+        return _fit_at_the_micro_batch_found(args, strategy, x, y)
     with strategy.scope():
         if args.embedding:
             model, optimizer = ref.embedding_model(), keras.optimizers.Adam(1e-2)
@@ -112,6 +119,29 @@ def main():
     if auto is not None:
         result["schedule"] = np.array(json.dumps(auto.schedule))
         print("auto readings", auto.readings, flush=True)
+    np.savez(f"{args.out}.{task['index']}.npz", **result)
+
+
+def _fit_at_the_micro_batch_found(args, strategy, x, y):
+    """find_micro_batch on a cluster whose workers' cliffs differ, then `fit` at its split."""
+    import keras
+    from tfx_gradient_accumulator.accumulator import GradientAccumulator, find_micro_batch
+    from tests.accumulator import memory_cliff
+
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    cliff = int(args.cliffs.split(",")[task["index"]])
+    with strategy.scope():
+        model = memory_cliff.mlp(cliff=cliff)
+        model.compile(optimizer=GradientAccumulator(keras.optimizers.Adam(1e-2), schedulable=True), loss="mse")
+    found = find_micro_batch(model, x[:8], y[:8], effective_batch_size=args.find_micro_batch, uniform=True)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(found.micro_batch).with_options(options)
+    model.fit(dataset, epochs=args.epochs, verbose=0)
+    result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
+    result.update(iterations=np.array(int(model.optimizer.iterations.numpy())),
+                  micro_batch=np.array(found.micro_batch), accum_steps=np.array(found.accum_steps),
+                  largest_fitting=np.array(found.largest_fitting), probes=np.array(json.dumps(found.probes)))
     np.savez(f"{args.out}.{task['index']}.npz", **result)
 
 

@@ -1,9 +1,11 @@
 """MultiWorkerMirroredStrategy: 2 worker processes on 127.0.0.1, Keras `fit`."""
 
+import json
 import signal
 import time
 
 import keras
+import numpy as np
 import pytest
 
 from tfx_gradient_accumulator.accumulator import hooks
@@ -166,3 +168,31 @@ def test_every_worker_takes_the_same_auto_accumulation_decisions_at_the_same_win
               callbacks=[AccumulationSchedule(taken, by="update", lr_scaling="sqrt")])
     assert int(model.optimizer.iterations.numpy()) == iterations
     assert ref.max_abs_diff(weights, model.get_weights()) <= 1e-5
+
+
+def test_on_two_workers_every_worker_takes_the_smallest_micro_batch_any_of_them_fits(tmp_path):
+    """find_micro_batch under MultiWorkerMirroredStrategy: each worker probes a copy of the
+    model on its own device, outside the strategy (a probe that runs out of memory must not
+    leave the other in an all-reduce), and both take the smallest. Only worker 1 has a
+    memory cliff (12 samples per device: 11 fit); E = 64 on 2 replicas: 11 x 2 = 22 fit
+    the cluster, 19 with the headroom, so N = 4 of 16 (8 per worker). Worker 0 alone would
+    have taken 32 (16 per device: over worker 1's cliff). Then both train at that split,
+    like Keras' large batch of 64 on one device."""
+    from tests.accumulator import memory_cliff
+
+    out = tmp_path / "out"
+    codes, output, _ = run_cluster(out, "--find-micro-batch", 64, "--cliffs", "1000000,12",
+                                   "--micro", 16, "--steps-per-epoch", 16)
+    assert codes == [0, 0], output[-3000:]
+    found = [np.load(f"{out}.{index}.npz") for index in (0, 1)]
+    assert [(int(f["micro_batch"]), int(f["accum_steps"]), int(f["largest_fitting"])) for f in found] == [(16, 4, 22)] * 2
+    assert json.loads(str(found[0]["probes"]))[-1] == [32, True]          # worker 0's own device fits 32
+    assert [32, False] not in json.loads(str(found[0]["probes"]))
+    assert [16, False] in json.loads(str(found[1]["probes"]))             # worker 1's does not fit 16
+    x, y = ref.regression_data(16 * 16)
+    expected = ref.fit_large_batch(memory_cliff.mlp(), keras.optimizers.Adam(1e-2), x, y, 64).get_weights()
+    weights, iterations = load_result(out, 0)
+    assert iterations == 4
+    print("[measured] 2 workers at the micro-batch found, max |dw| vs Keras' large batch:",
+          ref.max_abs_diff(weights, expected))
+    assert ref.max_abs_diff(weights, expected) <= 1e-5

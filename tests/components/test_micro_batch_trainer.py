@@ -65,3 +65,35 @@ def test_fit_takes_a_tuned_effective_batch_and_drops_a_tuned_accum_steps():
     tuned = settings_lib.resolve({"values": {"effective_batch_size": 128, "accum_steps": 8}}, "fit", None, replicas=2)
     assert tuned.fit_to_device and tuned.accum_steps == 1 and tuned.effective_batch_size == 128
     assert tuned.sources["accum_steps"] == "fit" and tuned.window_options.schedulable
+
+
+@pytest.mark.apart      # about 80 s: 2 processes, then the large batch in one (the library's 2 workers run in make test)
+def test_on_two_processes_both_take_the_micro_batch_of_the_one_that_hits_the_cliff(examples, tmp_path):
+    """The Trainer's cluster (chief + worker, TF_CONFIG as Vertex sets it): only the worker's
+    device has a cliff (12 samples: 11 fit); 2 replicas, E = 64: 22 fit the cluster, 19
+    with the headroom, so 16 x 4 (8 per process) on both, where the chief alone would have
+    taken 32 x 2 (16 per process: over the worker's cliff). The run trains like Keras'
+    large batch of 64 on one process."""
+    from tests.components import local_cluster
+
+    inputs, outputs, properties = fixtures.executor_arguments(
+        tmp_path / "run", examples, num_steps=UPDATES, module=MODULE, accum_steps_fit=1,
+        effective_batch_size=EFFECTIVE)
+    results = local_cluster.run(local_cluster.container_command(inputs, outputs, properties), 2, tmp_path / "tmp",
+                                env={1: {"MEMORY_CLIFF": 12}})
+    assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
+    said = [[line.split("accum_steps='fit': ", 1)[1] for line in err.splitlines()
+             if "accum_steps='fit': micro-batch" in line] for _, _, err in results]
+    assert len(said[0]) == len(said[1]) == 1, said
+    for line in (said[0][0], said[1][0]):      # the same split on both; the probes are each one's own
+        assert line.startswith("micro-batch 16 x 4 steps for the effective batch 64 (largest that fit: 22;"), line
+    assert "32 fits" in said[0][0] and "16 OOM" in said[1][0]      # each worker's own probes
+    recorded = local_cluster.custom_properties(local_cluster.published(results[0][1])["model"][0])
+    assert {k: recorded[k] for k in ("accum_steps", "micro_batch_size", "largest_fitting_micro_batch", "workers")} == {
+        "accum_steps": 4, "micro_batch_size": 16, "largest_fitting_micro_batch": 22, "workers": 2}
+    seen, weights = fixtures.read_run(outputs["model_run"][0].uri)
+    assert (seen["iterations"], seen["train_batch"]) == (UPDATES, 16)     # the global micro-batch
+    _, _, large = fixtures.run_executor(tmp_path / "large", examples, num_steps=UPDATES, module=MODULE,
+                                        accum_steps=1, effective_batch_size=EFFECTIVE)
+    print(f"[measured] accum_steps='fit' on 2 processes vs Keras' large batch: max |dw| {_max_diff(weights, large):.1e}")
+    assert _max_diff(weights, large) <= 1e-5

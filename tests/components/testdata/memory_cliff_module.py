@@ -1,7 +1,8 @@
 """A stock-style module file (as `regression_module.py`) whose model has a memory cliff:
 its training step runs out of memory from a micro-batch of `custom_config["cliff"]` samples
 on (`tests.accumulator.memory_cliff.MemoryCliff`, which changes nothing of the model's
-math); no cliff without it. The run_fn sets no accumulation: the Trainer does.
+math); without it, the process's `MEMORY_CLIFF` environment variable (a cluster's
+workers can differ); no cliff without either. The run_fn sets no accumulation: the Trainer does.
 
 run_fn writes what it saw and the final weights into model_run_dir for the tests.
 """
@@ -47,7 +48,7 @@ def _make_keras_model(cliff):
 
 def run_fn(fn_args: tfx.components.FnArgs):
     train = _input_fn(fn_args.train_files, fn_args.data_accessor, 32)
-    model = _make_keras_model((fn_args.custom_config or {}).get("cliff"))
+    model = _make_keras_model((fn_args.custom_config or {}).get("cliff") or int(os.environ.get("MEMORY_CLIFF", 0)))
     model.fit(train, steps_per_epoch=fn_args.train_steps, verbose=0)
     os.makedirs(fn_args.model_run_dir, exist_ok=True)
     with open(os.path.join(fn_args.model_run_dir, "seen.json"), "w") as f:
