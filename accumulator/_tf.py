@@ -89,15 +89,21 @@ def divide_in_place(totals, divisor):
     already tensors (the all-reduced sums under a strategy) are divided as
     tensors; TensorFlow reuses a tensor's buffer for the quotient when
     nothing else holds it.
+
+    The quotient handed back is the tensor assigned, not a second read of the
+    variable: a resource variable's assignment adopts the tensor's buffer
+    (copy-on-write: whoever writes to the variable next copies it first), so
+    the buffer and the mean are one allocation, and the close runs one kernel a
+    variable fewer.
     """
     means, previous = [], []
     for total in totals:
         if isinstance(total, tf.Variable):
             with tf.control_dependencies(previous):
-                op = total.assign(total / tf.cast(divisor, total.dtype), read_value=False)
+                quotient = total / tf.cast(divisor, total.dtype)
+                op = total.assign(quotient, read_value=False)
             previous = [op] if op is not None else []
-            # Automatic control dependencies order this read after the division.
-            means.append(total.value())
+            means.append(quotient)
         else:
             means.append(total / tf.cast(divisor, total.dtype))
     return means

@@ -317,6 +317,63 @@ class NoiseScaleEstimate:
         return self.trace / self.gradient_sq_norm
 
 
+
+def update_from_windows(estimates: Sequence, micro_sq_norm_sums: Sequence, inv_size_sum: tf.Tensor,
+                        micro_count: tf.Tensor, window_sq_norms: Sequence, window_size: tf.Tensor) -> tf.Tensor:
+    """`estimate.update_from_window(...)` for each of `estimates`, of one window, in one pass.
+
+    The raw and the preconditioned noise scale of a window share its sizes and count:
+    their scalar arithmetic (`window_estimates`, the moments, the EMAs) runs once over a
+    vector holding both, not once per estimate, which halves the close's scalar kernels
+    (on a GPU, launches). The values are the same, bit for bit: every operation is
+    elementwise, in the same order. Only the variables' reads and writes stay one per
+    variable.
+
+    Args:
+        estimates: `NoiseScaleEstimate`s of one smoothing.
+        micro_sq_norm_sums: per estimate, its sum_k |g_k|^2.
+        inv_size_sum: sum_k 1 / b_k (shared).
+        micro_count: K (shared).
+        window_sq_norms: per estimate, its |G_B|^2.
+        window_size: B (shared).
+
+    Returns:
+        `valid`: a bool vector, one per estimate, whether the window was folded in.
+    """
+    if len({e.smoothing for e in estimates}) != 1:
+        raise ValueError("update_from_windows folds estimates of one smoothing.")
+
+    def joined(values, dtype=tf.float32):
+        return tf.stack([tf.cast(tf.convert_to_tensor(v), dtype) for v in values])
+
+    g2_est, trace_est, valid = window_estimates(
+        joined(micro_sq_norm_sums), inv_size_sum, micro_count, joined(window_sq_norms), window_size)
+    smoothing = estimates[0].smoothing
+    # `WindowMoments.add`, a row per estimate.
+    moments = [e.moments for e in estimates]
+    g, t = tf.cast(g2_est, tf.float64), tf.cast(trace_est, tf.float64)
+    w = tf.stack([tf.cast(window_size, tf.float64)] * len(estimates))
+    terms = tf.stack([w, w * g, w * t, w * g * g, w * t * t, w * g * t, tf.ones_like(w), w * w], axis=1)
+    decays = tf.constant([moments[0].decay] * (len(WindowMoments.FIELDS) - 1) + [moments[0].decay ** 2], tf.float64)
+    old = joined([m.variable for m in moments], tf.float64)
+    new = tf.unstack(tf.where(valid[:, None], decays * old + terms, old))
+    # `NoiseScaleEstimate.update`'s EMAs, likewise.
+    decay = tf.where(valid, tf.constant(smoothing, tf.float32), tf.constant(1.0, tf.float32))
+    g2 = tf.where(valid, g2_est, 0.0)
+    trace = tf.where(valid, trace_est, 0.0)
+    ema_g2 = tf.unstack(decay * joined([e._ema_g2 for e in estimates]) + (1.0 - decay) * g2)
+    ema_trace = tf.unstack(decay * joined([e._ema_trace for e in estimates]) + (1.0 - decay) * trace)
+    ema_weight = tf.unstack(decay * joined([e._ema_weight for e in estimates]) + (1.0 - decay))
+    counts = tf.unstack(tf.cast(valid, tf.int64))
+    for k, estimate in enumerate(estimates):
+        moments[k].variable.assign(new[k])
+        estimate._ema_g2.assign(ema_g2[k])
+        estimate._ema_trace.assign(ema_trace[k])
+        estimate._ema_weight.assign(ema_weight[k])
+        estimate._window_count.assign_add(counts[k])
+    return valid
+
+
 class WindowMoments:
     """Sums over the windows since the last `reset`: what a confidence bound on B_simple needs.
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import _tf, preconditioning, replicas
-from tfx_gradient_accumulator.accumulator.noise_scale import micro_batch_terms
+from tfx_gradient_accumulator.accumulator.noise_scale import micro_batch_terms, update_from_windows
 
 
 def add_micro_batch(state, grads, indices, weight, samples=None) -> None:
@@ -68,11 +68,16 @@ def fold_window(state, noise_sums, window_means, window_grads, replica_count, gr
         window_grads = [None if i in state.overwrite_indices else g for i, g in enumerate(window_grads)]
         _, window_preconditioned = preconditioning.squared_norms(window_grads, state.variables, state.preconditioner)
         pairs.append((noise_sums[4], window_preconditioned))
-    for (micro, window), estimate in zip(pairs, (state.noise_estimate, state.preconditioned_estimate)):
-        if gradient_scale is not None:
-            # The window's gradients carry the loss scale (constant in a window), each
-            # micro-batch's S / N where `loss_scale_divisor` says N.
-            square = tf.square(tf.cast(gradient_scale, tf.float32))
-            micro_square = square if loss_scale_divisor is None else square / tf.square(loss_scale_divisor)
-            micro, window = micro / micro_square, window / square
-        estimate.update_from_window(micro, inv_size_sum, micro_count, window, window_samples)
+    if gradient_scale is not None:
+        # The window's gradients carry the loss scale (constant in a window), each
+        # micro-batch's S / N where `loss_scale_divisor` says N.
+        square = tf.square(tf.cast(gradient_scale, tf.float32))
+        micro_square = square if loss_scale_divisor is None else square / tf.square(loss_scale_divisor)
+        pairs = [(micro / micro_square, window / square) for micro, window in pairs]
+    estimates = [state.noise_estimate, state.preconditioned_estimate][:len(pairs)]
+    if len(pairs) == 1:
+        estimates[0].update_from_window(pairs[0][0], inv_size_sum, micro_count, pairs[0][1], window_samples)
+    else:
+        # Both estimates' scalar arithmetic in one pass (`noise_scale.update_from_windows`).
+        update_from_windows(estimates, [micro for micro, _ in pairs], inv_size_sum, micro_count,
+                            [window for _, window in pairs], window_samples)
