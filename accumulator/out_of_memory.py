@@ -255,7 +255,8 @@ class _Tracker(keras.callbacks.Callback):
 
     def __init__(self, feed, optimizer):
         super().__init__()
-        self._feed, self._optimizer = feed, optimizer
+        self._feed = feed
+        self._optimizer = optimizer
         self.history = keras.callbacks.History()
         self.history.epoch = []
         self.epoch, self.in_step, self.resuming, self._base = 0, False, False, 0
