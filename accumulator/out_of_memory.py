@@ -66,8 +66,9 @@ class MicroBatchSwitch:
         accum_steps: N', the micro-batches per update from here on (2N).
         previous_micro_batch: b before the switch.
         previous_accum_steps: N before the switch.
-        dropped: the micro-batches of the dropped window trained again (the failed one not
-            counted).
+        dropped: the micro-batches the dropped window held (`close_partial_window`'s count;
+            the one that failed is among them when the error came after the window counted
+            it, in its backward pass).
         epoch: the epoch it happened in.
     """
 

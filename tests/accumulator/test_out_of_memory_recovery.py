@@ -90,6 +90,27 @@ def test_sequences_that_grow_halve_the_micro_batch_and_land_on_keras_large_batch
     np.testing.assert_allclose(run.history.history["loss"][1], reference.history.history["loss"][1], rtol=1e-4)
 
 
+def test_an_error_in_the_backward_pass_of_the_closing_micro_step_leaves_the_weights():
+    """The output layer's gradient is made, and added to its sum, before the backward pass
+    runs out: the window's update waits for every gradient, so nothing is written."""
+    rows = _rows(GROWING)
+    model = memory_cliff.backward_sequence_model(BUDGET, FEATURES)
+    model.compile(GradientAccumulator(keras.optimizers.Adam(1e-2), schedulable=True), "mse")
+    x, y = _first_batch(rows)
+    found = find_micro_batch(model, x.numpy()[:16], y.numpy()[:16], effective_batch_size=E)
+    assert (found.micro_batch, found.accum_steps) == (16, 2)
+    run = fit_with_out_of_memory_recovery(model, _dataset(rows), found, epochs=2, verbose=0)
+    # The window counted the failed micro-step too (its count waits on the forward pass):
+    # full, and yet not closed.
+    assert [(s.update, s.micro_batch, s.accum_steps, s.dropped) for s in run.switches] == [(4, 8, 4, 2), (6, 4, 8, 4)]
+    reference = memory_cliff.backward_sequence_model(None, FEATURES)
+    reference.compile(keras.optimizers.Adam(1e-2), "mse")
+    reference.fit(_dataset(rows), epochs=2, verbose=0)
+    delta = ref.max_abs_diff(model.get_weights(), reference.get_weights())
+    print(f"max |dw| (an error in the backward pass): {delta:.3g}")
+    assert delta <= 1e-5
+
+
 def test_without_an_error_it_is_fit_at_the_found_micro_batch():
     rows = _rows([4, 4, 8])
     model = _compiled()
