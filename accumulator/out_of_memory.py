@@ -156,7 +156,7 @@ def fit_with_out_of_memory_recovery(model: keras.Model, dataset: tf.data.Dataset
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*ran out of data")   # `fit` at each epoch's end
                 model.fit(current.micro_batches(feed.as_dataset()), epochs=end, initial_epoch=epoch,
-                          callbacks=[tracker, *options["callbacks"]], verbose=verbose,
+                          callbacks=[tracker, *options["callbacks"]], verbose=verbose, shuffle=False,
                           validation_data=validation_data, validation_freq=validation_freq)
         except tf.errors.OpError as err:
             if not (tracker.in_step and is_out_of_memory(err)):
@@ -274,6 +274,10 @@ class _Tracker(keras.callbacks.Callback):
         self.in_step = True
 
     def on_train_batch_end(self, batch, logs=None):
+        self.in_step = False
+
+    def on_test_begin(self, logs=None):
+        # The epoch's last step, which finds the data run out, has no `on_train_batch_end`.
         self.in_step = False
 
     def on_epoch_end(self, epoch, logs=None):

@@ -111,16 +111,65 @@ def test_an_error_in_the_backward_pass_of_the_closing_micro_step_leaves_the_weig
     assert delta <= 1e-5
 
 
-def test_without_an_error_it_is_fit_at_the_found_micro_batch():
+class _Seen(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def on_train_begin(self, logs=None):
+        self.calls.append("train_begin")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.calls.append(f"epoch_begin {epoch}")
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.calls.append(f"epoch_end {epoch}")
+
+
+def test_without_an_error_it_is_fit_at_the_found_micro_batch(tmp_path):
     rows = _rows([4, 4, 8])
     model = _compiled()
     x, y = _first_batch(rows)
     found = find_micro_batch(model, x.numpy(), y.numpy(), effective_batch_size=E)
-    run = fit_with_out_of_memory_recovery(model, _dataset(rows), found, epochs=3, initial_epoch=1, verbose=0)
+    seen = _Seen()
+    run = fit_with_out_of_memory_recovery(model, _dataset(rows), found, epochs=3, initial_epoch=1, verbose=0,
+                                          callbacks=[seen], validation_data=_dataset(_rows([4])))
     assert run.switches == () and (run.micro_batch, run.accum_steps) == (16, 2)
-    assert run.history.epoch == [1, 2]
+    assert run.history.epoch == [1, 2] and len(run.history.history["val_loss"]) == 2
+    assert seen.calls == ["train_begin", "epoch_begin 1", "epoch_end 1", "epoch_begin 2", "epoch_end 2"]
     reference = _keras_large_batch(rows, epochs=2)
     assert ref.max_abs_diff(model.get_weights(), reference.get_weights()) <= 1e-5
+    # The counter the run added is not part of what is saved.
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras", custom_objects={
+        "SequenceCliff": memory_cliff.SequenceCliff})
+    assert len(loaded.optimizer.variables) == len(model.optimizer.variables)
+
+
+def test_an_error_in_validation_is_raised_as_it_is():
+    rows = _rows([4, 4])
+    model = _compiled()
+    x, y = _first_batch(rows)
+    found = find_micro_batch(model, x.numpy(), y.numpy(), effective_batch_size=E)
+    with pytest.raises(tf.errors.ResourceExhaustedError) as raised:
+        fit_with_out_of_memory_recovery(model, _dataset(rows), found, verbose=0,
+                                        validation_data=_dataset(_rows([8])))   # 32 x 8 in one batch
+    assert "micro-batch of 1" not in str(raised.value)     # not taken for a training step
+    assert int(model.optimizer.iterations.numpy()) == 2 and model.optimizer.accum_steps == found.accum_steps
+
+
+def test_callbacks_see_a_new_fit_after_a_switch():
+    rows = _rows([4, 16, 4])
+    model = _compiled()
+    x, y = _first_batch(rows)
+    found = find_micro_batch(model, x.numpy()[:16], y.numpy()[:16], effective_batch_size=E)
+    seen = _Seen()
+    run = fit_with_out_of_memory_recovery(model, _dataset(rows), found, epochs=2, verbose=0, callbacks=[seen])
+    assert [(s.update, s.micro_batch, s.accum_steps, s.epoch) for s in run.switches] == [(1, 8, 4, 0)]
+    # The epoch it happened in begins again (to its end only), then a new fit for the rest.
+    assert seen.calls == ["train_begin", "epoch_begin 0", "train_begin", "epoch_begin 0", "epoch_end 0",
+                          "train_begin", "epoch_begin 1", "epoch_end 1"]
+    assert run.history.epoch == [0, 1]
 
 
 def test_a_micro_batch_of_one_that_still_runs_out_is_refused():
