@@ -222,11 +222,13 @@ class _Feed:
         self._replay, self._next = [], 0
 
     def rewind(self, window):
-        """Feeds the epoch's windows again from `window` on (those already read)."""
-        kept = [(index, batch) for index, batch in self._recent if index >= window]
+        """Feeds the epoch's windows again from `window` on (those already read, once each)."""
+        read = dict(list(self._recent) + self._replay)   # {index: batch}: fed again, or still to be
+        kept = sorted((index, batch) for index, batch in read.items() if index >= window)
         if (kept[0][0] if kept else self._next) != window:
             raise RuntimeError(f"fit_with_out_of_memory_recovery lost window {window} of the epoch "
-                               f"(kept: {[index for index, _ in self._recent]}); please report this.")
+                               f"(kept: {sorted(read)}); please report this.")
+        self._recent.clear()                              # each is kept again as it is fed
         self._replay = kept
 
     def _batches(self):

@@ -90,6 +90,18 @@ def test_sequences_that_grow_halve_the_micro_batch_and_land_on_keras_large_batch
     np.testing.assert_allclose(run.history.history["loss"][1], reference.history.history["loss"][1], rtol=1e-4)
 
 
+def test_two_switches_in_one_window_feed_it_once():
+    rows = _rows([4, 4, 24, 24])           # 16 x 24 and 8 x 24 run out in batch 2; 4 x 24 fits
+    model = _compiled()
+    x, y = _first_batch(rows)
+    found = find_micro_batch(model, x.numpy()[:16], y.numpy()[:16], effective_batch_size=E)
+    run = fit_with_out_of_memory_recovery(model, _dataset(rows), found, epochs=2, verbose=0)
+    assert [(s.update, s.micro_batch, s.accum_steps, s.dropped) for s in run.switches] == [(2, 8, 4, 0), (2, 4, 8, 3)]
+    delta = ref.max_abs_diff(model.get_weights(), _keras_large_batch(rows, epochs=2).get_weights())
+    print(f"max |dw| (two switches in one window): {delta:.3g}")
+    assert delta <= 1e-5 and int(model.optimizer.iterations.numpy()) == 8
+
+
 def test_an_error_in_the_backward_pass_of_the_closing_micro_step_leaves_the_weights():
     """The output layer's gradient is made, and added to its sum, before the backward pass
     runs out: the window's update waits for every gradient, so nothing is written."""
