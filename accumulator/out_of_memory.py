@@ -24,7 +24,8 @@ step raises `ResourceExhaustedError` in the middle of the run. Here the run goes
 3. **What it costs.** Redone: the micro-steps of the dropped window (at most N - 1) and the
    one that failed, then a trace of the step at the new shape. Each batch of E passes
    through Python (`tf.data.Dataset.from_generator`) so that the window can be fed again,
-   whatever the dataset (a reshuffling one included); one batch of E at a time is kept.
+   whatever the dataset (a reshuffling one included); the last four batches of E read are
+   kept on the host.
 
 Not redone exactly: the state a forward pass changes besides the window (Keras' metrics,
 `BatchNormalization`'s moving statistics, random layers' draws) sees the dropped
@@ -184,13 +185,13 @@ def _switch(model, current, halves, tracker, err):
             "update, which stopped half-way: some variables were updated and others not, so the window "
             "cannot be trained again exactly. The update's memory does not depend on the micro-batch; "
             "resume from a checkpoint (TrainingBackup) with more free memory.") from err
+    dropped = optimizer.close_partial_window("drop")
     if current.micro_batch == 1:
         raise tf.errors.ResourceExhaustedError(
             None, None, "fit_with_out_of_memory_recovery: a training step ran out of memory at a micro-batch "
             f"of 1 sample (update {int(optimizer.iterations.numpy())}, epoch {tracker.epoch}): the data there "
             "needs more memory than the device has for one sample. The weights are those of the last "
             f"update, the open window dropped. Original error: {err.message}")
-    dropped = optimizer.close_partial_window("drop")
     accum_steps = 2 * current.accum_steps
     micro_batch = -(-current.effective_batch_size // accum_steps)
     optimizer.set_accum_steps(accum_steps)
