@@ -26,6 +26,8 @@ if flavours.keras_is_3():
     from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule, EpochWindows
     from tfx_gradient_accumulator.accumulator.gradient_cache import GradientCache
     from tfx_gradient_accumulator.accumulator.micro_batch import MicroBatchFit, find_micro_batch
+    from tfx_gradient_accumulator.accumulator.out_of_memory import (
+        MicroBatchSwitch, RecoveredFit, fit_with_out_of_memory_recovery)
     from tfx_gradient_accumulator.accumulator.optimizer import GradientAccumulator
 else:
     # TF <= 2.15: `keras` is Keras 2. The Keras 3 features (AccumBatchNormalization,
@@ -62,5 +64,6 @@ __all__ = [
     "validate_accum_steps",
 ]
 if flavours.keras_is_3():
-    __all__ += ["AccumBatchNormalization", "MicroBatchFit", "find_micro_batch", "use_accumulated_batch_norm"]
+    __all__ += ["AccumBatchNormalization", "MicroBatchFit", "MicroBatchSwitch", "RecoveredFit", "find_micro_batch",
+                "fit_with_out_of_memory_recovery", "use_accumulated_batch_norm"]
 __version__ = "0.3.0"

@@ -256,7 +256,7 @@ def _step_fits(model, sample, micro_batch, put_back) -> bool:
         _train_step(model, x, y, sample_weight)
         fitted = True
     except tf.errors.OpError as err:
-        if not _is_out_of_memory(err):
+        if not is_out_of_memory(err):
             raise
     finally:
         del x, y, sample_weight
@@ -291,7 +291,7 @@ def _build_as_fit_does(model, sample, put_back):
         put_back()
 
 
-def _is_out_of_memory(err: tf.errors.OpError) -> bool:
+def is_out_of_memory(err: tf.errors.OpError) -> bool:
     """Whether `err` is an out-of-memory error (or one a runtime wrapped as another class)."""
     return isinstance(err, tf.errors.ResourceExhaustedError) or any(
         text in str(err) for text in _OUT_OF_MEMORY_TEXTS)

@@ -14,7 +14,7 @@ import logging
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import flavours, refusals, seam
+from tfx_gradient_accumulator.accumulator import _tf, flavours, refusals, seam
 from tfx_gradient_accumulator.accumulator.forwarding import InnerOptimizerForwarding
 from tfx_gradient_accumulator.accumulator.loss_scaling import WindowLossScaling
 from tfx_gradient_accumulator.accumulator.options import (  # noqa: F401  (validators re-exported: the public names)
@@ -283,7 +283,33 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
         """The inner optimizer's one update with the window's (reduced) gradient."""
         if reduced and self.loss_scale_optimizer is not None:
             grads = self._beyond_float16_as_non_finite(grads, variables)
-        self._updater.apply(grads, variables)
+        begun = getattr(self, "_updates_begun", None) if reduced else None
+        if begun is None:
+            self._updater.apply(grads, variables)
+            return
+        # `track_updates`: +1 before any write of the update, +1 after its last one.
+        with tf.control_dependencies([begun.assign_add(1)]):
+            self._updater.apply(grads, variables)
+        _tf.assign_add_after(begun, 1, after=list(variables) + list(self._updater.variables))
+
+    def track_updates(self) -> tf.Variable:
+        """A counter that tells whether an error stopped an inner update half-way.
+
+        From the next traced step on, each update of the inner optimizer adds 1 before any
+        of its writes and 1 after its last (every variable it writes read back): an odd
+        count after an error says the update began and did not finish, some variables
+        written and others not; an even one, that it did not begin or finished.
+        `fit_with_out_of_memory_recovery` reads it. One device only. Not saved.
+
+        Returns:
+            The counter (int64, made on the first call).
+        """
+        if getattr(self, "_updates_begun", None) is None:
+            with tf.init_scope():
+                self._untracked(_updates_begun=tf.Variable(0, dtype=tf.int64, trainable=False,
+                                                           name="updates_begun"))
+            self._state.close_function = None   # the eager close, traced again with the counter
+        return self._updates_begun
 
     def _updates_without_reduction(self):
         """Context in which the inner optimizers do not all-reduce again."""

@@ -60,3 +60,75 @@ def mlp(cliff=None, seed=0, global_noise=False):
         keras.layers.Dense(8, activation="tanh"),
         keras.layers.Dense(1),
     ])
+
+
+class SequenceCliff(keras.layers.Layer):
+    """The identity on sequences (batch, time, features), whose step needs 4 TiB once the
+    micro-batch's samples times its longest sequence (time steps with a nonzero feature)
+    reach `budget`: sequences padded per batch that grow cross it at a smaller micro-batch."""
+
+    def __init__(self, budget, **kwargs):
+        super().__init__(**kwargs)
+        self.budget = int(budget)
+
+    def call(self, x):
+        b = tf.shape(x, out_type=tf.int64)[0]
+        steps = tf.reduce_sum(tf.cast(tf.reduce_any(tf.not_equal(x, 0.0), axis=-1), tf.int64), axis=1)
+        cost = b * tf.reduce_max(steps)
+        elements = tf.where(cost < self.budget, cost, tf.constant(OUT_OF_MEMORY_ELEMENTS, tf.int64))
+        total = tf.reduce_sum(x)
+        aside = tf.fill(tf.reshape(elements, [1]), total)
+        return x + (tf.reduce_max(aside) - total)   # + 0.0 exactly, for finite data
+
+    def get_config(self):
+        return {**super().get_config(), "budget": self.budget}
+
+
+class BackwardCliff(keras.layers.Layer):
+    """`[sequences, hidden] -> hidden`, whose gradient (the backward pass only) needs 4 TiB
+    once the micro-batch's samples times its longest sequence reach `budget`."""
+
+    def __init__(self, budget, **kwargs):
+        super().__init__(**kwargs)
+        self.budget = int(budget)
+
+    def call(self, inputs):
+        sequences, hidden = inputs
+        b = tf.shape(sequences, out_type=tf.int64)[0]
+        steps = tf.reduce_sum(tf.cast(tf.reduce_any(tf.not_equal(sequences, 0.0), axis=-1), tf.int64), axis=1)
+        cost = b * tf.reduce_max(steps)
+        elements = tf.where(cost < self.budget, cost, tf.constant(OUT_OF_MEMORY_ELEMENTS, tf.int64))
+
+        @tf.custom_gradient
+        def identity(h):
+            def gradient(upstream):
+                total = tf.reduce_sum(upstream)
+                return upstream + (tf.reduce_max(tf.fill(tf.reshape(elements, [1]), total)) - total)
+            return tf.identity(h), gradient
+
+        return identity(hidden)
+
+
+def backward_sequence_model(budget=None, features=3, seed=0):
+    """`sequence_model` with the cliff in the backward pass, between the per-step Dense and
+    the mean over time: the output layer's gradient exists before it runs out."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((None, features))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    if budget is not None:
+        hidden = BackwardCliff(budget)([inputs, hidden])
+    pooled = keras.layers.GlobalAveragePooling1D()(hidden)
+    return keras.Model(inputs, keras.layers.Dense(1)(pooled))
+
+
+def sequence_model(budget=None, features=3, seed=0):
+    """Sequences padded per batch -> a `SequenceCliff(budget)` (none with `budget=None`) ->
+    Dense(8, tanh) at each step -> mean over time -> Dense(1)."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((None, features)),
+        *([] if budget is None else [SequenceCliff(budget)]),
+        keras.layers.Dense(8, activation="tanh"),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(1),
+    ])
