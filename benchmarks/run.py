@@ -16,6 +16,9 @@ the library's memory use):
   rounds, for a ratio as tight as this machine allows to judge against 0.98.
 * ``overhead``: the same contenders on a tiny model (a few ms per step): the
   fixed cost per micro-step, in microseconds.
+* ``probe_cost``: what `find_micro_batch` (`accum_steps="fit"`) costs the run it precedes
+  (`benchmarks/probe_cost.py`, fresh processes; probe_cost.json and .md beside the
+  device's results, about 3 minutes on 2 cores).
 * ``kernel_count``: kernels executed per non-closing and per closing step (plain
   `fit`, Keras' built-in accumulation, a hand-written tape loop, ours, ours with
   the noise scale; N = 2, 8; a dense and an embedding model; XLA off and on),
@@ -171,6 +174,20 @@ def _run_kernel_count(results):
         goals = json.load(f)["goals"]
     results["kernel_count"] = {"goals": len(goals), "met": sum(g["met"] for g in goals),
                                "missed": [g for g in goals if not g["met"]]}
+
+
+def _run_probe_cost(results):
+    """`benchmarks.probe_cost` (its repeats are fresh processes) into this device's folder;
+    results.json keeps its summary."""
+    folder = os.path.join(ROOT, OUT.value, _device()[0])
+    command = [sys.executable, "-m", "benchmarks.probe_cost", f"--out={folder}", f"--repeats={1 if QUICK.value else 3}"]
+    logging.info("measuring: %s  (load %s)", " ".join(command[1:]), _load())
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800,
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow"))
+    if out.returncode:
+        raise RuntimeError(f"benchmarks.probe_cost failed:\n{out.stderr[-3000:]}")
+    with open(os.path.join(folder, "probe_cost.json")) as f:
+        results["probe_cost"] = json.load(f)["summary"]
 
 
 def _run_memory(results):
