@@ -559,6 +559,8 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
         # Layers pooling statistics per window (AccumBatchNormalization) close theirs too.
         for layer in s.listeners:
             layer.close_window(apply=mode == "apply")
+        if not s.with_grads:     # restored here, no step traced yet: close what it holds
+            s.with_grads |= window_saving.held_after_a_restore(s)
         if mode == "drop":
             self._reset_window(range(len(s.accumulators)), [i for i, rows in enumerate(s.rows) if rows is not None])
             s.micro_step.assign(0)

@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import replicas, seam
-from tfx_gradient_accumulator.accumulator._tf import backing_variable, filled, local_components, runtime_shape
+from tfx_gradient_accumulator.accumulator._tf import backing_variable, filled, is_filled, local_components, runtime_shape
 from tfx_gradient_accumulator.accumulator.window_rows import read_rows
 
 
@@ -44,6 +44,25 @@ class WindowSaving:
     def restore_window_state(self, state):
         """Assigns `state` (as `window_state` returns it) to `variables`; rows go to replica 0."""
         restore(self.variables, self._state, state)
+
+
+def held_after_a_restore(state) -> set:
+    """The variables an open window holds when it was restored into a process that has not
+    traced a step yet (which variables a window holds is otherwise learnt as steps are
+    traced): the filled dense buffers and the rows with a count; those with rows are
+    marked as such. Asked eagerly, before a close of that window alone."""
+    held = set()
+    for i, (buffer, variable) in enumerate(zip(state.accumulators, state.variables)):
+        rows = state.rows[i]
+        if rows is not None and int(np.sum([c.numpy() for c in local_components(rows.count, state.strategy)])):
+            state.rows_seen.add(i)
+            held.add(i)
+        elif is_filled(buffer, tuple(variable.shape), state.strategy) and (
+                variable.shape[0] != 1 or any(np.any(c.numpy()) for c in local_components(buffer, state.strategy))):
+            # A one-row variable's buffer looks filled as a stand-in too: held if it holds a sum.
+            state.dense_seen.add(i)
+            held.add(i)
+    return held
 
 
 def check_weights(variables, weights):
