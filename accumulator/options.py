@@ -23,6 +23,9 @@ SCHEDULE_UNITS = ("epoch", "update")
 AUTO = "auto"
 # accum_steps="auto" starts at the smallest window that measures the noise scale.
 AUTO_START_ACCUM_STEPS = 2
+# accum_steps="fit": the micro-batch that fits the device, found by trying (`find_micro_batch`),
+# splits the effective batch (the Trainer's option, and `AccumulatingHyperModel`'s).
+FIT = "fit"
 
 SUMMED_NOISE_SCALE_MESSAGE = (
     "`measure_noise_scale=True` needs a loss that is a mean over its samples: the noise scale "
@@ -33,7 +36,7 @@ SUMMED_NOISE_SCALE_MESSAGE = (
     "'sum_over_batch_size'), or leave `measure_noise_scale` off.")
 
 __all__ = [
-    "AUTO", "AUTO_START_ACCUM_STEPS", "CacheOptions", "DEFAULT_SMOOTHING", "LOSS_REDUCTIONS",
+    "AUTO", "AUTO_START_ACCUM_STEPS", "CacheOptions", "FIT", "DEFAULT_SMOOTHING", "LOSS_REDUCTIONS",
     "LR_SCALINGS", "PARTIAL_WINDOW_MODES", "SUMMED_NOISE_SCALE_MESSAGE", "WindowOptions", "integer_at_least",
     "refuse_unknown_arguments", "validate_accum_steps", "validate_auto", "validate_bool",
     "validate_loss_reduction", "validate_lr_scaling", "validate_measure_noise_scale",

@@ -24,7 +24,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator.autowrap import accumulating_compile
-from tfx_gradient_accumulator.accumulator.options import AUTO, AUTO_START_ACCUM_STEPS, WindowOptions, integer_at_least
+from tfx_gradient_accumulator.accumulator.micro_batch import find_micro_batch
+from tfx_gradient_accumulator.accumulator.options import (
+    AUTO, AUTO_START_ACCUM_STEPS, FIT, WindowOptions, integer_at_least,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -119,6 +122,56 @@ def _starting_accum_steps(hp):
     return AUTO_START_ACCUM_STEPS if accum == AUTO else accum
 
 
+def _fit_choices(effective_batch_sizes, gradient_cache, micro_batch_size, max_effective_batch_size):
+    """The effective-batch choices of `accum_steps="fit"`, checked; what "fit" excludes refused."""
+    if gradient_cache:
+        raise ValueError("`accum_steps='fit'` is not supported with `gradient_cache=True`: GradientCache "
+                         "cuts each batch into `accum_steps` micro-batches itself; set int `accum_steps`.")
+    if micro_batch_size is not None:
+        raise ValueError("`micro_batch_size` states the micro-batch that fits; `accum_steps='fit'` finds it "
+                         "on the device for each trial: give one or the other.")
+    if max_effective_batch_size is not None:
+        raise ValueError("`max_effective_batch_size` is the limit of `accum_steps='auto'`; `accum_steps` "
+                         "is 'fit'.")
+    if isinstance(effective_batch_sizes, (str, bytes)) or not effective_batch_sizes:
+        raise ValueError("`accum_steps='fit'` searches the effective batch: `effective_batch_sizes` must be "
+                         f"a non-empty list of positive integers; received {effective_batch_sizes!r}.")
+    return tuple(integer_at_least(v, f"effective_batch_sizes[{i}]") for i, v in enumerate(effective_batch_sizes))
+
+
+def _sample_batch(x, y, effective_batch_size):
+    """`(x, y, sample_weight)` as arrays, for `find_micro_batch`: the first `effective_batch_size`
+    rows of arrays, or the first batch a dataset yields."""
+    if isinstance(x, tf.data.Dataset):
+        if y is not None:
+            raise ValueError("`y` must be None when `x` is a tf.data.Dataset (it yields (features, labels)).")
+        batch = tf.nest.map_structure(lambda t: t.numpy(), next(iter(x.take(1))))
+        return keras.utils.unpack_x_y_sample_weight(batch if isinstance(batch, tuple) else (batch,))
+    if isinstance(x, list):
+        x = tuple(x)
+    first = tf.nest.map_structure(lambda a: None if a is None else np.asarray(a)[:effective_batch_size], (x, y))
+    return first[0], first[1], None
+
+
+def _fit_to_device(model, x, y, effective_batch_size):
+    """`find_micro_batch` for a trial: its `MicroBatchFit` (b divides E); a trial whose step does
+    not fit even at one sample fails (KerasTuner's `FailedTrialError`), and the search goes on."""
+    sample_x, sample_y, sample_weight = _sample_batch(x, y, effective_batch_size)
+    try:
+        found = find_micro_batch(model, sample_x, sample_y, sample_weight=sample_weight,
+                                 effective_batch_size=effective_batch_size, uniform=True)
+    except tf.errors.ResourceExhaustedError as err:
+        raise keras_tuner.errors.FailedTrialError(
+            f"accum_steps='fit': effective_batch_size={effective_batch_size} cannot train on this device: "
+            "not even a micro-batch of 1 sample fits (the model, its optimizer state and one sample's "
+            f"activations need more memory than the device has). The trial is failed. ({err.message})"
+        ) from err
+    logger.info("AccumulatingHyperModel(accum_steps='fit'): the trial trains micro-batches of %d x %d "
+                "per update (effective batch %d; largest micro-batch that fit: %d).",
+                found.micro_batch, found.accum_steps, effective_batch_size, found.largest_fitting)
+    return found
+
+
 class AccumulatingHyperModel(keras_tuner.HyperModel):
     """Wraps `build_model(hp) -> compiled keras.Model`; each trial accumulates.
 
@@ -139,6 +192,20 @@ class AccumulatingHyperModel(keras_tuner.HyperModel):
             a fixed effective batch `accum_steps` changes memory and speed,
             not the training, so trials that differ only in it would train
             alike. Without it, `accum_steps` is searched too.
+        accum_steps: also "fit": only the effective batch (and `build_model`'s
+            own hyperparameters) is searched, and each trial finds its micro-batch
+            on this device before it trains: `find_micro_batch(uniform=True)`
+            runs real training steps of growing micro-batches on one sample of
+            the trial's data (arrays: the first `effective_batch_size` rows; a
+            `tf.data.Dataset`: the first batch it yields, one more pass
+            started) until one runs out of memory, and the trial trains at
+            `batch_size=b`, N = E / b micro-batches per update (both logged).
+            The hyperparameters hold `accum_steps="fit"`, so
+            `AccumulatingTrainer` given them finds the Trainer's micro-batch
+            itself. A trial whose step does not fit even at 1 sample fails
+            (KerasTuner's `FailedTrialError`: recorded as failed with the
+            message, and the search goes on). The probe costs each trial
+            about 2 log2(b) training steps.
         max_effective_batch_size: with `accum_steps="auto"`: each trial starts
             from its `effective_batch_sizes` choice (2 micro-batches of half of
             it) and grows the window with the measured noise scale up to this
@@ -168,7 +235,15 @@ class AccumulatingHyperModel(keras_tuner.HyperModel):
         if not isinstance(gradient_cache, bool):
             raise ValueError(f"`gradient_cache` must be True or False; received {gradient_cache!r}.")
         self._max_effective_batch_size = None
-        if accum_steps == AUTO:
+        self._fit = isinstance(accum_steps, str) and accum_steps == FIT
+        if self._fit:
+            effective_batch_sizes = _fit_choices(effective_batch_sizes, gradient_cache, micro_batch_size,
+                                                 max_effective_batch_size)
+            accum_steps = (FIT,)
+        elif isinstance(accum_steps, str) and accum_steps != AUTO:
+            raise ValueError(f"`accum_steps` must be a list of positive integers, {AUTO!r} or {FIT!r}; "
+                             f"received {accum_steps!r}.")
+        elif accum_steps == AUTO:
             self._max_effective_batch_size = _auto_limit(
                 max_effective_batch_size, effective_batch_sizes, gradient_cache, micro_batch_size)
             accum_steps = (AUTO,)
@@ -205,6 +280,11 @@ class AccumulatingHyperModel(keras_tuner.HyperModel):
                     "max_effective_batch_size": self._max_effective_batch_size}
             with accumulating_compile(AUTO_START_ACCUM_STEPS, auto=auto):
                 return self._build_model(hp)
+        if self._fit:    # one micro-batch a window until `fit` finds the trial's split
+            hp.Fixed(ACCUM_STEPS, FIT)
+            hp.Choice(EFFECTIVE_BATCH_SIZE, list(self._effective_batch_sizes))
+            with accumulating_compile(options=WindowOptions(accum_steps=1, schedulable=True)):
+                return self._build_model(hp)
         accum, _ = declare_accumulation(hp, self._accum_steps, self._effective_batch_sizes)
         with accumulating_compile(accum, gradient_cache=self._gradient_cache):
             return self._build_model(hp)
@@ -230,6 +310,9 @@ class AccumulatingHyperModel(keras_tuner.HyperModel):
         # gradient_cache a whole effective batch (one update).
         if self._gradient_cache:
             batch, steps_per_update = hp.get(EFFECTIVE_BATCH_SIZE), 1
+        elif self._fit:
+            found = _fit_to_device(model, x, y, hp.get(EFFECTIVE_BATCH_SIZE))
+            batch, steps_per_update = found.micro_batch, found.accum_steps
         else:
             batch, steps_per_update = micro_batch(hp), _starting_accum_steps(hp)
         if isinstance(x, tf.data.Dataset):

@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional
 from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation
 from tfx_gradient_accumulator.accumulator.callbacks import accum_steps_at
 from tfx_gradient_accumulator.accumulator.options import (
-    AUTO, AUTO_START_ACCUM_STEPS, DEFAULT_SMOOTHING, WindowOptions, integer_at_least, validate_accum_steps,
+    AUTO, AUTO_START_ACCUM_STEPS, DEFAULT_SMOOTHING, FIT, WindowOptions, integer_at_least, validate_accum_steps,
     validate_bool, validate_lr_ramp_updates, validate_lr_scaling, validate_measure_noise_scale,
     validate_partial_window, validate_schedule, validate_schedule_by, validate_smoothing,
 )
@@ -29,9 +29,8 @@ GRADIENT_CACHE = "gradient_cache"
 GATHER_ACROSS_REPLICAS = "gather_across_replicas"
 MAX_EFFECTIVE_BATCH_SIZE = "max_effective_batch_size"
 LR_RAMP_UPDATES = "lr_ramp_updates"
-# accum_steps="fit": the micro-batch that fits the device, found before training
-# (`components.micro_batch_fit`), splits the effective batch.
-FIT = "fit"
+# accum_steps="fit" (`options.FIT`): the micro-batch that fits the device, found before
+# training (`components.micro_batch_fit`), splits the effective batch.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +273,9 @@ def resolve(
 def fit_setting(accum_steps, effective_batch_size, values: Dict[str, Any], schedule, cache: bool):
     """`accum_steps="fit"`, checked: (whether to fit, the `accum_steps` to resolve, `values`).
 
+    "fit" comes from the component, or from the hyperparameters (tuned with
+    `AccumulatingHyperModel(accum_steps="fit")`, which wins over the component's
+    `accum_steps`, as hyperparameters do; then the tuned `effective_batch_size`).
     The effective batch is then the one number that matters: the micro-batch that fits
     the device, found before training, splits it (1 until then). So it needs
     `effective_batch_size`, and refuses what sets the window otherwise.
@@ -281,7 +283,8 @@ def fit_setting(accum_steps, effective_batch_size, values: Dict[str, Any], sched
     Args:
         accum_steps: the component's `accum_steps`.
         effective_batch_size: the component's.
-        values: the hyperparameters' values (their `accum_steps` is dropped with "fit").
+        values: the hyperparameters' values (their `accum_steps` is dropped with "fit";
+            "fit" there asks for it).
         schedule: the component's `accum_schedule`, or None.
         cache: `gradient_cache`.
 
@@ -289,14 +292,16 @@ def fit_setting(accum_steps, effective_batch_size, values: Dict[str, Any], sched
         ValueError: "fit" without an effective batch, or with a schedule, "auto" or
             `gradient_cache`.
     """
-    if accum_steps != FIT:
+    tuned = values.get(ACCUM_STEPS) == FIT
+    if accum_steps != FIT and not tuned:
         return False, accum_steps, values
+    where = " (from hyperparameters: AccumulatingHyperModel(accum_steps='fit'))" if tuned else ""
     if values.get(EFFECTIVE_BATCH_SIZE, effective_batch_size) is None:
-        raise ValueError(f"`{ACCUM_STEPS}={FIT!r}` needs `{EFFECTIVE_BATCH_SIZE}`: the samples per update, "
-                         "which the micro-batch that fits the device splits.")
+        raise ValueError(f"`{ACCUM_STEPS}={FIT!r}`{where} needs `{EFFECTIVE_BATCH_SIZE}`: the samples per "
+                         "update, which the micro-batch that fits the device splits.")
     if schedule is not None or cache or values.get(ACCUM_STEPS) == AUTO:
-        raise ValueError(f"`{ACCUM_STEPS}={FIT!r}` finds the window's length itself: leave `accum_schedule`, "
-                         f"`{GRADIENT_CACHE}` and accum_steps={AUTO!r} unset (received "
+        raise ValueError(f"`{ACCUM_STEPS}={FIT!r}`{where} finds the window's length itself: leave "
+                         f"`accum_schedule`, `{GRADIENT_CACHE}` and accum_steps={AUTO!r} unset (received "
                          f"{'accum_schedule' if schedule is not None else GRADIENT_CACHE if cache else AUTO}).")
     return True, 1, {k: v for k, v in values.items() if k != ACCUM_STEPS}
 

@@ -67,6 +67,32 @@ def test_fit_takes_a_tuned_effective_batch_and_drops_a_tuned_accum_steps():
     assert tuned.sources["accum_steps"] == "fit" and tuned.window_options.schedulable
 
 
+def test_fit_tuned_alone_is_taken_from_the_hyperparameters_over_the_components_accum_steps():
+    # AccumulatingHyperModel(accum_steps="fit") stores accum_steps="fit" with the tuned batch.
+    tuned = settings_lib.resolve({"values": {"effective_batch_size": 128, "accum_steps": "fit"}}, 4, 32, replicas=2)
+    assert tuned.fit_to_device and tuned.accum_steps == 1 and tuned.effective_batch_size == 128
+    assert tuned.sources == {"accum_steps": "fit", "effective_batch_size": "hyperparameters",
+                             "measure_noise_scale": "default", "noise_scale_smoothing": "default"}
+    with pytest.raises(ValueError, match=r"'fit'` \(from hyperparameters.*needs `effective_batch_size`"):
+        settings_lib.resolve({"values": {"accum_steps": "fit"}}, None, None, replicas=1)
+    with pytest.raises(ValueError, match=r"from hyperparameters.*leave `accum_schedule`"):
+        settings_lib.resolve({"values": {"accum_steps": "fit", "effective_batch_size": 64}}, None, None,
+                             replicas=1, schedule={0: 2})
+
+
+def test_a_tuned_fit_runs_the_trainers_own_fit(examples, tmp_path):
+    hp = fixtures.hyperparameters_artifact(str(tmp_path / "hp"), {"accum_steps": "fit", "effective_batch_size": 64})
+    outputs, seen, _ = fixtures.run_executor(
+        tmp_path / "tuned", examples, num_steps=2, hyperparameters=hp, module=MODULE,
+        custom_config={"cliff": CLIFF}, accum_steps=2, effective_batch_size=32)
+    model = outputs["model"][0]
+    assert model.get_int_custom_property("accum_steps_fit") == 1
+    assert model.get_int_custom_property("effective_batch_size") == 64
+    assert model.get_int_custom_property("accum_steps") == 4 == seen["accum_steps"]
+    assert model.get_int_custom_property("micro_batch_size") == 16 == seen["train_batch"]
+    assert seen["iterations"] == 2
+
+
 @pytest.mark.apart      # about 80 s: 2 processes, then the large batch in one (the library's 2 workers run in make test)
 def test_on_two_processes_both_take_the_micro_batch_of_the_one_that_hits_the_cliff(examples, tmp_path):
     """The Trainer's cluster (chief + worker, TF_CONFIG as Vertex sets it): only the worker's
