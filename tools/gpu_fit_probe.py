@@ -42,6 +42,8 @@ def main():
     parser.add_argument("--updates", type=int, default=3)
     parser.add_argument("--by_hand", default="32,64,128")
     parser.add_argument("--size", default="gpu")
+    parser.add_argument("--max_micro_batch", type=int, default=None,
+                        help="the largest micro-batch the probe tries (fewer sizes: fewer XLA compiles)")
     args = parser.parse_args()
     global SIZE
     SIZE = args.size
@@ -54,7 +56,8 @@ def main():
     x, y = models.data("transformer", SIZE, E * (args.updates + 1))
     model = _compiled(accum_steps=2)
     start = time.perf_counter()
-    found = find_micro_batch(model, x[:64], y[:64], effective_batch_size=E, uniform=True)
+    found = find_micro_batch(model, x[:64], y[:64], effective_batch_size=E, uniform=True,
+                             max_micro_batch=args.max_micro_batch)
     probe_seconds = time.perf_counter() - start
     write(dict(what="probe", effective_batch=E, micro_batch=found.micro_batch, accum_steps=found.accum_steps,
                largest_fitting=found.largest_fitting, probe_seconds=probe_seconds,
