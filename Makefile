@@ -33,6 +33,12 @@ SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 PREFIX = sed -u 's/^/[$@] /'
 
+# An install of this checkout (pip install -e .) waits for any other to finish: the
+# environments of `make test` are built two at a time, and each writes the checkout's
+# egg-info.
+INSTALL_LOCK := $(CURDIR)/.install.lock
+LOCKED = flock $(INSTALL_LOCK)
+
 .PHONY: bench demo demo-retrieval docs test test-core test-apart test-tfx test-latest test-oldest test-keras2-tf215 test-keras2-latest \
 	setup setup-latest setup-oldest setup-keras2 clean
 
@@ -45,7 +51,7 @@ define core_venv
 	$(3) -m venv $(1)
 	$(1)/bin/pip install -q --upgrade pip
 	$(1)/bin/pip install -q -r $(2) pytest pytest-timeout portpicker
-	$(1)/bin/pip install -q --no-deps -e .
+	$(LOCKED) $(1)/bin/pip install -q --no-deps -e .
 	touch $(1)/.installed-py$(4)
 endef
 
@@ -62,7 +68,7 @@ $(VENV)/.installed: setup.py constraints/tfx-1.16.txt constraints/tfx-1.16-tfrs.
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "TFX 1.16 needs Python 3.11 here; got " + sys.version' 
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade "pip<25" setuptools wheel
-	$(VENV)/bin/pip install -q --ignore-requires-python -c constraints/tfx-1.16.txt -e '.[tfx,test,bench,docs]'
+	$(LOCKED) $(VENV)/bin/pip install -q --ignore-requires-python -c constraints/tfx-1.16.txt -e '.[tfx,test,bench,docs]'
 	$(VENV)/bin/pip install -q --no-deps -r constraints/tfx-1.16-tfrs.txt
 	touch $@
 
@@ -113,9 +119,10 @@ docs: $(VENV)/.installed
 # The five environments on the two cores, two at a time (a pytest keeps about one core
 # busy), longest first, so that whichever finishes takes the next; -k runs every
 # environment even when one fails. Each line of output is prefixed with its
-# environment's target. The environments are built first, one at a time.
+# environment's target. Each lane builds its environment first (a prerequisite), so
+# one lane's install overlaps the other's tests; the installs of this checkout into
+# each environment take turns (INSTALL_LOCK: they write the same egg-info).
 test:
-	$(MAKE) setup setup-latest setup-oldest setup-keras2
 	$(MAKE) -k -j2 test-latest test-tfx test-oldest test-keras2-latest test-keras2-tf215
 
 test-core:
