@@ -8,6 +8,8 @@ sparse gradients are `accumulator.window_rows`, replicas `accumulator.replicas`.
 
 import tensorflow as tf
 
+from tfx_gradient_accumulator.accumulator import seam
+
 
 def current_graph():
     """The graph being traced, or None eagerly: what a weight handed to the window is noted with."""
@@ -112,25 +114,46 @@ def divide_in_place(totals, divisor):
 def fill_one_after_another(variables, values, after=()):
     """`variable[...] = value` for each pair, one after another, after `after`.
 
-    The new contents are made by `Empty`, which TensorFlow marks stateful so
-    that Grappler never folds it: a `tf.fill` of constants is folded into a
-    graph constant, and a graph constant stays allocated for as long as the
-    traced function lives (DEVELOPERS.md, "Grappler folds a tf.fill"). Each
-    refill allocates the new buffer before the old one is released; chained,
-    at most one variable's worth of overlap exists at a time. `after` (reads
-    of the variables the update wrote) holds the refills until the inner
-    optimizer has used the window's means, whose buffers they replace.
+    Where a traced step runs its kernels one by one (no XLA), each buffer is
+    overwritten where it lies, one kernel a variable (`ResourceStridedSliceAssign`
+    of the value over the whole buffer): no new buffer is allocated, and a
+    non-finite sum is overwritten like any other. Elsewhere (eagerly, under XLA,
+    whose slice assignment does not broadcast, and in cross-replica context,
+    where a replica-local buffer has no one handle) the new contents are made
+    by `Empty` and assigned: `Empty` is marked stateful so that Grappler never
+    folds it, while a `tf.fill` of constants is folded into a graph constant,
+    allocated for as long as the traced function lives (DEVELOPERS.md,
+    "Grappler folds a tf.fill"); each refill allocates the new buffer before the
+    old one is released, so chained, at most one variable's worth of overlap
+    exists at a time. `after` (reads of the variables the update wrote) holds
+    the refills until the inner optimizer has used the window's means, whose
+    buffers they replace (or, in place, overwrite: a buffer whose mean is still
+    held would be copied first).
     """
     previous = [a for a in after if a is not None]
+    in_place = not tf.executing_eagerly() and not seam.in_xla_context() and not (
+        tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context())
     for variable, value in zip(variables, values):
         variable = backing_variable(variable)
         with tf.control_dependencies(previous):
-            shape = tuple(variable.shape) if variable.shape.is_fully_defined() else tf.shape(variable)
-            contents = tf.raw_ops.Empty(shape=shape, dtype=variable.dtype, init=True)
-            if value != 0:
-                contents = contents + tf.constant(value, variable.dtype)
-            op = variable.assign(contents, read_value=False)
+            if in_place and variable.shape.rank:
+                op = overwrite_in_place(variable, value)
+            else:
+                shape = tuple(variable.shape) if variable.shape.is_fully_defined() else tf.shape(variable)
+                contents = tf.raw_ops.Empty(shape=shape, dtype=variable.dtype, init=True)
+                if value != 0:
+                    contents = contents + tf.constant(value, variable.dtype)
+                op = variable.assign(contents, read_value=False)
         previous = [op] if op is not None else []
+
+
+def overwrite_in_place(variable, value):
+    """Every element of `variable` (a `tf.Variable` of rank >= 1) set to `value`, in its own
+    buffer: one kernel, no allocation (the value broadcast over a slice of the whole
+    buffer). Not under XLA, whose slice assignment does not broadcast."""
+    return tf.raw_ops.ResourceStridedSliceAssign(
+        ref=variable.handle, begin=[0], end=[0], strides=[1], value=tf.constant(value, variable.dtype),
+        begin_mask=1, end_mask=1)
 
 
 def keep_maximum(accumulator, grad):
@@ -140,9 +163,8 @@ def keep_maximum(accumulator, grad):
 
 
 def assign_add_after(variable, delta, after):
-    """`variable += delta`, once the tensors `after` exist."""
+    """`variable += delta`, once the tensors `after` exist: on the `tf.Variable` itself, one
+    kernel (a Keras 3 variable's own `assign_add` reads, adds and assigns: three)."""
     values = [a.values if isinstance(a, tf.IndexedSlices) else a for a in after]
     with tf.control_dependencies([tf.convert_to_tensor(v) for v in values]):
-        variable.assign_add(delta)
-
-
+        backing_variable(variable).assign_add(delta, read_value=False)

@@ -764,7 +764,7 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
                 _tf.fill_to(s.accumulators[index], tuple(s.variables[index].shape), s.strategy)
                 s.dense_seen.add(index)
                 _tf.add_weighted(s.accumulators[index], grad, weight)
-        s.weight_sum.assign_add(tf.cast(divisor, tf.float32))
+        _tf.backing_variable(s.weight_sum).assign_add(tf.cast(divisor, tf.float32), read_value=False)   # one kernel
         window_noise.add_micro_batch(s, grads, indices, weight, samples)
 
     # Whether the inner optimizer sums repeated rows of a sparse gradient itself

@@ -32,6 +32,10 @@ from tfx_gradient_accumulator.accumulator._tf import (
 
 logger = logging.getLogger(__name__)
 
+# The name scope of the rows' kernels: the exact sparse update's own, which a step's
+# kernel count credits beside Keras' (`benchmarks/kernel_count.py`).
+ROWS_SCOPE = "window_rows"
+
 XLA_ROWS_MESSAGE = (
     "GradientAccumulator got a sparse gradient (tf.IndexedSlices, from an Embedding or "
     "another gather) for {name} inside an "
@@ -85,18 +89,25 @@ class WindowRows:
     def add(self, grad, weight, once_per_batch, strategy):
         """Replica-local: `weight * grad`'s rows, appended, or summed position by position
         for a lookup made once per batch on one replica. Under XLA, appended in the
-        room made for them (`append_rows_in_room`)."""
-        if once_per_batch and replicas.replicas_in_sync() == 1:
-            add_rows_in_place(self.values, self.indices, self.count, grad, weight, strategy)
-        elif seam.in_xla_context():
-            append_rows_in_room(self.values, self.indices, self.count, grad, weight)
-        else:
-            append_rows(self.values, self.indices, self.count, grad, weight)
+        room made for them (`append_rows_in_room`). Under the name scope `ROWS_SCOPE`, as
+        every kernel of the rows (`benchmarks/kernel_count.py` tells them by it)."""
+        with tf.name_scope(ROWS_SCOPE):
+            if once_per_batch and replicas.replicas_in_sync() == 1:
+                add_rows_in_place(self.values, self.indices, self.count, grad, weight, strategy)
+            elif seam.in_xla_context():
+                append_rows_in_room(self.values, self.indices, self.count, grad, weight)
+            else:
+                append_rows(self.values, self.indices, self.count, grad, weight)
 
     def reset(self, in_room=False):
         """Empties the rows (their buffers stay). A room (`in_room`, XLA) that
         overflowed stays marked (its count past its capacity) until
         `refuse_overflowed_room` reads it on the host."""
+        with tf.name_scope(ROWS_SCOPE):
+            self._reset(in_room)
+
+    def _reset(self, in_room):
+        """`reset`'s body."""
         if not in_room:
             self.count.assign(0)
             return
@@ -113,6 +124,11 @@ class WindowRows:
         row per index. `count`: the rows of a once-per-batch lookup, known when
         traced (for XLA), else None.
         """
+        with tf.name_scope(ROWS_SCOPE):
+            return self._mean(variable, weight_sum, count, merge)
+
+    def _mean(self, variable, weight_sum, count, merge):
+        """`mean`'s body."""
         shape = tf.constant(tuple(variable.shape), tf.int64)
         if replicas.replicas_in_sync() == 1:
             # Divided where they lie (see _tf.divide_in_place): no second copy of the

@@ -1,0 +1,52 @@
+"""The close's refill of the window's buffers (`_tf.fill_one_after_another`): in place,
+one kernel a buffer, where a traced step runs kernel by kernel; `Empty` and an
+assignment eagerly and under XLA. Either way every element gets the value, a
+non-finite sum included, and the buffer keeps its shape (a one-row stand-in too)."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfx_gradient_accumulator.accumulator import _tf
+
+
+def _buffers():
+    return [tf.Variable(np.array([[1.0, np.inf], [np.nan, -2.0]], np.float32)),
+            tf.Variable(np.full([1, 3], np.inf, np.float32), shape=tf.TensorShape([None, 3])),
+            tf.Variable(np.arange(4, dtype=np.float64))]
+
+
+@pytest.mark.parametrize("how", ["traced", "xla", "eager"])
+def test_every_buffer_gets_its_value(how):
+    buffers = _buffers()
+    values = [0.0, float("-inf"), 0.0]
+
+    def refill():
+        _tf.fill_one_after_another(buffers, values)
+
+    if how == "eager":
+        refill()
+    else:
+        tf.function(refill, jit_compile=how == "xla")()
+    for buffer, value, shape in zip(buffers, values, [(2, 2), (1, 3), (4,)]):
+        np.testing.assert_array_equal(buffer.numpy(), np.full(shape, value, buffer.dtype.as_numpy_dtype))
+
+
+def test_traced_refill_is_one_kernel_a_buffer_without_allocation():
+    buffers = _buffers()
+    graph = tf.function(lambda: _tf.fill_one_after_another(buffers, [0.0] * 3)).get_concrete_function().graph
+    ops = [op.type for op in graph.get_operations()]
+    assert ops.count("ResourceStridedSliceAssign") == 3
+    assert "Empty" not in ops and "AssignVariableOp" not in ops
+
+
+def test_the_count_is_added_on_the_variable_in_one_kernel():
+    import keras
+
+    count = keras.Variable(np.int64(2), dtype="int64")
+    signal = tf.constant(1.0)
+    graph = tf.function(lambda: _tf.assign_add_after(count, 1, after=[signal])).get_concrete_function().graph
+    assert [op.type for op in graph.get_operations()].count("AssignAddVariableOp") == 1
+    assert "ReadVariableOp" not in [op.type for op in graph.get_operations()]
+    tf.function(lambda: _tf.assign_add_after(count, 1, after=[signal]))()
+    assert int(count.numpy()) == 3
