@@ -65,8 +65,10 @@ class Recovery:
             self._turn_off(f"off: this fit {reason}")
             return original(model, **arguments)
         data = arguments["x"].unbatch().batch(self.found.effective_batch_size)
-        run = fit_with_out_of_memory_recovery(model, data, self.found, steps_per_epoch=steps_per_epoch,
-                                              **{k: arguments[k] for k in _PASSED_ON})
+        passed = {k: arguments[k] for k in _PASSED_ON}
+        if isinstance(passed["verbose"], bool):       # `fit` takes True and False as 1 and 0
+            passed["verbose"] = int(passed["verbose"])
+        run = fit_with_out_of_memory_recovery(model, data, self.found, steps_per_epoch=steps_per_epoch, **passed)
         self.switches += run.switches
         if run.switches:
             self.found = dataclasses.replace(self.found, micro_batch=run.micro_batch, accum_steps=run.accum_steps)
