@@ -96,12 +96,12 @@ def recovery_for(settings, strategy, workers: int, backup) -> Optional[Recovery]
         return None
     recovery = Recovery(settings.fitted)
     if workers > 1:
-        recovery._turn_off(f"off on a cluster of {workers} workers (every worker would have to switch at "
-                           "the same update)")
+        recovery._turn_off(f"off: a cluster of {workers} workers (every worker would have to switch at the "
+                           "same update)")
     elif strategy.num_replicas_in_sync > 1:
-        recovery._turn_off(f"off under {strategy.num_replicas_in_sync} replicas (it trains on one device)")
+        recovery._turn_off(f"off: {strategy.num_replicas_in_sync} replicas (it trains on one device)")
     elif backup is not None:
-        recovery._turn_off("off with backup_dir (a backup resumes by fit steps, which a switch changes)")
+        recovery._turn_off("off: backup_dir is set (a backup resumes by fit steps, which a switch changes)")
     return recovery
 
 

@@ -77,9 +77,9 @@ class _Replicas:
 
 
 @pytest.mark.parametrize("where, said", [
-    ({"workers": 2}, "off on a cluster of 2 workers"),
-    ({"strategy": _Replicas()}, "off under 2 replicas"),
-    ({"backup": object()}, "off with backup_dir"),
+    ({"workers": 2}, "off: a cluster of 2 workers"),
+    ({"strategy": _Replicas()}, "off: 2 replicas"),
+    ({"backup": object()}, "off: backup_dir is set"),
 ])
 def test_where_it_cannot_be_exact_it_is_off_and_says_why(where, said):
     recovery = _recovery(**where)
@@ -121,7 +121,7 @@ def test_with_backup_dir_it_trains_at_the_found_micro_batch_and_records_the_reco
         module=MODULE, custom_config={"budget": BUDGET}, accum_steps_fit=1, effective_batch_size=EFFECTIVE,
         backup_dir=str(tmp_path / "backups"))
     model = outputs["model"][0]
-    assert model.get_string_custom_property("out_of_memory_recovery").startswith("off with backup_dir")
+    assert model.get_string_custom_property("out_of_memory_recovery").startswith("off: backup_dir is set")
     assert model.get_string_custom_property("micro_batch_switches") == "[]"
     assert model.get_int_custom_property("backup_resumes") == 0
     assert (seen["iterations"], seen["accum_steps"], seen["train_batch"]) == (2, 2, 32)
