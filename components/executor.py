@@ -118,7 +118,8 @@ class Executor(tfx_trainer_executor.GenericExecutor):
         verdict = exactness.verify(run_fn, fn_args_utils.for_accumulation(fn_args, settings, role.workers),
                                    settings, exec_properties.get(exactness.VERIFY_EXACTNESS_KEY), strategy, role)
         # Train the model: every optimizer the run_fn compiles accumulates (or every GradientCache).
-        run = _Run(settings, strategy, role, backup, out_of_memory.recovery_for(settings, strategy, role.workers, backup))
+        recovery = out_of_memory.recovery_for(settings, strategy, role.workers, backup)    # "fit" alone
+        run = _Run(settings, strategy, role, backup, recovery)
         logging.info("Training model. %s", _describe(run, fn_args.train_steps))
         with cluster.worker_outputs(fn_args, role, backup) as outputs:
             with accumulating_compile(strategy=strategy, backup=backup, **settings.compile_arguments()) as optimizers, \

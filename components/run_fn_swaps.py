@@ -3,8 +3,8 @@
 `strategies_made_map_onto`: the strategies a run_fn constructs stand in for the
 executor's; `fits_stopped`: `Model.fit` raises `FitReached` (for `verify_exactness`'s
 probe); `fits_routed`: the run_fn's `Model.fit` goes elsewhere (`accum_steps="fit"`'s
-out-of-memory recovery, `components.out_of_memory`). Each is restored when its context closes; the library's own changes are
-`accumulator.hooks`.
+out-of-memory recovery, `components.out_of_memory`). Each is restored when its context
+closes; the library's own changes are `accumulator.hooks`.
 """
 
 import contextlib
