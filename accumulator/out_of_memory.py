@@ -107,7 +107,8 @@ def fit_with_out_of_memory_recovery(model: keras.Model, dataset: tf.data.Dataset
                                     epochs: int = 1, initial_epoch: int = 0,
                                     callbacks: Optional[Sequence[keras.callbacks.Callback]] = None,
                                     verbose: Any = "auto", validation_data: Any = None,
-                                    validation_freq: int = 1) -> RecoveredFit:
+                                    validation_freq: int = 1, steps_per_epoch: Optional[int] = None,
+                                    validation_steps: Optional[int] = None) -> RecoveredFit:
     """`model.fit(found.micro_batches(dataset), ...)`, going on at half the micro-batch after
     an out-of-memory error in a training step, with the weights of the run without it.
 
@@ -130,6 +131,12 @@ def fit_with_out_of_memory_recovery(model: keras.Model, dataset: tf.data.Dataset
         verbose: as `fit`'s: "auto", 0, 1 or 2.
         validation_data: as `fit`'s (an error in validation is not recovered from).
         validation_freq: as `fit`'s: an int >= 1.
+        steps_per_epoch: None: each epoch reads `dataset` once, from its start. An int
+            >= 1: each epoch trains that many batches of E (windows, not micro-steps), one
+            reading going on from epoch to epoch, as `fit(steps_per_epoch=...)` reads a
+            repeated dataset (`dataset.repeat()`, the TFX way); data that runs out first
+            ends the training, as in `fit`.
+        validation_steps: as `fit`'s: None, or an int >= 1.
 
     Returns:
         A `RecoveredFit`: the `history`, the `switches`, and b and N at the end.
@@ -141,11 +148,12 @@ def fit_with_out_of_memory_recovery(model: keras.Model, dataset: tf.data.Dataset
         tf.errors.ResourceExhaustedError: a step ran out of memory at a micro-batch of 1.
         RuntimeError: an inner update stopped half-way (nothing can be redone exactly).
     """
-    options = _validated(model, dataset, found, epochs, initial_epoch, callbacks, verbose, validation_freq)
+    options = _validated(model, dataset, found, epochs, initial_epoch, callbacks, verbose, validation_freq,
+                         steps_per_epoch, validation_steps)
     optimizer = model.optimizer
     halves = optimizer.track_updates()
     model.make_train_function(force=True)
-    feed = _Feed(dataset)
+    feed = _Feed(dataset, steps_per_epoch)
     tracker = _Tracker(feed, optimizer)
     switches: List[MicroBatchSwitch] = []
     current, epoch = found, initial_epoch
@@ -158,7 +166,8 @@ def fit_with_out_of_memory_recovery(model: keras.Model, dataset: tf.data.Dataset
                 warnings.filterwarnings("ignore", message=".*ran out of data")   # `fit` at each epoch's end
                 model.fit(current.micro_batches(feed.as_dataset()), epochs=end, initial_epoch=epoch,
                           callbacks=[tracker, *options["callbacks"]], verbose=verbose, shuffle=False,
-                          validation_data=validation_data, validation_freq=validation_freq)
+                          validation_data=validation_data, validation_freq=validation_freq,
+                          validation_steps=validation_steps)
         except tf.errors.OpError as err:
             if not (tracker.in_step and is_out_of_memory(err)):
                 raise
@@ -206,19 +215,24 @@ def _switch(model, current, halves, tracker, err):
 
 
 class _Feed:
-    """The batches of E for `fit`, through Python: each epoch reads `dataset` once, and keeps
-    the last few batches read, so that a dropped window is fed again from its first sample."""
+    """The batches of E for `fit`, through Python: each epoch reads `dataset` once (or, with
+    `steps_per_epoch`, its next `steps_per_epoch` batches), and keeps the last few batches
+    read, so that a dropped window is fed again from its first sample."""
 
-    def __init__(self, dataset):
+    def __init__(self, dataset, steps_per_epoch=None):
         self._dataset = dataset
+        self._steps_per_epoch = steps_per_epoch
         self._iterator = None
         self._recent = collections.deque(maxlen=_KEPT_BATCHES)
         self._replay: list = []
         self._next = 0
+        self.ran_out = False      # with `steps_per_epoch`: the data ended before an epoch did
 
     def start_epoch(self):
-        """A new reading of the dataset (as `fit` reads it once an epoch)."""
-        self._iterator = iter(self._dataset)
+        """The epoch's batches: a new reading of the dataset (as `fit` reads it once an
+        epoch), or, with `steps_per_epoch`, the next ones of the one reading."""
+        if self._iterator is None or self._steps_per_epoch is None:
+            self._iterator = iter(self._dataset)
         self._recent.clear()
         self._replay, self._next = [], 0
 
@@ -236,10 +250,13 @@ class _Feed:
         while True:
             if self._replay:
                 index, batch = self._replay.pop(0)
+            elif self._next == self._steps_per_epoch:
+                return
             else:
                 try:
                     batch = next(self._iterator)
                 except StopIteration:
+                    self.ran_out = self._steps_per_epoch is not None
                     return
                 index, self._next = self._next, self._next + 1
             self._recent.append((index, batch))
@@ -284,6 +301,10 @@ class _Tracker(keras.callbacks.Callback):
         self.in_step = False
 
     def on_epoch_end(self, epoch, logs=None):
+        if self._feed.ran_out:
+            logger.warning("fit_with_out_of_memory_recovery: the data ran out before epoch %d's "
+                           "steps_per_epoch; the training stops here, as `fit`'s does.", epoch)
+            self.model.stop_training = True
         self.history.epoch.append(epoch)
         for name, value in (logs or {}).items():
             self.history.history.setdefault(name, []).append(value)
@@ -293,7 +314,8 @@ class _Tracker(keras.callbacks.Callback):
         return int(self._optimizer.iterations.numpy()) - self._base
 
 
-def _validated(model, dataset, found, epochs, initial_epoch, callbacks, verbose, validation_freq) -> dict:
+def _validated(model, dataset, found, epochs, initial_epoch, callbacks, verbose, validation_freq,
+               steps_per_epoch=None, validation_steps=None) -> dict:
     """Every option checked before any step; `{"callbacks": [...]}`."""
     if not isinstance(found, MicroBatchFit):
         raise TypeError(f"`found` must be the MicroBatchFit that find_micro_batch returned; received "
@@ -306,6 +328,9 @@ def _validated(model, dataset, found, epochs, initial_epoch, callbacks, verbose,
     if initial_epoch >= epochs:
         raise ValueError(f"`initial_epoch` must be below `epochs`={epochs}; received {initial_epoch}.")
     integer_at_least(validation_freq, "validation_freq")
+    for name, value in (("steps_per_epoch", steps_per_epoch), ("validation_steps", validation_steps)):
+        if value is not None:
+            integer_at_least(value, name)
     if isinstance(verbose, bool) or verbose not in _VERBOSE:
         raise ValueError(f"`verbose` must be one of {_VERBOSE}; received {verbose!r}.")
     callbacks = list(callbacks or [])

@@ -97,6 +97,11 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             / micro-batch; needs `effective_batch_size` (which may be tuned alone)
             and one worker. Recorded: `accum_steps_fit`, `accum_steps`,
             `micro_batch_size`, `largest_fitting_micro_batch`, `micro_batch_probes`.
+            The run_fn's `fit` then survives an out-of-memory error mid-run,
+            exactly (`components.out_of_memory`: the micro-batch halves), on one
+            device without `backup_dir`; recorded: `out_of_memory_recovery`,
+            `micro_batch_switches`, and after a switch `final_micro_batch_size`,
+            `final_accum_steps`.
         effective_batch_size: samples per optimizer update over all replicas;
             when set, training datasets from `fn_args.data_accessor` come batched
             at `effective_batch_size // accum_steps`. The `hyperparameters`

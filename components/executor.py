@@ -22,7 +22,8 @@ from tfx.types import standard_component_specs
 from tfx_gradient_accumulator.accumulator.autowrap import accumulating_compile
 from tfx_gradient_accumulator.accumulator.distribute import strategy_from_environment
 from tfx_gradient_accumulator.components import (
-    cluster, exactness, fn_args_utils, micro_batch_fit, noise_scale, preemption, run_fn_swaps, settings as settings_lib)
+    cluster, exactness, fn_args_utils, micro_batch_fit, noise_scale, out_of_memory, preemption, run_fn_swaps,
+    settings as settings_lib)
 
 ACCUM_STEPS_KEY = "accum_steps"
 EFFECTIVE_BATCH_SIZE_KEY = "effective_batch_size"
@@ -59,12 +60,14 @@ _RESOLVE_KEYWORDS = {
 @dataclasses.dataclass(frozen=True)
 class _Run:
     """What one run resolved before training: the settings, the strategy, this
-    process's role on the cluster, and the backup (or None)."""
+    process's role on the cluster, the backup (or None), and with accum_steps="fit"
+    the out-of-memory recovery (or None; it also holds the switches it made)."""
 
     settings: settings_lib.AccumulationSettings
     strategy: Any
     role: Any
     backup: Any = None
+    recovery: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,11 +118,13 @@ class Executor(tfx_trainer_executor.GenericExecutor):
         verdict = exactness.verify(run_fn, fn_args_utils.for_accumulation(fn_args, settings, role.workers),
                                    settings, exec_properties.get(exactness.VERIFY_EXACTNESS_KEY), strategy, role)
         # Train the model: every optimizer the run_fn compiles accumulates (or every GradientCache).
-        run = _Run(settings, strategy, role, backup)
+        recovery = out_of_memory.recovery_for(settings, strategy, role.workers, backup)    # "fit" alone
+        run = _Run(settings, strategy, role, backup, recovery)
         logging.info("Training model. %s", _describe(run, fn_args.train_steps))
         with cluster.worker_outputs(fn_args, role, backup) as outputs:
             with accumulating_compile(strategy=strategy, backup=backup, **settings.compile_arguments()) as optimizers, \
-                    run_fn_swaps.strategies_made_map_onto(strategy):     # the run_fn's own MirroredStrategy(), ...
+                    run_fn_swaps.strategies_made_map_onto(strategy), \
+                    run_fn_swaps.fits_routed(out_of_memory.route(run.recovery)):   # "fit": through the recovery
                 run_fn(fn_args_utils.for_accumulation(outputs.fn_args, settings, role.workers))
             outputs.check_exported()
             if role.chief:
@@ -218,7 +223,7 @@ def _record(output_dict, model_run_dir, run, optimizers):
     reading = noise_scale.read(optimizers, settings.measure_noise_scale)
     if reading is not None:
         logging.info("%s", noise_scale.describe(reading, settings.effective_batch_size))
-    logging.info("%d optimizer updates.", updates)
+    logging.info("%d optimizer updates. %s", updates, out_of_memory.describe(run.recovery))
     _write_record(output_dict, model_run_dir, run, _Outcome(updates, open_windows, reading, schedule_taken))
 
 
@@ -234,10 +239,13 @@ def _write_record(output_dict, model_run_dir, run, outcome):
     settings, strategy, updates = run.settings, run.strategy, outcome.updates
     reading, schedule_taken = outcome.reading, outcome.schedule_taken
     backup_ints, backup_strings = preemption.properties(run.backup)
+    recovery_ints, recovery_strings = out_of_memory.properties(run.recovery)
     properties = {**settings.as_properties(), "optimizer_updates": updates,
-                  "unapplied_micro_batches": outcome.open_windows, "workers": run.role.workers, **backup_ints}
+                  "unapplied_micro_batches": outcome.open_windows, "workers": run.role.workers, **backup_ints,
+                  **recovery_ints}
     strings = {"distribution_strategy": type(strategy).__name__, "partial_window": settings.partial_window,
-               "accum_schedule_by": settings.schedule_by, "lr_scaling": settings.lr_scaling, **backup_strings}
+               "accum_schedule_by": settings.schedule_by, "lr_scaling": settings.lr_scaling, **backup_strings,
+               **recovery_strings}
     if settings.fitted is not None:       # accum_steps="fit": every step tried, (micro-batch, fitted)
         strings["micro_batch_probes"] = json.dumps([list(p) for p in settings.fitted.probes])
     if schedule_taken is not None:
@@ -265,6 +273,8 @@ def _write_record(output_dict, model_run_dir, run, outcome):
         for update, steps in sorted((schedule_taken or {}).items()):     # each decision, at its update
             tf.summary.scalar("accumulation/effective_batch_size_taken", steps * (settings.micro_batch or 0),
                               step=update)
+        for switch in (run.recovery.switches if run.recovery else ()):      # each switch, at its update
+            tf.summary.scalar("accumulation/micro_batch_size_taken", switch.micro_batch, step=switch.update)
         tf.summary.text("accumulation/settings", json.dumps(
             {**properties, **strings, "strategy": type(strategy).__name__, "sources": settings.sources},
             indent=1, sort_keys=True), step=0)

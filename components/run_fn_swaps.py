@@ -2,12 +2,14 @@
 
 `strategies_made_map_onto`: the strategies a run_fn constructs stand in for the
 executor's; `fits_stopped`: `Model.fit` raises `FitReached` (for `verify_exactness`'s
-probe). Each is restored when its context closes; the library's own changes are
-`accumulator.hooks`.
+probe); `fits_routed`: the run_fn's `Model.fit` goes elsewhere (`accum_steps="fit"`'s
+out-of-memory recovery, `components.out_of_memory`). Each is restored when its context
+closes; the library's own changes are `accumulator.hooks`.
 """
 
 import contextlib
 import functools
+import inspect
 import logging
 
 import keras
@@ -161,4 +163,43 @@ def fits_stopped():
         keras2 = flavours.keras2_module()
         if keras2 is not None and keras2.Model is not keras.Model:
             stack.enter_context(hooks.swapped(keras2.Model, "fit", _fit_that_stops))
+        yield
+
+
+@contextlib.contextmanager
+def fits_routed(route):
+    """Context: `keras.Model.fit` called by the run_fn goes to `route(fit, model, arguments)`.
+
+    `fit` is the `Model.fit` it replaced (the library's, and a backup's where one is on),
+    `arguments` the call's, bound by name with `fit`'s defaults. A `fit` that `route`
+    itself calls (a driver's) is the replaced one: only the run_fn's calls are routed.
+
+    Args:
+        route: the callable above, or None: nothing changes.
+    """
+    if route is None:
+        yield
+        return
+    routing = []        # non-empty while a routed fit runs
+
+    def make(original):
+        signature = inspect.signature(inspect.unwrap(original))     # Keras' own parameters
+
+        @functools.wraps(original)
+        def fit(self, *args, **kwargs):
+            if routing:
+                return original(self, *args, **kwargs)
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            arguments = {k: v for k, v in bound.arguments.items() if k != "self"}
+            arguments.update(arguments.pop("kwargs", None) or {})
+            routing.append(self)
+            try:
+                return route(original, self, arguments)
+            finally:
+                routing.pop()
+
+        return fit
+
+    with hooks.swapped(keras.Model, "fit", make):
         yield

@@ -132,3 +132,26 @@ def sequence_model(budget=None, features=3, seed=0):
         keras.layers.GlobalAveragePooling1D(),
         keras.layers.Dense(1),
     ])
+
+
+class SizeCliff(keras.layers.Layer):
+    """`[x, size] -> x`, the identity on `x`, whose step needs 4 TiB once the micro-batch's
+    samples times its largest `size` (a feature of each example, >= 1) reach `budget`:
+    data whose later examples are larger crosses it at a smaller micro-batch. No cliff
+    with `budget=None` (the same math: the reference at the large batch)."""
+
+    def __init__(self, budget=None, **kwargs):
+        super().__init__(**kwargs)
+        self.budget = None if budget is None else int(budget)
+
+    def call(self, inputs):
+        x, size = inputs
+        cost = tf.shape(x, out_type=tf.int64)[0] * tf.cast(tf.reduce_max(size), tf.int64)
+        if self.budget is not None:
+            cost = tf.where(cost < self.budget, cost, tf.constant(OUT_OF_MEMORY_ELEMENTS, tf.int64))
+        total = tf.reduce_sum(x)
+        aside = tf.fill(tf.reshape(cost, [1]), total)
+        return x + (tf.reduce_max(aside) - total)   # + 0.0 exactly, for finite data
+
+    def get_config(self):
+        return {**super().get_config(), "budget": self.budget}

@@ -236,6 +236,8 @@ def _found(accum_steps=2):
     ({"initial_epoch": -1}, ValueError, "`initial_epoch`"),
     ({"verbose": 3}, ValueError, "`verbose`.*'auto', 0, 1, 2"),
     ({"validation_freq": 0}, ValueError, "`validation_freq`"),
+    ({"steps_per_epoch": 0}, ValueError, "`steps_per_epoch`"),
+    ({"validation_steps": 1.5}, TypeError, "`validation_steps`"),
     ({"callbacks": [print]}, TypeError, "`callbacks`"),
     ({"found": (16, 2)}, TypeError, "`found`.*MicroBatchFit"),
     ({"found": _found(4)}, ValueError, "accum_steps=2 is not found.accum_steps=4"),
@@ -259,3 +261,36 @@ def test_models_it_cannot_train_are_refused():
     passthrough.compile(GradientAccumulator(keras.optimizers.Adam()), "mse")
     with pytest.raises(ValueError, match="schedulable=True"):
         fit_with_out_of_memory_recovery(passthrough, _dataset(_rows([4])), _found())
+
+
+def test_a_repeated_dataset_with_steps_per_epoch_goes_on_from_epoch_to_epoch():
+    """`fit(steps_per_epoch=...)` on a repeated dataset, the TFX way: each epoch trains the
+    next batches of one reading; a switch in the second epoch (its second window, the
+    dataset's fifth batch) rewinds that epoch's windows only."""
+    rows = _rows([4, 4, 4, 4, 16, 4])
+    model = _compiled()
+    x, y = _first_batch(rows)
+    found = find_micro_batch(model, x.numpy()[:16], y.numpy()[:16], effective_batch_size=E)
+    run = fit_with_out_of_memory_recovery(model, _dataset(rows).repeat(), found, epochs=2, steps_per_epoch=3,
+                                          verbose=0, validation_data=_dataset(_rows([4])).repeat(),
+                                          validation_steps=1)
+    assert [(s.update, s.micro_batch, s.accum_steps, s.epoch) for s in run.switches] == [(4, 8, 4, 1)]
+    assert int(model.optimizer.iterations.numpy()) == 6 and run.history.epoch == [0, 1]
+    assert len(run.history.history["val_loss"]) == 2
+    reference = memory_cliff.sequence_model(None, FEATURES)
+    reference.compile(keras.optimizers.Adam(1e-2), "mse")
+    reference.fit(_dataset(rows).repeat(), epochs=2, steps_per_epoch=3, verbose=0)
+    delta = ref.max_abs_diff(model.get_weights(), reference.get_weights())
+    print(f"max |dw| (steps_per_epoch on a repeated dataset): {delta:.3g}")
+    assert delta <= 1e-5
+
+
+def test_data_that_runs_out_before_steps_per_epoch_stops_the_training(caplog):
+    rows = _rows([4, 4, 4])
+    model = _compiled()
+    x, y = _first_batch(rows)
+    found = find_micro_batch(model, x.numpy(), y.numpy(), effective_batch_size=E)
+    with caplog.at_level(logging.WARNING, logger="tfx_gradient_accumulator"):
+        run = fit_with_out_of_memory_recovery(model, _dataset(rows), found, epochs=3, steps_per_epoch=2, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 3 and run.history.epoch == [0, 1]
+    assert any("data ran out before epoch 1" in r.message for r in caplog.records)

@@ -64,6 +64,22 @@ def write_examples(root, train=384, evaluation=64):
     return _examples_artifact(root)
 
 
+def write_sized_examples(root, sizes, evaluation=64):
+    """`write_examples`' rows with a float feature `size`: `sizes[i]` for training example i
+    (evaluation examples: 1)."""
+    rng = np.random.RandomState(0)
+    w = rng.randn(4)
+
+    def rows(sizes):
+        for size in sizes:
+            x = rng.randn(4)
+            yield {**{f"x{i}": _float(x[i]) for i in range(4)}, "size": _float(size), "y": _float(np.tanh(x @ w))}
+
+    for split, split_sizes in (("train", sizes), ("eval", [1] * evaluation)):
+        _write_split(root, split, rows(split_sizes))
+    return _examples_artifact(root)
+
+
 def write_interactions(root, train=384, evaluation=64, users=40, items=60):
     """(user, item) pairs as int64 features `user`, `item`: each user prefers a few items."""
     rng = np.random.RandomState(0)

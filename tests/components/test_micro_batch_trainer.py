@@ -117,6 +117,8 @@ def test_on_two_processes_both_take_the_micro_batch_of_the_one_that_hits_the_cli
     recorded = local_cluster.custom_properties(local_cluster.published(results[0][1])["model"][0])
     assert {k: recorded[k] for k in ("accum_steps", "micro_batch_size", "largest_fitting_micro_batch", "workers")} == {
         "accum_steps": 4, "micro_batch_size": 16, "largest_fitting_micro_batch": 22, "workers": 2}
+    # Every worker would have to switch at the same update: the found micro-batch is kept.
+    assert recorded["out_of_memory_recovery"].startswith("off: a cluster of 2 workers")
     seen, weights = fixtures.read_run(outputs["model_run"][0].uri)
     assert (seen["iterations"], seen["train_batch"]) == (UPDATES, 16)     # the global micro-batch
     _, _, large = fixtures.run_executor(tmp_path / "large", examples, num_steps=UPDATES, module=MODULE,
