@@ -38,6 +38,9 @@ def test_two_worker_fit_matches_single_device_large_batch(tmp_path):
 MULTIWORKER_FIXES = ("symbolic_build", "scalar_logs")
 
 
+# Apart (45 s, 2 processes each): the controls that each fix is needed; plain Keras on
+# 2 workers with every fix on runs in make test.
+@pytest.mark.apart
 @pytest.mark.parametrize("missing", MULTIWORKER_FIXES)
 def test_each_keras_fix_is_needed_for_multiworker_fit(missing, tmp_path):
     """Plain Keras optimizer, one fix left out: `fit` fails (keras-team/keras#20585)."""
@@ -70,6 +73,9 @@ def test_two_worker_embedding_fit_matches_keras_large_batch(tmp_path):
     assert ref.max_abs_diff(weights, expected.get_weights()) <= 1e-5
 
 
+# Apart (21 s, 2 processes): position lookups on 2 mirrored replicas (test_lookups) and the
+# embedding on 2 workers run in make test.
+@pytest.mark.apart
 def test_two_worker_position_lookup_matches_keras_large_batch_on_two_replicas(tmp_path):
     """A lookup made once per batch: each worker keeps its micro-batches' rows, the
     close sums them into one set per worker's share of the batch, as Keras' large
@@ -93,8 +99,9 @@ def test_two_worker_position_lookup_matches_keras_large_batch_on_two_replicas(tm
     assert ref.max_abs_diff(weights, model.get_weights()) <= 1e-5
 
 
-@pytest.mark.parametrize("partial_window, updates, model", [   # carry's MLP apart: its embedding case carries too
-    pytest.param("carry", 7, "mlp", marks=pytest.mark.apart), ("apply", 9, "mlp"), ("carry", 7, "embedding")])
+@pytest.mark.parametrize("partial_window, updates, model", [   # the MLP's apart (50 s each): the embedding case
+    pytest.param("carry", 7, "mlp", marks=pytest.mark.apart),     # kills and resumes a worker in make test
+    pytest.param("apply", 9, "mlp", marks=pytest.mark.apart), ("carry", 7, "embedding")])
 def test_killed_worker_resumes_from_backup_without_losing_or_repeating_micro_batches(
         partial_window, updates, model, tmp_path):
     # 9 micro-batches an epoch, windows of 4. "carry": the backup at the end of
@@ -139,6 +146,9 @@ def _single_device_resumable(partial_window, model="mlp"):
     return model.get_weights()
 
 
+# Apart (62 s, 2 processes): the decisions' one collective runs on 2 mirrored replicas in
+# make test (test_auto_batch), the 2-worker strategy by the other tests here.
+@pytest.mark.apart
 def test_every_worker_takes_the_same_auto_accumulation_decisions_at_the_same_windows(tmp_path):
     """AutoAccumulation reads B_simple from the window's all-reduced sums: both workers
     grow the window at the same updates, and the run equals one device replaying the
@@ -170,6 +180,9 @@ def test_every_worker_takes_the_same_auto_accumulation_decisions_at_the_same_win
     assert ref.max_abs_diff(weights, model.get_weights()) <= 1e-5
 
 
+# Apart (51 s, 2 processes): the probe on 2 mirrored replicas runs in make test
+# (test_micro_batch), the 2-worker strategy by the other tests here.
+@pytest.mark.apart
 def test_on_two_workers_every_worker_takes_the_smallest_micro_batch_any_of_them_fits(tmp_path):
     """find_micro_batch under MultiWorkerMirroredStrategy: each worker probes a copy of the
     model on its own device, outside the strategy (a probe that runs out of memory must not

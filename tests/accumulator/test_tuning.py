@@ -114,6 +114,9 @@ def test_gradient_cache_trial_equals_keras_large_batch(tmp_path):
     assert ref.max_abs_diff(expected.get_weights(), cm.built("two_tower").get_weights()) > 1e-2
 
 
+# Apart (36 s): the Trainer's GradientCache tuning runs in make test's TFX lane, and the trials'
+# accum_steps and effective batch by the Keras model's trials above.
+@pytest.mark.apart
 def test_each_gradient_cache_trial_has_its_accum_steps_and_effective_batch(tmp_path):
     data = cm.interactions(256)
     seen = []

@@ -55,7 +55,8 @@ def _large_batch(x, y, effective_batch_size):
     return reference.get_weights()
 
 
-@pytest.mark.parametrize("as_dataset", [False, True], ids=["arrays", "dataset"])
+@pytest.mark.parametrize("as_dataset", [False, pytest.param(True, marks=pytest.mark.apart)],  # dataset apart (23 s):
+                         ids=["arrays", "dataset"])                  # the tuned pipeline reads one in make test
 def test_a_search_over_the_effective_batch_alone_trains_each_trial_exactly(tmp_path, as_dataset):
     x, y = ref.regression_data(128)
     hypermodel = _Recording(_build(lambda e: CLIFF), accum_steps="fit", effective_batch_sizes=(16, 64))
