@@ -156,11 +156,12 @@ test-latest: $(LATEST)/.installed-py$(LATEST_PY)
 
 # The oldest Keras runs the library's core: the files whose paths go through what
 # differs between Keras versions (private names, saving, compile and fit, XLA, mixed
-# precision, the loss API GradientCache calls, callbacks, replicas): about 12 of the 26
-# minutes its whole would take; make test-apart runs the rest there.
+# precision, the loss API GradientCache calls, replicas): about 11 of the 26 minutes its
+# whole would take; make test-apart runs the rest there (callbacks and weighting among
+# them: they use Keras' public API alone).
 OLDEST_TESTS := $(addprefix tests/accumulator/,test_seam.py test_api.py test_optimizer.py test_exactness.py \
 	test_window.py test_xla.py test_mixed_precision.py test_saving.py test_saving_before_training.py \
-	test_callbacks.py test_mirrored.py test_gradient_cache.py test_weighting.py test_flavours.py test_options.py)
+	test_mirrored.py test_gradient_cache.py test_flavours.py test_options.py)
 test-oldest: $(OLDEST)/.installed-py$(OLDEST_PY)
 	$(OLDEST)/bin/python -m pytest $(OLDEST_TESTS) -m "not sweep and not apart" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
 

@@ -117,6 +117,9 @@ def _fit_least_squares(weights, label, *data, **fit_kwargs):
     return model
 
 
+# Apart (41 s): least squares through fit and the brute force below check the same estimate;
+# uneven micro-batches' sizes are test_short_last_micro_batch_and_forced_close_are_exact's.
+@pytest.mark.apart
 def test_uneven_micro_batches_through_fit_match_the_closed_form():
     """Windows of 16, 16, 16, 4 (a dataset that ends every window short): B = 52,
     h = (3/16 + 1/4) / 4. Spread over 20 seeds (estimator test): std 3.5%,

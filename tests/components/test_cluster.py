@@ -128,6 +128,9 @@ def test_the_demo_module_trains_on_two_processes_and_the_chief_exports_it(tmp_pa
     assert len(logs) == 1                 # the module's TensorBoard callback: the chief's alone
 
 
+# Apart (65 s, 2 processes): the cluster's error paths are the chief's (test_two_processes_...),
+# and a killed run's resume on 1 process runs in make test.
+@pytest.mark.apart
 def test_a_worker_that_dies_fails_the_run_with_a_clear_message_and_no_model(examples, tmp_path):
     inputs, outputs, properties = fixtures.executor_arguments(
         tmp_path / "run", examples, num_steps=STEPS, accum_steps=ACCUM, effective_batch_size=EFFECTIVE)

@@ -217,6 +217,9 @@ def test_gathered_across_two_replicas_it_trains_like_the_stock_trainer_on_one_de
     assert runs[0] > 100 * TOLERANCE
 
 
+# Apart (48 s, a fresh Keras 2 process): the Keras 3 module gathers through the Trainer in make
+# test, and tests/keras2 gathers Keras 2's negatives on 2 replicas.
+@pytest.mark.apart
 def test_a_keras_2_module_gathered_across_two_replicas_trains_like_the_stock_trainer_on_one_device(
         examples, tmp_path):
     """The tf_keras two-tower with `gather_across_replicas=1` under MirroredStrategy on 2

@@ -89,7 +89,8 @@ def test_a_run_fn_with_its_own_strategy_trains_under_the_executors_like_the_larg
     assert max_abs_diff(weights, stock) <= 1e-5
 
 
-@pytest.mark.parametrize("own", ["mirrored", "multi_worker"])
+@pytest.mark.parametrize("own", [   # multi_worker's apart (24 s): the Keras 3 run_fn's runs above
+    "mirrored", pytest.param("multi_worker", marks=pytest.mark.apart)])
 def test_a_keras_2_run_fn_with_its_own_strategy_trains_under_the_executors(own, examples, tmp_path):
     pytest.importorskip("tf_keras")
     stock_weights = fixtures.run_executor(tmp_path / "stock", examples, num_steps=4, stock=True,
