@@ -22,6 +22,23 @@ from tests.accumulator import reference as ref
 OUT_OF_MEMORY_ELEMENTS = 2 ** 40
 
 
+def _elements(fits, elements):
+    """`elements` where `fits`, else 2^40 (4 TiB of floats): the allocation a cliff asks for."""
+    return tf.where(fits, elements, tf.constant(OUT_OF_MEMORY_ELEMENTS, tf.int64))
+
+
+def _plus_zero_after(x, elements):
+    """`x + 0.0`, exactly for finite data, computed from a tensor of `elements` floats filled
+    with sum(x): Grappler cannot fold it away, so the allocation happens (or fails)."""
+    total = tf.reduce_sum(x)
+    return x + (tf.reduce_max(tf.fill(tf.reshape(elements, [1]), total)) - total)
+
+
+def _longest(sequences):
+    """The longest sequence of a padded batch: its time steps with a nonzero feature."""
+    return tf.reduce_max(tf.reduce_sum(tf.cast(tf.reduce_any(tf.not_equal(sequences, 0.0), axis=-1), tf.int64), axis=1))
+
+
 class MemoryCliff(keras.layers.Layer):
     """The identity, whose step needs 4 TiB for a batch of `cliff` samples or more."""
 
@@ -31,10 +48,7 @@ class MemoryCliff(keras.layers.Layer):
 
     def call(self, x):
         b = tf.shape(x, out_type=tf.int64)[0]
-        elements = tf.where(b < self.cliff, b * b, tf.constant(OUT_OF_MEMORY_ELEMENTS, tf.int64))
-        total = tf.reduce_sum(x)
-        aside = tf.fill(tf.reshape(elements, [1]), total)
-        return x + (tf.reduce_max(aside) - total)   # + 0.0 exactly, for finite data
+        return _plus_zero_after(x, _elements(b < self.cliff, b * b))
 
     def get_config(self):
         return {**super().get_config(), "cliff": self.cliff}
@@ -72,13 +86,8 @@ class SequenceCliff(keras.layers.Layer):
         self.budget = int(budget)
 
     def call(self, x):
-        b = tf.shape(x, out_type=tf.int64)[0]
-        steps = tf.reduce_sum(tf.cast(tf.reduce_any(tf.not_equal(x, 0.0), axis=-1), tf.int64), axis=1)
-        cost = b * tf.reduce_max(steps)
-        elements = tf.where(cost < self.budget, cost, tf.constant(OUT_OF_MEMORY_ELEMENTS, tf.int64))
-        total = tf.reduce_sum(x)
-        aside = tf.fill(tf.reshape(elements, [1]), total)
-        return x + (tf.reduce_max(aside) - total)   # + 0.0 exactly, for finite data
+        cost = tf.shape(x, out_type=tf.int64)[0] * _longest(x)
+        return _plus_zero_after(x, _elements(cost < self.budget, cost))
 
     def get_config(self):
         return {**super().get_config(), "budget": self.budget}
@@ -94,17 +103,12 @@ class BackwardCliff(keras.layers.Layer):
 
     def call(self, inputs):
         sequences, hidden = inputs
-        b = tf.shape(sequences, out_type=tf.int64)[0]
-        steps = tf.reduce_sum(tf.cast(tf.reduce_any(tf.not_equal(sequences, 0.0), axis=-1), tf.int64), axis=1)
-        cost = b * tf.reduce_max(steps)
-        elements = tf.where(cost < self.budget, cost, tf.constant(OUT_OF_MEMORY_ELEMENTS, tf.int64))
+        cost = tf.shape(sequences, out_type=tf.int64)[0] * _longest(sequences)
+        elements = _elements(cost < self.budget, cost)
 
         @tf.custom_gradient
         def identity(h):
-            def gradient(upstream):
-                total = tf.reduce_sum(upstream)
-                return upstream + (tf.reduce_max(tf.fill(tf.reshape(elements, [1]), total)) - total)
-            return tf.identity(h), gradient
+            return tf.identity(h), lambda upstream: _plus_zero_after(upstream, elements)
 
         return identity(hidden)
 
@@ -147,11 +151,7 @@ class SizeCliff(keras.layers.Layer):
     def call(self, inputs):
         x, size = inputs
         cost = tf.shape(x, out_type=tf.int64)[0] * tf.cast(tf.reduce_max(size), tf.int64)
-        if self.budget is not None:
-            cost = tf.where(cost < self.budget, cost, tf.constant(OUT_OF_MEMORY_ELEMENTS, tf.int64))
-        total = tf.reduce_sum(x)
-        aside = tf.fill(tf.reshape(cost, [1]), total)
-        return x + (tf.reduce_max(aside) - total)   # + 0.0 exactly, for finite data
+        return _plus_zero_after(x, cost if self.budget is None else _elements(cost < self.budget, cost))
 
     def get_config(self):
         return {**super().get_config(), "budget": self.budget}
