@@ -39,7 +39,7 @@ PREFIX = sed -u 's/^/[$@] /'
 INSTALL_LOCK := $(CURDIR)/.install.lock
 LOCKED = flock $(INSTALL_LOCK)
 
-.PHONY: bench demo demo-retrieval docs test test-core test-apart test-tfx test-latest test-oldest test-keras2-tf215 test-keras2-latest \
+.PHONY: bench demo demo-retrieval docs test test-core test-apart test-tfx test-latest test-latest-2 test-oldest test-keras2-tf215 test-keras2-latest \
 	setup setup-latest setup-oldest setup-keras2 clean
 
 # $(call core_venv,DIR,CONSTRAINTS,PYTHON,VERSION,VARIABLE): a venv on Python VERSION
@@ -116,17 +116,18 @@ bench: $(VENV)/.installed
 docs: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/python -m mkdocs build --strict
 
-# The five environments on the two cores, two at a time (a pytest keeps about one core
-# busy), longest first, so that whichever finishes takes the next; -k runs every
-# environment even when one fails. Each line of output is prefixed with its
-# environment's target. Each lane builds its environment first (a prerequisite), so
-# one lane's install overlaps the other's tests; the installs of this checkout into
-# each environment take turns (INSTALL_LOCK: they write the same egg-info).
+# The five environments' six lanes (the newest environment's tests in two) on the two
+# cores, two at a time (a pytest keeps about one core busy), longest first, so that
+# whichever finishes takes the next; -k runs every lane even when one fails. Each line
+# of output is prefixed with its lane's target. Each lane builds its environment first
+# (a prerequisite), so one lane's install overlaps the other's tests; the installs of
+# this checkout into each environment take turns (INSTALL_LOCK: they write the same
+# egg-info).
 test:
-	$(MAKE) -k -j2 test-latest test-tfx test-oldest test-keras2-latest test-keras2-tf215
+	$(MAKE) -k -j2 test-tfx test-latest test-latest-2 test-oldest test-keras2-latest test-keras2-tf215
 
 test-core:
-	$(MAKE) -k -j1 test-latest test-oldest test-keras2-tf215 test-keras2-latest
+	$(MAKE) -k -j1 test-latest test-latest-2 test-oldest test-keras2-tf215 test-keras2-latest
 
 # Every-optimizer sweeps run in full in test-latest, their representative optimizers
 # elsewhere (tests/sweeps.py). The library's own tests (tests/accumulator, tests/keras2)
@@ -150,9 +151,19 @@ test-apart: $(VENV)/.installed $(LATEST)/.installed-py$(LATEST_PY) $(KERAS2_LATE
 	TF_USE_LEGACY_KERAS=1 $(KERAS2_LATEST)/bin/python -m pytest tests/keras2 -m apart $(PYTEST_ARGS)
 
 # The newest Keras runs the library's tests, its sweeps over every optimizer apart (the
-# representative optimizers run here and in the oldest: tests/sweeps.py).
+# representative optimizers run here and in the oldest: tests/sweeps.py). In two lanes
+# of about equal minutes, so that the two cores share the longest environment:
+# test-latest-2 runs LATEST_SECOND (lookups, XLA, the conformance models, the
+# micro-batch probe, several workers), test-latest every other file (a new file lands
+# there).
+LATEST_SECOND := $(addprefix tests/accumulator/,test_lookups.py test_sparse.py test_xla.py test_xla_rows.py \
+	test_conformance.py test_conformance_pairs.py test_micro_batch.py test_out_of_memory_recovery.py \
+	test_multiworker.py test_gradient_cache_multiworker.py)
 test-latest: $(LATEST)/.installed-py$(LATEST_PY)
-	$(LATEST)/bin/python -m pytest tests/accumulator -m "not apart and not sweep" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
+	$(LATEST)/bin/python -m pytest tests/accumulator $(LATEST_SECOND:%=--ignore=%) -m "not apart and not sweep" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
+
+test-latest-2: $(LATEST)/.installed-py$(LATEST_PY)
+	$(LATEST)/bin/python -m pytest $(LATEST_SECOND) -m "not apart and not sweep" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
 
 # The oldest Keras runs the library's core: the files whose paths go through what
 # differs between Keras versions (private names, saving, compile and fit, XLA, mixed

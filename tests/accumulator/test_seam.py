@@ -248,7 +248,7 @@ def test_setup_declares_the_range_make_test_runs():
         return re.search(rf"^{target}:.*\n((?:\t.*\n)*)", makefile, re.M).group(0)
 
     runs = recipe("test") + recipe("test-core")
-    for target in ("test-tfx", "test-latest", "test-oldest", "test-keras2-tf215", "test-keras2-latest"):
+    for target in ("test-tfx", "test-latest", "test-latest-2", "test-oldest", "test-keras2-tf215", "test-keras2-latest"):
         assert re.search(rf"\b{target}\b", runs), target
 
 
