@@ -94,8 +94,9 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             before training by real steps of the run_fn's model on its data
             (`accumulator.find_micro_batch`, 10% headroom, then a divisor of
             `effective_batch_size`), sets it: accum_steps = effective_batch_size
-            / micro-batch; needs `effective_batch_size` (which may be tuned alone)
-            and one worker. Recorded: `accum_steps_fit`, `accum_steps`,
+            / micro-batch; needs `effective_batch_size` (which may be tuned alone);
+            on a cluster every worker probes its own device and all take the
+            smallest micro-batch found. Recorded: `accum_steps_fit`, `accum_steps`,
             `micro_batch_size`, `largest_fitting_micro_batch`, `micro_batch_probes`.
             The run_fn's `fit` then survives an out-of-memory error mid-run,
             exactly (`components.out_of_memory`: the micro-batch halves), on one
