@@ -83,7 +83,8 @@ def _chained_keras_fits(x, y, pieces, optimizer, lr_of=None):
     return model
 
 
-@pytest.mark.parametrize("lr_scaling", ["none", "linear", "sqrt"])
+# sqrt's apart (6 s): test_lr_scaling_multiplies_a_learning_rate_schedule checks it against Keras' fits.
+@pytest.mark.parametrize("lr_scaling", ["none", "linear", pytest.param("sqrt", marks=pytest.mark.apart)])
 def test_schedule_by_update_equals_keras_fits_chained_at_each_batch(lr_scaling):
     # 3 updates of 2 micro-batches, then 2 of 4 (one epoch of 14 micro-batches).
     x, y = ref.regression_data(MICRO * 14)

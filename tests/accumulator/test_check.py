@@ -415,7 +415,7 @@ def test_the_package_exports_it():
     assert "check_exact" in accumulator.__all__
 
 
-# Apart (NN s): test_the_command_line_runs_the_arbiter_when_asked runs the same target to exit 0.
+# Apart (4 s): test_the_command_line_runs_the_arbiter_when_asked runs the same target to exit 0.
 @pytest.mark.apart
 def test_the_command_line_exits_0_on_an_exact_setup(capsys):
     assert main(["tests.accumulator.test_check:exact_setup", "--accum_steps", "2", "--batch_size", "16",

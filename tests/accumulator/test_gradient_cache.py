@@ -145,7 +145,7 @@ def test_saved_between_steps_and_resumed_trains_as_one_run(tmp_path):
     assert ref.max_abs_diff(inner.get_weights(), whole.get_weights()) > 1e-3     # one epoch short
 
 
-# Apart (NN s): test_uneven_last_batch_and_weight_regularizers_are_exact compares the logged loss too.
+# Apart (6 s): test_uneven_last_batch_and_weight_regularizers_are_exact compares the logged loss too.
 @pytest.mark.apart
 def test_the_logged_loss_is_the_large_batch_loss():
     data = cm.interactions()

@@ -49,7 +49,7 @@ CASES = {
 
 
 # SimCLR's case apart (25 s): the loss's own variables and a regularizer are the CLIP case's too.
-# The two-tower's SGD case apart (NN s): its Adam case gathers the same model, and
+# The two-tower's SGD case apart (15 s): its Adam case gathers the same model, and
 # test_the_logged_loss_is_the_global_batch_loss runs it gathered with SGD.
 APART_CASES = ("simclr-l2-sgd", "two_tower-sgd")
 

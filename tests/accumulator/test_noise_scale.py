@@ -146,7 +146,7 @@ def _fixed_weights_readings(loss):
 _mse_readings = functools.lru_cache(maxsize=None)(lambda: _fixed_weights_readings("mse"))   # both cases'
 
 
-# The mean's apart (NN s): the sum's case runs the same path, its size 16^2 the stronger check.
+# The mean's apart (4 s): the sum's case runs the same path, its size 16^2 the stronger check.
 @pytest.mark.parametrize("reduce", [tf.reduce_sum, pytest.param(tf.reduce_mean, marks=pytest.mark.apart)],
                          ids=["sum", "mean"])
 def test_a_loss_that_reduces_its_batch_itself_gives_the_noise_scale_in_samples(reduce):
@@ -299,6 +299,10 @@ def test_mirrored_fit_matches_one_device_with_one_reduction_per_window():
     np.testing.assert_allclose(_readings(optimizer), _readings(one_device), rtol=1e-4)
 
 
+# Apart (36 s): the same replicas^2 correction runs through fit in
+# test_mirrored_fit_matches_one_device_with_one_reduction_per_window, and `micro_batch_weight`
+# on one device in test_overwrite_with_gradient_variables_are_left_out.
+@pytest.mark.apart
 def test_custom_strategy_run_loop_with_compute_average_loss_matches_one_device():
     """A custom loop: `tf.nn.compute_average_loss(..., global_batch_size=16)` divides
     each replica's local sum by 16 = 2 x 8, as fit divides its mean by 2, so

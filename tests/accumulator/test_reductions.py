@@ -53,7 +53,7 @@ def _large_batch(name, reduction, weighted):
     return _fit(OPTIMIZERS[name](), MICRO * ACCUM, reduction, weighted)
 
 
-# Adam's unweighted "none" and "mean_with_sample_weight" apart (NN s): SGD's weighted cases of
+# Adam's unweighted "none" and "mean_with_sample_weight" apart (5 s each): SGD's weighted cases of
 # the same reductions run, Adam's epsilon by its weighted "sum", unweighted batches by SGD's "sum".
 @pytest.mark.parametrize("name, reduction, weighted", [
     ("SGD", "sum", False), ("Adam", "sum", True), ("Adam-clipnorm", "sum", True),

@@ -207,7 +207,7 @@ def test_a_scheduled_accum_steps_survives_saving_and_restoring(tmp_path):
 
 
 @pytest.mark.parametrize("route", ["keras_file", "checkpoint"])
-# The MLP's apart (NN s both routes): the embedding model's cases restore a Dense layer's sums
+# The MLP's apart (6 s both routes): the embedding model's cases restore a Dense layer's sums
 # (its one-row bias) beside the table's rows, on both routes.
 @pytest.mark.parametrize("name", [pytest.param("mlp", marks=pytest.mark.apart), "embedding"])
 def test_a_restored_open_window_closes_at_once_like_the_one_saved(name, route, tmp_path):

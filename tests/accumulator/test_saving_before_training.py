@@ -60,7 +60,7 @@ SKIPPED = "ignore:Skipping variable loading for optimizer"
 
 def _cases():
     """(name, strategy) for every inner optimizer; the every-optimizer sweep's marks. Under
-    the strategy, apart (NN s) but Adam: Adam's mirrored cases run, and SGD's and AdamW's
+    the strategy, apart (3 s each) but Adam: Adam's mirrored cases run, and SGD's and AdamW's
     on one device (what the strategy changes is the window's variables, not the inner
     optimizer's)."""
     for name in INNER + ["LossScaleOptimizer(SGD)"]:
