@@ -43,6 +43,9 @@ def main():
                              "is --cliffs' entry for this worker, then fit at the split it found; each "
                              "worker writes what it found")
     parser.add_argument("--cliffs", default="", help="per worker, comma-separated (with --find-micro-batch)")
+    parser.add_argument("--then-embedding", type=int, default=0,
+                        help="> 0: after the run, the same cluster trains the embedding model (plain Adam, "
+                             "--accum) on this many micro-batches and writes it to `<out>.embedding`")
     args = parser.parse_args()
 
     if args.hooks != "all":
@@ -120,6 +123,29 @@ def main():
         result["schedule"] = np.array(json.dumps(auto.schedule))
         print("auto readings", auto.readings, flush=True)
     np.savez(f"{args.out}.{task['index']}.npz", **result)
+    if args.then_embedding:
+        _then_the_embedding(args, strategy)
+
+
+def _then_the_embedding(args, strategy):
+    """--then-embedding: `--embedding`'s run, next in the same processes (a cluster's start saved)."""
+    import keras
+    from tfx_gradient_accumulator.accumulator import GradientAccumulator
+    from tests.accumulator import reference as ref
+
+    x, y = ref.token_data(args.micro * args.then_embedding)
+    with strategy.scope():
+        model = ref.embedding_model()
+        optimizer = GradientAccumulator(keras.optimizers.Adam(1e-2), args.accum, partial_window=args.partial_window)
+        model.compile(optimizer=optimizer, loss="mse")
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(args.micro).with_options(options),
+              epochs=args.epochs, verbose=0)
+    optimizer.close_partial_window("apply")
+    result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
+    result["iterations"] = np.array(int(optimizer.iterations.numpy()))
+    np.savez(f"{args.out}.embedding.{json.loads(os.environ['TF_CONFIG'])['task']['index']}.npz", **result)
 
 
 def _fit_at_the_micro_batch_found(args, strategy, x, y):

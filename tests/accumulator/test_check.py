@@ -415,6 +415,8 @@ def test_the_package_exports_it():
     assert "check_exact" in accumulator.__all__
 
 
+# Apart (4 s): test_the_command_line_runs_the_arbiter_when_asked runs the same target to exit 0.
+@pytest.mark.apart
 def test_the_command_line_exits_0_on_an_exact_setup(capsys):
     assert main(["tests.accumulator.test_check:exact_setup", "--accum_steps", "2", "--batch_size", "16",
                  "--quiet"]) == 0
@@ -456,6 +458,17 @@ def test_the_command_line_refuses_a_bad_target(spec, words):
     assert words in str(raised.value)
 
 
+def _main_exit(capsys, *arguments):
+    """`main` in this process, for what ends in argparse's exit: (status, stdout, stderr).
+    `main` is what `python -m ...check` runs (`sys.exit(main())`); an exception other
+    than argparse's SystemExit (a traceback in its own process) fails `pytest.raises`.
+    The command's own process is tested above (exit status 1, runpy's warning)."""
+    with pytest.raises(SystemExit) as exited:
+        main(list(arguments))
+    captured = capsys.readouterr()
+    return exited.value.code, captured.out, captured.err
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--accum_steps", "1"], ["--accum_steps", "an integer >= 2", "received 1"]),
     (["--batch_size", "0"], ["--batch_size", "a positive integer", "received 0"]),
@@ -464,19 +477,20 @@ def test_the_command_line_refuses_a_bad_target(spec, words):
     (["--accum_steps", "4", "--batch_size", "8", "--updates", "40"],
      ["`data` holds 96 samples", "40 x 4 x 8 = 1280", "lower `updates`, `accum_steps` or `batch_size`"]),
 ])
-def test_a_bad_argument_exits_2_with_one_line_and_no_traceback(flags, words):
-    done = _command("tests.accumulator.test_check:exact_setup", "--quiet", *flags)
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "Traceback" not in done.stderr and done.stdout == ""
-    errors = [line for line in done.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1, done.stderr
+def test_a_bad_argument_exits_2_with_one_line_and_no_traceback(flags, words, capsys):
+    code, out, err = _main_exit(capsys, "tests.accumulator.test_check:exact_setup", "--quiet", *flags)
+    assert code == 2, out + err
+    assert "Traceback" not in err and out == ""
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1, err
     assert all(word in errors[0] for word in words), errors[0]
 
 
-def test_the_help_gives_every_option_its_default():
-    done = _command("--help")
-    assert done.returncode == 0, done.stderr
-    options = re.split(r"\n(?:options|optional arguments):", done.stdout)[-1]     # Python >= 3.10, 3.9
+def test_the_help_gives_every_option_its_default(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")           # as in a process whose output is a pipe
+    code, out, err = _main_exit(capsys, "--help")
+    assert code == 0, err
+    options = re.split(r"\n(?:options|optional arguments):", out)[-1]     # Python >= 3.10, 3.9
     blocks = re.split(r"\n  (?=-)", options)[1:]              # one per option, its help wrapped below it
     named = {block.split()[0].rstrip(",") for block in blocks}
     assert {"--accum_steps", "--batch_size", "--updates", "--tolerance", "--floor_factor", "--arbiter",

@@ -6,6 +6,8 @@ micro-batch gradients (each micro-batch its own negatives) lands elsewhere, so
 the comparisons can fail.
 """
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -35,6 +37,15 @@ def _cached(name, optimizer, data, batch=BATCH, accum_steps=N, epochs=2, **kwarg
     return inner, history
 
 
+@functools.lru_cache(maxsize=None)
+def _adam_runs(name):
+    """(Keras' large batch, GradientCache's inner model) of `name` on its data with Adam(1e-2),
+    2 epochs at the defaults: the same two runs for several tests here, made once (read only)."""
+    data = cm.MODELS[name][1]()
+    return (_large_batch(name, keras.optimizers.Adam(1e-2), data),
+            _cached(name, keras.optimizers.Adam(1e-2), data)[0])
+
+
 def _moved(name, trained, **kwargs):
     return ref.max_abs_diff(trained.get_weights(), cm.built(name, **kwargs).get_weights())
 
@@ -42,8 +53,7 @@ def _moved(name, trained, **kwargs):
 @pytest.mark.parametrize("name", sorted(cm.MODELS))
 def test_matches_keras_large_batch_and_plain_accumulation_does_not(name):
     data = cm.MODELS[name][1]()
-    expected = _large_batch(name, keras.optimizers.Adam(1e-2), data)
-    inner, _ = _cached(name, keras.optimizers.Adam(1e-2), data)
+    expected, inner = _adam_runs(name)
     assert ref.max_abs_diff(inner.get_weights(), expected.get_weights()) <= TOLERANCE
     # Control: micro-batches of 16 with their own 15 negatives each.
     plain = cm.built(name)
@@ -54,9 +64,7 @@ def test_matches_keras_large_batch_and_plain_accumulation_does_not(name):
 
 
 def test_the_learned_temperature_trains_as_in_the_large_batch():
-    data = cm.pairs()
-    expected = _large_batch("clip", keras.optimizers.Adam(1e-2), data)
-    inner, _ = _cached("clip", keras.optimizers.Adam(1e-2), data)
+    expected, inner = _adam_runs("clip")
     assert abs(float(inner.logit_scale.numpy()) - float(expected.logit_scale.numpy())) <= TOLERANCE
     assert abs(float(expected.logit_scale.numpy()) - float(np.log(1 / 0.07))) > 1e-3
 
@@ -124,7 +132,7 @@ def test_mirrored_replicas_see_the_negatives_of_keras_large_batch_under_the_same
 
 def test_saved_between_steps_and_resumed_trains_as_one_run(tmp_path):
     data = cm.interactions()
-    whole, _ = _cached("two_tower", keras.optimizers.Adam(1e-2), data, epochs=2)
+    whole = _adam_runs("two_tower")[1]
     inner = cm.built("two_tower")
     model = GradientCache(inner, N)
     model.compile(optimizer=keras.optimizers.Adam(1e-2))
@@ -137,6 +145,8 @@ def test_saved_between_steps_and_resumed_trains_as_one_run(tmp_path):
     assert ref.max_abs_diff(inner.get_weights(), whole.get_weights()) > 1e-3     # one epoch short
 
 
+# Apart (6 s): test_uneven_last_batch_and_weight_regularizers_are_exact compares the logged loss too.
+@pytest.mark.apart
 def test_the_logged_loss_is_the_large_batch_loss():
     data = cm.interactions()
     expected = _large_batch("two_tower", keras.optimizers.SGD(0.5), data)
@@ -178,7 +188,7 @@ def test_a_model_that_is_not_a_keras_3_model_is_refused():
 
 def test_accumulating_compile_sets_the_accum_steps_and_keeps_the_plain_optimizer():
     data = cm.interactions()
-    expected = _large_batch("two_tower", keras.optimizers.Adam(1e-2), data)
+    expected = _adam_runs("two_tower")[0]
     before = keras.Model.compile
     inner = cm.built("two_tower")
     model = GradientCache(inner, accum_steps=1)

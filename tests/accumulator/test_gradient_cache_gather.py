@@ -49,7 +49,12 @@ CASES = {
 
 
 # SimCLR's case apart (25 s): the loss's own variables and a regularizer are the CLIP case's too.
-@pytest.mark.parametrize("case", [pytest.param(case, marks=[pytest.mark.apart] * (case == "simclr-l2-sgd"))
+# The two-tower's SGD case apart (15 s): its Adam case gathers the same model, and
+# test_the_logged_loss_is_the_global_batch_loss runs it gathered with SGD.
+APART_CASES = ("simclr-l2-sgd", "two_tower-sgd")
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=[pytest.mark.apart] * (case in APART_CASES))
                                   for case in sorted(CASES)])
 def test_two_replicas_gathered_train_like_one_device_on_the_global_batch(case):
     name, optimizer, kwargs = CASES[case]

@@ -1,5 +1,7 @@
 """MirroredStrategy over 2 logical CPUs: exact windows, one reduction per update."""
 
+import functools
+
 import numpy as np
 import keras
 import pytest
@@ -49,11 +51,20 @@ def _fit_under(strategy, make_optimizer, x, y, batch_size, accum_steps=None, epo
     return model
 
 
+@functools.lru_cache(maxsize=None)
+def _accumulated():
+    """Adam accumulated over 8 windows of 4 under a counting strategy: (the strategy, the model,
+    the reductions counted); the same run for the two tests below (read only)."""
+    x, y = ref.regression_data(MICRO * ACCUM * UPDATES)
+    strategy, counter = _strategy()
+    model = _fit_under(strategy, _adam, x, y, MICRO, ACCUM)
+    return strategy, model, int(counter.count.numpy())
+
+
 def test_fit_matches_large_batch_under_the_same_strategy(data):
     x, y = data
-    strategy, _ = _strategy()
+    strategy, model, _ = _accumulated()
     expected = _fit_under(strategy, _adam, x, y, MICRO * ACCUM)
-    model = _fit_under(strategy, _adam, x, y, MICRO, ACCUM)
     assert int(model.optimizer.iterations.numpy()) == UPDATES
     assert ref.max_abs_diff(model.get_weights(), expected.get_weights()) <= 1e-5
 
@@ -117,9 +128,7 @@ def test_custom_strategy_run_loop_matches_single_device_tape_loop(data):
 
 def test_one_cross_replica_reduction_per_update(data):
     x, y = data
-    strategy, counter = _strategy()
-    _fit_under(strategy, _adam, x, y, MICRO, ACCUM)
-    accumulated = int(counter.count.numpy())
+    accumulated = _accumulated()[2]
 
     strategy, counter = _strategy()
     _fit_under(strategy, _adam, x, y, MICRO)  # a plain optimizer reduces every step

@@ -26,11 +26,20 @@ def _single_device_large_batch(samples, epochs=1):
     return model.get_weights()
 
 
-def test_two_worker_fit_matches_single_device_large_batch(tmp_path):
+@pytest.fixture(scope="module")
+def mlp_then_embedding(tmp_path_factory):
+    """One cluster for the two tests below (2 processes' start saved): the MLP on 32
+    micro-batches, then the embedding model on 16, both in windows of 4."""
+    out = tmp_path_factory.mktemp("multiworker") / "out"
+    codes, output, _ = run_cluster(out, "--accum", ACCUM, "--steps-per-epoch", 32, "--then-embedding", 16)
+    return codes, output, out
+
+
+def test_two_worker_fit_matches_single_device_large_batch(mlp_then_embedding):
     """The hooks `import accumulator` installs are all it takes."""
-    codes, output, result = run_cluster(tmp_path / "out", "--accum", ACCUM, "--steps-per-epoch", 32)
+    codes, output, out = mlp_then_embedding
     assert codes == [0, 0], output[-3000:]
-    weights, iterations = result
+    weights, iterations = load_result(out, 0)
     assert iterations == 8
     assert ref.max_abs_diff(weights, _single_device_large_batch(MICRO * 32)) <= 1e-5
 
@@ -60,13 +69,12 @@ def test_plain_keras_multiworker_fit_runs_with_the_fixes(tmp_path):
     assert result[1] == 4
 
 
-def test_two_worker_embedding_fit_matches_keras_large_batch(tmp_path):
+def test_two_worker_embedding_fit_matches_keras_large_batch(mlp_then_embedding):
     """Sparse gradients: each worker's window rows, gathered at the close as Keras
     gathers the large batch's, make Adam's update of the one-device large batch."""
-    codes, output, result = run_cluster(tmp_path / "out", "--accum", ACCUM, "--steps-per-epoch", 16,
-                                        "--embedding")
+    codes, output, out = mlp_then_embedding
     assert codes == [0, 0], output[-3000:]
-    weights, iterations = result
+    weights, iterations = load_result(f"{out}.embedding", 0)
     assert iterations == 4
     x, y = ref.token_data(MICRO * 16)
     expected = ref.fit_large_batch(ref.embedding_model(), keras.optimizers.Adam(1e-2), x, y, MICRO * ACCUM)

@@ -10,6 +10,7 @@ Weights are kept fixed (SGD with learning rate 0) where a truth is known, so
 every window samples the same |G|^2 and tr Sigma.
 """
 
+import functools
 import math
 
 import numpy as np
@@ -132,21 +133,30 @@ def test_uneven_micro_batches_through_fit_match_the_closed_form():
     _fit_least_squares(weights, "uneven least squares via fit", dataset)
 
 
-@pytest.mark.parametrize("reduce", [tf.reduce_sum, tf.reduce_mean], ids=["sum", "mean"])
+def _fixed_weights_readings(loss):
+    """50 windows of 4 x 16 of least squares at fixed weights, smoothing 0.9: the readings."""
+    x, y, weights = _least_squares_data(50, 64)
+    model = _least_squares_model(weights)
+    optimizer = _accumulator(noise_scale_smoothing=0.9)
+    model.compile(optimizer, loss)
+    model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    return _readings(optimizer)
+
+
+_mse_readings = functools.lru_cache(maxsize=None)(lambda: _fixed_weights_readings("mse"))   # both cases'
+
+
+# The mean's apart (4 s): the sum's case runs the same path, its size 16^2 the stronger check.
+@pytest.mark.parametrize("reduce", [tf.reduce_sum, pytest.param(tf.reduce_mean, marks=pytest.mark.apart)],
+                         ids=["sum", "mean"])
 def test_a_loss_that_reduces_its_batch_itself_gives_the_noise_scale_in_samples(reduce):
     """A loss function that returns one number per batch (its samples' sum or mean) gives
     B_simple in samples, as "mse" does: the same windows at fixed weights, the same
     estimate (|G|^2 and tr Sigma 16^2 times "mse"'s for the sum of micro-batches of 16,
     their ratio unchanged). Weighed 1 per micro-batch, as such a loss once was, B_simple
     came out in micro-batches: 16 times too small."""
-    x, y, weights = _least_squares_data(50, 64)
-    readings = {}
-    for name, loss in (("mse", "mse"), ("own", lambda t, p: reduce(tf.square(p - t)))):
-        model = _least_squares_model(weights)
-        optimizer = _accumulator(noise_scale_smoothing=0.9)
-        model.compile(optimizer, loss)
-        model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
-        readings[name] = _readings(optimizer)
+    readings = {"mse": _mse_readings(),
+                "own": _fixed_weights_readings(lambda t, p: reduce(tf.square(p - t)))}
     print("mse", readings["mse"], reduce.__name__, readings["own"])
     scale = 16.0 ** 2 if reduce is tf.reduce_sum else 1.0
     mse = readings["mse"]
@@ -205,14 +215,20 @@ def test_the_sums_reset_with_every_window(mode, counted):
     model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
     assert int(optimizer.noise_scale_estimate.window_count) == counted
     assert [float(v.numpy()) for v in optimizer._state.noise_sums] == [0.0, 0.0, 0.0, 0.0]
-    first = optimizer.noise_scale
     # The same 4 micro-batches alone give the same estimate: nothing of the
     # fifth leaked into it, nor into the next window.
+    assert optimizer.noise_scale == pytest.approx(_first_window_alone(), rel=1e-6)
+
+
+@functools.lru_cache(maxsize=None)
+def _first_window_alone():
+    """The estimate of the first 4 micro-batches of 16 of `regression_data(80)` alone (both modes')."""
+    x, y = ref.regression_data(80)
     alone = ref.mlp()
     alone_optimizer = _accumulator()
     alone.compile(alone_optimizer, "mse")
     alone.fit(x[:64], y[:64], batch_size=16, shuffle=False, verbose=0)
-    assert first == pytest.approx(alone_optimizer.noise_scale, rel=1e-6)
+    return alone_optimizer.noise_scale
 
 
 def test_small_model_through_fit_matches_per_example_brute_force():
@@ -283,6 +299,10 @@ def test_mirrored_fit_matches_one_device_with_one_reduction_per_window():
     np.testing.assert_allclose(_readings(optimizer), _readings(one_device), rtol=1e-4)
 
 
+# Apart (36 s): the same replicas^2 correction runs through fit in
+# test_mirrored_fit_matches_one_device_with_one_reduction_per_window, and `micro_batch_weight`
+# on one device in test_overwrite_with_gradient_variables_are_left_out.
+@pytest.mark.apart
 def test_custom_strategy_run_loop_with_compute_average_loss_matches_one_device():
     """A custom loop: `tf.nn.compute_average_loss(..., global_batch_size=16)` divides
     each replica's local sum by 16 = 2 x 8, as fit divides its mean by 2, so

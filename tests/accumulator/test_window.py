@@ -1,5 +1,7 @@
 """Windows open when an epoch or `fit` ends: applied by default, carried or dropped on request."""
 
+import functools
+
 import numpy as np
 import keras
 import pytest
@@ -24,6 +26,14 @@ def _fit(partial_window, x, y, epochs=1, **fit_kwargs):
     return model, optimizer
 
 
+@functools.lru_cache(maxsize=None)
+def _large_batch_of_ten_micro_batches():
+    """Keras' fit of `regression_data(80)` at batches of 32 (32, 32, 16), one epoch: the
+    reference of two tests below (read only)."""
+    x, y = ref.regression_data(MICRO * 10)
+    return ref.fit_large_batch(ref.mlp(), _adam(), x, y, MICRO * ACCUM)
+
+
 class WindowRecorder(keras.callbacks.Callback):
     """What a user's callback sees at each epoch end."""
 
@@ -39,7 +49,7 @@ class WindowRecorder(keras.callbacks.Callback):
 def test_final_partial_window_is_applied_like_the_last_short_batch():
     # 10 micro-batches: windows of 4, 4 and a final 2 (16 samples).
     x, y = ref.regression_data(MICRO * 10)
-    expected = ref.fit_large_batch(ref.mlp(), _adam(), x, y, MICRO * ACCUM)
+    expected = _large_batch_of_ten_micro_batches()
     model, optimizer = _fit("apply", x, y)
     assert int(optimizer.iterations.numpy()) == 3
     assert int(optimizer.micro_step.numpy()) == 0
@@ -170,5 +180,5 @@ def test_dataset_of_unknown_length_counts_only_real_micro_batches():
     assert int(optimizer.micro_step.numpy()) == 2
     assert float(optimizer._state.weight_sum.numpy()) == 2 * MICRO
     assert optimizer.close_partial_window("apply") == 2
-    expected = ref.fit_large_batch(ref.mlp(), _adam(), x, y, MICRO * ACCUM)
+    expected = _large_batch_of_ten_micro_batches()
     assert ref.max_abs_diff(model.get_weights(), expected.get_weights()) <= 1e-6
