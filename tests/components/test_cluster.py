@@ -21,10 +21,9 @@ STEPS, ACCUM, EFFECTIVE = 6, 4, 32      # 2 replicas x micro-batch 4 x 4 = the s
 
 
 @pytest.fixture(scope="module")
-def stock(examples, tmp_path_factory):
-    """The stock Trainer in one process at batch 32: the large batch."""
-    outputs, seen, weights = fixtures.run_executor(tmp_path_factory.mktemp("stock"), examples, num_steps=STEPS,
-                                                   stock=True)
+def stock(stock_regression):
+    """The stock Trainer in one process at batch 32: the large batch (6 steps, shared with test_executor)."""
+    outputs, seen, weights = stock_regression
     assert seen["train_batch"] == EFFECTIVE and seen["iterations"] == STEPS
     return weights, _predictions(outputs)
 
