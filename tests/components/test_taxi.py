@@ -9,8 +9,8 @@ The module, as TFX wrote it: `tf.keras` (Keras 2 under Transform), `Normalizatio
 Transform's serving signatures. Changed only so that two runs compare:
 `shuffle=False` in its dataset options and `set_random_seed(0)` before the model.
 
-Both runs share one process (`executors_process`): most of each run's time is AutoGraph
-converting Keras 2's code for the first `fit` and the export, which the second reuses.
+Both runs share one process (`executors_process`): much of each run's time is AutoGraph
+converting Keras 2's code for the first `fit`, which the second reuses.
 """
 
 import json
