@@ -21,10 +21,9 @@ STEPS, ACCUM, EFFECTIVE = 6, 4, 32      # 2 replicas x micro-batch 4 x 4 = the s
 
 
 @pytest.fixture(scope="module")
-def stock(examples, tmp_path_factory):
-    """The stock Trainer in one process at batch 32: the large batch."""
-    outputs, seen, weights = fixtures.run_executor(tmp_path_factory.mktemp("stock"), examples, num_steps=STEPS,
-                                                   stock=True)
+def stock(stock_regression):
+    """The stock Trainer in one process at batch 32: the large batch (6 steps, shared with test_executor)."""
+    outputs, seen, weights = stock_regression
     assert seen["train_batch"] == EFFECTIVE and seen["iterations"] == STEPS
     return weights, _predictions(outputs)
 
@@ -41,10 +40,37 @@ def _model_dir_entries(outputs):
     return sorted(os.listdir(outputs["model"][0].uri))
 
 
-def test_two_processes_train_like_the_large_batch_and_only_the_chief_exports_and_records(examples, stock, tmp_path):
+@pytest.fixture(scope="module")
+def vertex_job(examples, tmp_path_factory):
+    """`VertexExecutor.Do` through TFX's own Vertex runner on 2 workers, the CustomJob's pools
+    (a chief and a worker) run here: (output artifacts, the CustomJob, each replica's
+    (exit code, stdout, stderr), the replicas' TMPDIRs' folder). The job that the two tests
+    below check, each its side: the cluster's training and exports, and the executor's."""
+    from tfx.extensions.google_cloud_ai_platform import runner, training_clients
+
+    from tfx_gradient_accumulator.components import cloud
+
+    tmp = tmp_path_factory.mktemp("vertex")
+    jobs, results = [], []
+
+    def launch(project, training_job, enable_vertex, vertex_region):
+        jobs.append(training_job)
+        results.extend(local_cluster.run_custom_job(training_job, tmp / "tmp"))
+
     inputs, outputs, properties = fixtures.executor_arguments(
-        tmp_path / "run", examples, num_steps=STEPS, accum_steps=ACCUM, effective_batch_size=EFFECTIVE)
-    results = local_cluster.run(local_cluster.container_command(inputs, outputs, properties), 2, tmp_path / "tmp")
+        tmp / "run", examples, num_steps=STEPS, accum_steps=ACCUM, effective_batch_size=EFFECTIVE,
+        custom_config=cloud.vertex_training_config("p", "europe-west4", "img", workers=2, gpus_per_worker=0,
+                                                   restart_job_on_worker_restart=True))
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(training_clients.VertexJobClient, "create_client", lambda self: None)
+        monkeypatch.setattr(runner, "_launch_cloud_training", launch)
+        cloud.VertexExecutor(None).Do(inputs, outputs, properties)
+    [job] = jobs
+    return outputs, job, results, tmp / "tmp"
+
+
+def test_two_processes_train_like_the_large_batch_and_only_the_chief_exports_and_records(vertex_job, stock):
+    outputs, _, results, replicas = vertex_job
     assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
 
     seen, weights = fixtures.read_run(outputs["model_run"][0].uri)     # the chief's run_fn wrote these
@@ -69,7 +95,7 @@ def test_two_processes_train_like_the_large_batch_and_only_the_chief_exports_and
     assert local_cluster.custom_properties(worker["model"][0]) == {}                  # the worker records nothing
     summaries = glob.glob(os.path.join(outputs["model_run"][0].uri, "accumulation", "events.out.tfevents.*"))
     assert len(summaries) == 1                                           # TensorBoard: once
-    assert os.listdir(tmp_path / "tmp" / "replica1") == []              # the worker's exports are gone
+    assert os.listdir(replicas / "replica1") == []                       # the worker's exports are gone
 
 
 def _stock_two_lines_on_two_processes(tmp_path):
@@ -209,26 +235,10 @@ def test_a_killed_keras_2_run_resumes_from_its_backup_exactly(workers, examples,
         "backup_resumes": 1, "resumed_at_step": 8, "resumed_at_update": 2}
 
 
-def test_vertex_executor_runs_the_job_and_publishes_the_chiefs_record(examples, stock, tmp_path, monkeypatch):
+def test_vertex_executor_runs_the_job_and_publishes_the_chiefs_record(vertex_job, stock):
     """`VertexExecutor.Do` through TFX's own Vertex runner, the CustomJob's pools run here."""
-    from tfx.extensions.google_cloud_ai_platform import runner, training_clients
-
-    from tfx_gradient_accumulator.components import cloud
-
-    jobs = []
-
-    def launch(project, training_job, enable_vertex, vertex_region):
-        jobs.append(training_job)
-        local_cluster.run_custom_job(training_job, tmp_path / "tmp")
-
-    monkeypatch.setattr(training_clients.VertexJobClient, "create_client", lambda self: None)
-    monkeypatch.setattr(runner, "_launch_cloud_training", launch)
-    inputs, outputs, properties = fixtures.executor_arguments(
-        tmp_path / "run", examples, num_steps=STEPS, accum_steps=ACCUM, effective_batch_size=EFFECTIVE,
-        custom_config=cloud.vertex_training_config("p", "europe-west4", "img", workers=2, gpus_per_worker=0,
-                                                   restart_job_on_worker_restart=True))
-    cloud.VertexExecutor(None).Do(inputs, outputs, properties)
-    spec = jobs[0]["job_spec"]
+    outputs, job, _, _ = vertex_job
+    spec = job["job_spec"]
     assert [p["replica_count"] for p in spec["worker_pool_specs"]] == [1, 1]
     assert spec["scheduling"] == {"restart_job_on_worker_restart": True}
     recorded = local_cluster.custom_properties(outputs["model"][0])

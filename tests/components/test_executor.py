@@ -14,9 +14,9 @@ from tests.accumulator.reference import max_abs_diff
 from tests.components import fixtures
 
 
-def test_unchanged_stock_module_trains_like_the_stock_trainer_with_the_big_batch(examples, tmp_path):
+def test_unchanged_stock_module_trains_like_the_stock_trainer_with_the_big_batch(examples, stock_regression, tmp_path):
     """Stock Trainer: batch 32, 6 steps. Ours: effective 32 in micro-batches of 8, 6 updates."""
-    _, stock_seen, stock_weights = fixtures.run_executor(tmp_path / "stock", examples, num_steps=6, stock=True)
+    _, stock_seen, stock_weights = stock_regression
     outputs, seen, weights = fixtures.run_executor(
         tmp_path / "ours", examples, num_steps=6, accum_steps=4, effective_batch_size=32
     )

@@ -37,16 +37,22 @@ def _run(tmp, examples, **kwargs):
     return fixtures.run_executor(tmp, examples, module=MODULE, **kwargs)
 
 
+@pytest.fixture(scope="module")
+def stock(examples, tmp_path_factory):
+    """The stock Trainer: the plain two-tower at batch 32, 6 steps, once for the tests of this
+    module that compare with it (they only read its outputs and weights)."""
+    return _run(tmp_path_factory.mktemp("stock"), examples, num_steps=6, stock=True, custom_config=PLAIN)
+
+
 def _initial_weights():
     module = fixtures.load_module(MODULE, "two_tower_module_reference")
     return module._two_tower().get_weights()
 
 
-def test_gradient_cache_trains_like_the_stock_trainer_at_the_effective_batch(examples, tmp_path):
+def test_gradient_cache_trains_like_the_stock_trainer_at_the_effective_batch(examples, stock, tmp_path):
     """Stock Trainer: the plain two-tower at batch 32, 6 steps. Ours: GradientCache in 4
     micro-batches of 8, batches of 32, 6 updates."""
-    _, stock_seen, stock_weights = _run(tmp_path / "stock", examples, num_steps=6, stock=True,
-                                        custom_config=PLAIN)
+    _, stock_seen, stock_weights = stock
     outputs, seen, weights = _run(tmp_path / "ours", examples, num_steps=6, gradient_cache=1,
                                   accum_steps=4, effective_batch_size=32)
     assert (stock_seen["model"], stock_seen["train_batch"], stock_seen["iterations"]) == ("TwoTower", 32, 6)
@@ -75,10 +81,10 @@ def test_gradient_cache_trains_like_the_stock_trainer_at_the_effective_batch(exa
     assert os.path.exists(os.path.join(outputs["model"][0].uri, "Format-Serving", "saved_model.pb"))
 
 
-def test_plain_accumulation_of_the_same_loss_lands_elsewhere(examples, tmp_path):
+def test_plain_accumulation_of_the_same_loss_lands_elsewhere(examples, stock, tmp_path):
     """The control: AccumulatingTrainer without gradient_cache on the unwrapped model
     (GradientAccumulator, micro-batches of 8 with 7 negatives each)."""
-    _, _, stock_weights = _run(tmp_path / "stock", examples, num_steps=6, stock=True, custom_config=PLAIN)
+    _, _, stock_weights = stock
     _, seen, weights = _run(tmp_path / "plain", examples, num_steps=6, accum_steps=4, effective_batch_size=32,
                             custom_config=PLAIN)
     assert (seen["optimizer"], seen["train_batch"], seen["train_steps"]) == ("GradientAccumulator", 8, 24)
@@ -190,12 +196,12 @@ def test_a_keras_2_module_trains_like_the_stock_trainer_at_the_effective_batch(e
     assert max_abs_diff(plain, stock_weights) > 100 * TOLERANCE
 
 
-def test_gathered_across_two_replicas_it_trains_like_the_stock_trainer_on_one_device(examples, tmp_path):
+def test_gathered_across_two_replicas_it_trains_like_the_stock_trainer_on_one_device(examples, stock, tmp_path):
     """`gather_across_replicas=1` under MirroredStrategy on 2 replicas (logical CPUs):
     every replica scores the whole batch of 32, so the run lands on the stock Trainer's
     one-device batch of 32. Control: the same run without gathering (each replica's
     16 samples their own negatives, as Keras' large batch under the strategy)."""
-    _, _, stock_weights = _run(tmp_path / "stock", examples, num_steps=6, stock=True, custom_config=PLAIN)
+    _, _, stock_weights = stock
     runs = {}
     for gather in (1, 0):
         outputs, seen, weights = _run(tmp_path / f"gather{gather}", examples, num_steps=6, gradient_cache=1,

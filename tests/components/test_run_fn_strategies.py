@@ -74,7 +74,12 @@ def test_a_stand_ins_scope_reaches_the_librarys_mapping_as_the_executors_strateg
         assert not any("opened the scope of its own" in m for m in messages), messages
 
 
-@pytest.mark.parametrize("own, strategy", [("mirrored", "auto"), ("one_device", "auto"), ("multi_worker", "auto"),
+# Apart (about 10 s each): a OneDeviceStrategy and a MultiWorkerMirroredStrategy made under the
+# executor's default strategy; each is mapped onto it like MirroredStrategy
+# (test_a_strategy_made_inside_the_context_is_the_executors_...), and ("mirrored", "auto") and
+# ("multi_worker", "mirrored") train through that mapping here.
+@pytest.mark.parametrize("own, strategy", [("mirrored", "auto"), pytest.param("one_device", "auto", marks=pytest.mark.apart),
+                                           pytest.param("multi_worker", "auto", marks=pytest.mark.apart),
                                            ("default", "auto"), ("multi_worker", "mirrored")])
 def test_a_run_fn_with_its_own_strategy_trains_under_the_executors_like_the_large_batch(
         own, strategy, examples, stock, tmp_path):
