@@ -34,10 +34,17 @@ def test_the_cliff_is_real_and_the_process_trains_on_after_it():
     model.train_on_batch(x[:CLIFF - 1], y[:CLIFF - 1])
 
 
-def test_the_probe_finds_the_largest_micro_batch_below_the_cliff():
-    model = _compiled()
+def test_the_probe_finds_the_largest_micro_batch_below_the_cliff(monkeypatch):
+    from tensorflow.python.eager import context
+    clears = []
+    clear = context.pywrap_tfe.TFE_ContextClearCaches
+    monkeypatch.setattr(context.pywrap_tfe, "TFE_ContextClearCaches", lambda *a: clears.append(1) or clear(*a))
+    model = _compiled()       # its TensorFlow seed set (`mlp`): putting it back clears the kernel cache
     x, y = ref.regression_data(16)
     found = find_micro_batch(model, x, y, effective_batch_size=256)
+    # Once, at the end: not after each of the 12 probes (each clear instantiates the step's
+    # function again, as costly as its graph's optimization).
+    assert len(clears) == 1
     assert found.largest_fitting == CLIFF - 1
     assert found.probes == ((1, True), (2, True), (4, True), (8, True), (16, True), (32, True), (64, False),
                             (48, False), (40, False), (36, True), (38, True), (39, True))
