@@ -36,11 +36,11 @@ def test_the_cliff_is_real_and_the_process_trains_on_after_it():
 
 def test_the_probe_finds_the_largest_micro_batch_below_the_cliff(monkeypatch):
     from tensorflow.python.eager import context
+    model = _compiled()       # its TensorFlow seed set (`mlp`): putting it back clears the kernel cache
+    x, y = ref.regression_data(16)
     clears = []
     clear = context.pywrap_tfe.TFE_ContextClearCaches
     monkeypatch.setattr(context.pywrap_tfe, "TFE_ContextClearCaches", lambda *a: clears.append(1) or clear(*a))
-    model = _compiled()       # its TensorFlow seed set (`mlp`): putting it back clears the kernel cache
-    x, y = ref.regression_data(16)
     found = find_micro_batch(model, x, y, effective_batch_size=256)
     # Once, at the end: not after each of the 12 probes (each clear instantiates the step's
     # function again, as costly as its graph's optimization).
