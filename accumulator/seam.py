@@ -170,7 +170,7 @@ def restore_random_state(state: RandomState, clear_kernel_cache: bool = True) ->
     ctx = context.context()
     if state.tf_seed is None:
         ctx._seed, ctx._rng = None, None
-    elif (not clear_kernel_cache and ctx._seed == state.tf_seed and ctx._rng is not None
+    elif (not clear_kernel_cache and ctx._seed == state.tf_seed and getattr(ctx, "_rng", None) is not None
           and state.tf_op_seeds is not None):
         ctx._rng.setstate(state.tf_op_seeds)
     else:
