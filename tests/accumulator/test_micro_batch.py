@@ -149,6 +149,10 @@ def test_a_uniform_split_divides_the_effective_batch():
             assert b * n == e and b <= max(1, int(largest * 0.9))
 
 
+# Apart (30 s): the Trainer's probe is uniform (tests/components/test_micro_batch_trainer.py's first test:
+# 16 x 4 of 64 found below the cliff, trained by batch size as Keras' large batch); the split's rule
+# is test_a_uniform_split_divides_the_effective_batch's, the probe's search the tests above.
+@pytest.mark.apart
 def test_with_a_uniform_split_fit_at_the_micro_batch_is_keras_large_batch():
     x, y = ref.regression_data(500)
     model = _compiled()
