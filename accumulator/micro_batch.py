@@ -321,19 +321,24 @@ class _StatePutBack:
         self._optimizer.set_accum_steps(1)
         return self
 
-    def __call__(self):
+    def __call__(self, last=False):
         for component, value in zip(self._components, self._values):
-            if _tf.runtime_shape(component) == value.shape:
+            # A static shape fully known is the shape held (no shape op to run then).
+            static = component.shape
+            held = tuple(static) if static.is_fully_defined() else _tf.runtime_shape(component)
+            if held == value.shape:
                 component.assign(value, read_value=False)
             else:
                 # A window's one-row stand-in that the probe's first gradient filled stays
                 # filled, emptied: zeros, to which the first step adds what it would have put.
                 component.assign(tf.zeros_like(component), read_value=False)
         self._model.reset_metrics()   # metrics the probe built; `fit` resets them anyway
-        seam.restore_random_state(self._random)
+        # Between probes the kernel cache stays: clearing it (as putting back TensorFlow's
+        # seed does) would instantiate the step's function again at every probe.
+        seam.restore_random_state(self._random, clear_kernel_cache=last)
 
     def __exit__(self, *exc):
-        self()
+        self(last=True)
         self._optimizer.set_accum_steps(self._accum_steps)
         return False
 

@@ -152,8 +152,16 @@ def random_state() -> RandomState:
         None if generator is None else np.array(generator.state.numpy()))
 
 
-def restore_random_state(state: RandomState) -> None:
-    """Puts back what `random_state()` found (also after `keras.backend.clear_session()`)."""
+def restore_random_state(state: RandomState, clear_kernel_cache: bool = True) -> None:
+    """Puts back what `random_state()` found (also after `keras.backend.clear_session()`).
+
+    Putting back TensorFlow's global seed clears the eager kernel cache, so that stateful
+    random kernels (an eager `tf.random.uniform`, a `tf.function`'s own) start again as the
+    seed's draws did: every `tf.function` is instantiated again at its next call, a graph
+    optimization costing from a fraction of a second to seconds. With
+    `clear_kernel_cache=False` and the seed unchanged, only its op-seed generator is put
+    back and the cache kept: between the probes of `find_micro_batch`, whose draws nobody
+    reads, when the last put-back clears it."""
     from keras.src.backend.common import global_state
     from tensorflow.python.eager import context
 
@@ -162,6 +170,9 @@ def restore_random_state(state: RandomState) -> None:
     ctx = context.context()
     if state.tf_seed is None:
         ctx._seed, ctx._rng = None, None
+    elif (not clear_kernel_cache and ctx._seed == state.tf_seed and getattr(ctx, "_rng", None) is not None
+          and state.tf_op_seeds is not None):
+        ctx._rng.setstate(state.tf_op_seeds)
     else:
         ctx._set_global_seed(state.tf_seed)
         if state.tf_op_seeds is not None:

@@ -34,10 +34,17 @@ def test_the_cliff_is_real_and_the_process_trains_on_after_it():
     model.train_on_batch(x[:CLIFF - 1], y[:CLIFF - 1])
 
 
-def test_the_probe_finds_the_largest_micro_batch_below_the_cliff():
-    model = _compiled()
+def test_the_probe_finds_the_largest_micro_batch_below_the_cliff(monkeypatch):
+    from tensorflow.python.eager import context
+    model = _compiled()       # its TensorFlow seed set (`mlp`): putting it back clears the kernel cache
     x, y = ref.regression_data(16)
+    clears = []
+    clear = context.pywrap_tfe.TFE_ContextClearCaches
+    monkeypatch.setattr(context.pywrap_tfe, "TFE_ContextClearCaches", lambda *a: clears.append(1) or clear(*a))
     found = find_micro_batch(model, x, y, effective_batch_size=256)
+    # Once, at the end: not after each of the 12 probes (each clear instantiates the step's
+    # function again, as costly as its graph's optimization).
+    assert len(clears) == 1
     assert found.largest_fitting == CLIFF - 1
     assert found.probes == ((1, True), (2, True), (4, True), (8, True), (16, True), (32, True), (64, False),
                             (48, False), (40, False), (36, True), (38, True), (39, True))
@@ -142,6 +149,10 @@ def test_a_uniform_split_divides_the_effective_batch():
             assert b * n == e and b <= max(1, int(largest * 0.9))
 
 
+# Apart (30 s): the Trainer's probe is uniform (tests/components/test_micro_batch_trainer.py's first test:
+# 16 x 4 of 64 found below the cliff, trained by batch size as Keras' large batch); the split's rule
+# is test_a_uniform_split_divides_the_effective_batch's, the probe's search the tests above.
+@pytest.mark.apart
 def test_with_a_uniform_split_fit_at_the_micro_batch_is_keras_large_batch():
     x, y = ref.regression_data(500)
     model = _compiled()
@@ -209,27 +220,28 @@ from tests.accumulator import memory_cliff, reference as ref
 x, y = ref.regression_data(512)
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 with strategy.scope():
-    model = memory_cliff.mlp(40)
+    model = memory_cliff.mlp(10)     # 10 samples a replica: 10 probes (40: 15), each a step on both
     model.compile(GradientAccumulator(keras.optimizers.Adam(1e-2), schedulable=True), "mse")
 model.fit(x[:64], y[:64], batch_size=16, verbose=0, shuffle=False)      # every replica's window state filled
 before = [np.array(v.numpy()) for v in model.variables + model.optimizer.variables]
-found = find_micro_batch(model, x[:16], y[:16], effective_batch_size=256)
+found = find_micro_batch(model, x[:16], y[:16], effective_batch_size=64)
 after = [np.array(v.numpy()) for v in model.variables + model.optimizer.variables]
 changed = [b for a, b in zip(before, after) if not np.array_equal(a, b)]
 print("FOUND", found.largest_fitting, found.micro_batch, found.accum_steps, "CHANGED", changed)
-model.fit(found.micro_batches(tf.data.Dataset.from_tensor_slices((x, y)).batch(256)), epochs=1, verbose=0)
+model.fit(found.micro_batches(tf.data.Dataset.from_tensor_slices((x, y)).batch(64)), epochs=1, verbose=0)
 reference = memory_cliff.mlp(None)
 reference.compile(keras.optimizers.Adam(1e-2), "mse")
-reference.fit(x[:64], y[:64], batch_size=16, verbose=0, shuffle=False)
-reference.fit(x, y, batch_size=256, epochs=1, shuffle=False, verbose=0)
+# One fit (one trace): the 4 batches of 16 the model was fit on, then the 8 batches of 64.
+before_probe = tf.data.Dataset.from_tensor_slices((x[:64], y[:64])).batch(16)
+reference.fit(before_probe.concatenate(tf.data.Dataset.from_tensor_slices((x, y)).batch(64)), verbose=0)
 print("DELTA", ref.max_abs_diff(model.get_weights(), reference.get_weights()))
 """
 
 
 def test_under_a_mirrored_strategy_the_cliff_is_per_replica_and_each_replica_is_put_back():
     """2 replicas on CPU: a global micro-batch of b gives each b / 2, so the largest that fits
-    is 78 (39 each); every replica's window state is put back; training at the split found
-    then matches a single device's Keras large batch. In its own process: TensorFlow gives
+    is 18 (9 each; 64 = 4 x 16); every replica's window state is put back; training at the
+    split found then matches a single device's Keras large batch. In its own process: TensorFlow gives
     every MirroredStrategy the same collective keys, which would clash with other tests'."""
     import os
     import subprocess
@@ -239,6 +251,6 @@ def test_under_a_mirrored_strategy_the_cliff_is_per_replica_and_each_replica_is_
                          timeout=600, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
     found = out.stdout.split("FOUND ")[1].split()
-    assert found[:3] == ["78", "64", "4"], out.stdout[-2000:]
+    assert found[:3] == ["18", "16", "4"], out.stdout[-2000:]
     assert "CHANGED [array(4)]" in out.stdout or "CHANGED [4]" in out.stdout, out.stdout[-2000:]
     assert float(out.stdout.split("DELTA ")[1].split()[0]) <= 1e-5, out.stdout[-2000:]

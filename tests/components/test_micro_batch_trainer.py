@@ -80,6 +80,9 @@ def test_fit_tuned_alone_is_taken_from_the_hyperparameters_over_the_components_a
                              replicas=1, schedule={0: 2})
 
 
+# Apart (48 s): tests/pipelines/test_tuned_fit_pipeline.py's Trainer takes the tuned "fit" and effective
+# batch over its own accum_steps=2 and effective_batch_size=32, and finds its micro-batch below the cliff.
+@pytest.mark.apart
 def test_a_tuned_fit_runs_the_trainers_own_fit(examples, tmp_path):
     hp = fixtures.hyperparameters_artifact(str(tmp_path / "hp"), {"accum_steps": "fit", "effective_batch_size": 64})
     outputs, seen, _ = fixtures.run_executor(
