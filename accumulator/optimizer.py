@@ -369,6 +369,10 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
         self._updater.finalize_variable_values(var_list)
 
     # ----------------------------------------------------------------- update
+    # Not converted by AutoGraph when a user's `tf.function` step calls them (Keras' own
+    # optimizers are not either): the window's code runs as written, as in `fit`, and a
+    # custom loop's first trace does not spend seconds converting the library.
+    @tf.autograph.experimental.do_not_convert
     def apply_gradients(self, grads_and_vars, micro_batch_weight=None) -> tf.Variable:
         """One micro-batch: `apply(grads, vars, micro_batch_weight)`.
 
@@ -383,6 +387,7 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
         self.apply(list(grads), list(trainable_variables), micro_batch_weight=micro_batch_weight)
         return self.iterations
 
+    @tf.autograph.experimental.do_not_convert
     def apply(self, grads, trainable_variables=None, micro_batch_weight=None) -> None:
         """One micro-batch: added to the window, which updates once when it is full.
 

@@ -11,6 +11,8 @@ comparison is against Keras' own large batch; each has a control that shows the
 old way (every lookup's rows kept apart) is measurably off.
 """
 
+import functools
+
 import numpy as np
 import keras
 import pytest
@@ -101,6 +103,14 @@ def _fit(model, optimizer, x, y, batch_size, epochs=2, jit_compile=False):
     return model
 
 
+@functools.lru_cache(maxsize=None)
+def _text_large_batch(name):
+    """Keras' own large batch of `text_model()` on `text_data()` with `SETTINGS[name]`: one
+    reference for the tests that compare with it (the same config; computed once a module)."""
+    x, y = text_data()
+    return _fit(text_model(), getattr(keras.optimizers, name)(**SETTINGS[name]), x, y, MICRO * ACCUM).get_weights()
+
+
 @pytest.fixture
 def rows_kept_apart(monkeypatch):
     """The control: every lookup's rows kept apart, as before lookups were told apart."""
@@ -114,26 +124,31 @@ def _positions(model):
 @pytest.mark.parametrize("cls, settings", _optimizer_cases())
 def test_every_optimizer_matches_keras_large_batch_with_a_position_lookup(cls, settings):
     x, y = text_data()
-    expected = _fit(text_model(), cls(**settings), x, y, MICRO * ACCUM)
+    assert settings == SETTINGS[cls.__name__]
+    expected = _text_large_batch(cls.__name__)
     optimizer = GradientAccumulator(cls(**settings), ACCUM)
     trained = _fit(text_model(), optimizer, x, y, MICRO)
-    assert ref.max_abs_diff(expected.get_weights(), text_model().get_weights()) > 1e-3
-    assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) <= 1e-5
+    assert ref.max_abs_diff(expected, text_model().get_weights()) > 1e-3
+    assert ref.max_abs_diff(trained.get_weights(), expected) <= 1e-5
     kinds = optimizer.gradient_kinds
     assert kinds[_positions(trained).path] == lookups.ONCE_PER_BATCH
     assert sorted(kinds.values()).count(lookups.PER_SAMPLE) == 1      # the token table
 
 
-@pytest.mark.parametrize("name", ["Adam", "AdamW", "RMSprop"])
+# Apart (AdamW 10 s, RMSprop 16 s): Adam's control fails the same comparison (each squares a row's gradient).
+@pytest.mark.parametrize("name", ["Adam", pytest.param("AdamW", marks=pytest.mark.apart),
+                                  pytest.param("RMSprop", marks=pytest.mark.apart)])
 def test_control_rows_kept_apart_land_elsewhere(name, rows_kept_apart):
     cls = getattr(keras.optimizers, name)
     x, y = text_data()
-    expected = _fit(text_model(), cls(**SETTINGS[name]), x, y, MICRO * ACCUM)
+    expected = _text_large_batch(name)
     trained = _fit(text_model(), GradientAccumulator(cls(**SETTINGS[name]), ACCUM), x, y, MICRO)
-    assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) > 1e-4
+    assert ref.max_abs_diff(trained.get_weights(), expected) > 1e-4
 
 
-@pytest.mark.parametrize("optimizer", ["Adam", "SGD"])
+# Apart (SGD 12 s): Adam's loop takes the same path (and squares the rows, where a wrong
+# kind shows); SGD's fit runs in test_every_optimizer_matches_keras_large_batch_with_a_position_lookup.
+@pytest.mark.parametrize("optimizer", ["Adam", pytest.param("SGD", marks=pytest.mark.apart)])
 def test_custom_loop_matches_keras_large_batch_apply(optimizer):
     """A `tf.function` tape loop; the last micro-batch is short (retraced mid-window)."""
     x, y = text_data(120)
@@ -173,6 +188,9 @@ def test_xla_keeps_once_per_batch_rows():
     assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) <= 1e-5
 
 
+# Apart (35 s): test_xla_one_encoder_called_twice_follows_keras_xla_large_batch compiles this
+# layer (a per-token table beside the position table) with a per-sample table beside them.
+@pytest.mark.apart
 def test_xla_keeps_the_per_token_rows_beside_the_position_rows():
     """The per-token table's rows in their room, the position table's summed by position:
     Keras' XLA large batch, without `merge_duplicate_rows`."""
@@ -233,6 +251,9 @@ def test_the_decision_comes_from_the_program_not_the_ids():
     assert optimizer.gradient_kinds[token_table] == lookups.PER_SAMPLE
 
 
+# Apart (34 s): the built ids "broadcast to the batch" (test_ids_built_any_way_...) are judged per
+# sample in make test, and test_sparse's small transformer (this layer) matches Keras' large batch with AdamW.
+@pytest.mark.apart
 def test_ids_broadcast_to_every_sample_before_the_lookup_stay_per_sample():
     """Positions broadcast to (batch, length) and then looked up: the large batch
     has a row per sample and position (tests/accumulator/test_sparse.py's layer)."""
@@ -269,6 +290,12 @@ class PositionClip(keras.Model):
         return contrastive.symmetric_info_nce(y_pred["image"], y_pred["text"], 10.0)
 
 
+@functools.lru_cache(maxsize=None)
+def _clip_large_batch():
+    """Keras' own large batch of the CLIP-style model (the same config for both tests below)."""
+    return _clip_fit(cache=False).get_weights()
+
+
 def _clip_fit(cache):
     rng = np.random.RandomState(0)
     x = {"image": rng.randn(64, 12).astype("float32"),
@@ -283,13 +310,13 @@ def _clip_fit(cache):
 
 
 def test_gradient_cache_sums_once_per_batch_rows():
-    expected = _clip_fit(cache=False)
-    assert ref.max_abs_diff(_clip_fit(cache=True).get_weights(), expected.get_weights()) <= 1e-5
+    expected = _clip_large_batch()
+    assert ref.max_abs_diff(_clip_fit(cache=True).get_weights(), expected) <= 1e-5
 
 
 def test_gradient_cache_control_rows_kept_apart(rows_kept_apart):
-    expected = _clip_fit(cache=False)
-    assert ref.max_abs_diff(_clip_fit(cache=True).get_weights(), expected.get_weights()) > 1e-3
+    expected = _clip_large_batch()
+    assert ref.max_abs_diff(_clip_fit(cache=True).get_weights(), expected) > 1e-3
 
 
 # ------------------------------------------------- one encoder called twice (a sentence pair)
@@ -348,6 +375,13 @@ PAIR_OPTIMIZERS = {"adam": lambda: keras.optimizers.Adam(1e-2),
                    "sgd-global_clipnorm": lambda: keras.optimizers.SGD(0.5, global_clipnorm=0.05)}
 
 
+@functools.lru_cache(maxsize=None)
+def _pair_large_batch(optimizer):
+    """Keras' own large batch of `pair_model()` on `_pair_data()` (one reference a module)."""
+    x, y = _pair_data()
+    return _fit(pair_model(), PAIR_OPTIMIZERS[optimizer](), x, y, MICRO * ACCUM).get_weights()
+
+
 def _types_table(model):
     return next(v for v in model.trainable_variables if v.shape[0] == 2)
 
@@ -355,30 +389,61 @@ def _types_table(model):
 @pytest.mark.parametrize("optimizer", sorted(PAIR_OPTIMIZERS))
 def test_one_encoder_called_twice_keeps_its_token_type_rows_apart(optimizer):
     x, y = _pair_data()
-    expected = _fit(pair_model(), PAIR_OPTIMIZERS[optimizer](), x, y, MICRO * ACCUM)
+    expected = _pair_large_batch(optimizer)
     accumulator = GradientAccumulator(PAIR_OPTIMIZERS[optimizer](), ACCUM)
     trained = _fit(pair_model(), accumulator, x, y, MICRO)
-    assert ref.max_abs_diff(expected.get_weights(), pair_model().get_weights()) > 1e-3
-    assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) <= 1e-5
+    assert ref.max_abs_diff(expected, pair_model().get_weights()) > 1e-3
+    assert ref.max_abs_diff(trained.get_weights(), expected) <= 1e-5
     assert accumulator.gradient_kinds[_types_table(trained).path] == lookups.PER_SAMPLE
     assert accumulator.gradient_kinds[_positions(trained).path] == lookups.ONCE_PER_BATCH
 
 
-def _pair_ranking_fit(optimizer, cache):
+@functools.lru_cache(maxsize=None)
+def _pair_ranking_large_batch(optimizer):
+    """Keras' own large batch of `PairRanking` (one reference a module)."""
+    return _pair_ranking_fit(optimizer, cache=False).get_weights()
+
+
+def _pair_ranking_fit(optimizer, cache, jit_compile=False):
     x, _ = _pair_data(64)
     keras.utils.set_random_seed(1)
     model = PairRanking()
     model({k: v[:2] for k, v in x.items()})
     trained = GradientCache(model, ACCUM) if cache else model
-    trained.compile(optimizer=PAIR_OPTIMIZERS[optimizer](), jit_compile=False)
+    trained.compile(optimizer=PAIR_OPTIMIZERS[optimizer](), jit_compile=jit_compile)
     trained.fit(x, batch_size=32, epochs=2, shuffle=False, verbose=0)
     return model
 
 
-@pytest.mark.parametrize("optimizer", sorted(PAIR_OPTIMIZERS))
+# Apart (SGD 17 s): Adam's case takes the same path; SGD + global_clipnorm through GradientCache
+# runs in test_control_concatenated_lookups_judged_whole_land_elsewhere, and exactly through
+# GradientAccumulator in test_one_encoder_called_twice_keeps_its_token_type_rows_apart.
+@pytest.mark.parametrize("optimizer", ["adam", pytest.param("sgd-global_clipnorm", marks=pytest.mark.apart)])
 def test_gradient_cache_one_encoder_called_twice_keeps_its_token_type_rows_apart(optimizer):
-    expected = _pair_ranking_fit(optimizer, cache=False)
-    assert ref.max_abs_diff(_pair_ranking_fit(optimizer, cache=True).get_weights(), expected.get_weights()) <= 1e-5
+    expected = _pair_ranking_large_batch(optimizer)
+    assert ref.max_abs_diff(_pair_ranking_fit(optimizer, cache=True).get_weights(), expected) <= 1e-5
+
+
+# Under XLA (`jit_compile=True`, Keras' "auto" on one GPU), both sides compiled: the encoder
+# called twice through GradientAccumulator, and its tables shared by the two towers of
+# in-batch negatives through GradientCache (the KerasHub BERT versions of both,
+# test_conformance_pairs.py's XLA cases, take minutes to compile on a CPU: make test-apart).
+
+def test_xla_one_encoder_called_twice_follows_keras_xla_large_batch():
+    x, y = _pair_data()
+    expected = _fit(pair_model(), PAIR_OPTIMIZERS["adam"](), x, y, MICRO * ACCUM, jit_compile=True)
+    accumulator = GradientAccumulator(PAIR_OPTIMIZERS["adam"](), ACCUM)
+    trained = _fit(pair_model(), accumulator, x, y, MICRO, jit_compile=True)
+    assert trained.jit_compile is True
+    assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) <= 1e-5
+    assert accumulator.gradient_kinds[_types_table(trained).path] == lookups.PER_SAMPLE
+    assert accumulator.gradient_kinds[_positions(trained).path] == lookups.ONCE_PER_BATCH
+
+
+def test_xla_gradient_cache_tables_shared_between_towers_follow_keras_xla_large_batch():
+    expected = _pair_ranking_fit("adam", cache=False, jit_compile=True)
+    cached = _pair_ranking_fit("adam", cache=True, jit_compile=True)
+    assert ref.max_abs_diff(cached.get_weights(), expected.get_weights()) <= 1e-5
 
 
 @pytest.fixture
@@ -397,13 +462,13 @@ def concatenated_lookups_judged_whole(monkeypatch):
     pytest.param("adam", marks=pytest.mark.apart), "sgd-global_clipnorm"])
 def test_control_concatenated_lookups_judged_whole_land_elsewhere(optimizer, concatenated_lookups_judged_whole):
     x, y = _pair_data()
-    expected = _fit(pair_model(), PAIR_OPTIMIZERS[optimizer](), x, y, MICRO * ACCUM)
+    expected = _pair_large_batch(optimizer)
     accumulator = GradientAccumulator(PAIR_OPTIMIZERS[optimizer](), ACCUM)
     trained = _fit(pair_model(), accumulator, x, y, MICRO)
     assert accumulator.gradient_kinds[_types_table(trained).path] == lookups.ONCE_PER_BATCH
-    assert ref.max_abs_diff(trained.get_weights(), expected.get_weights()) > 1e-4
+    assert ref.max_abs_diff(trained.get_weights(), expected) > 1e-4
     cached = _pair_ranking_fit(optimizer, cache=True)
-    assert ref.max_abs_diff(cached.get_weights(), _pair_ranking_fit(optimizer, cache=False).get_weights()) > 1e-4
+    assert ref.max_abs_diff(cached.get_weights(), _pair_ranking_large_batch(optimizer)) > 1e-4
 
 
 # ------------------------------------------------- the rule's other shapes of ids

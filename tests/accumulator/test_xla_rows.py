@@ -36,7 +36,6 @@ def test_per_token_rows_under_xla_follow_keras_xla_large_batch(name):
     expected = _fit(OPTIMIZERS[name](), x, y, MICRO * ACCUM)
     optimizer = GradientAccumulator(OPTIMIZERS[name](), ACCUM)
     model = _fit(optimizer, x, y, MICRO)
-    summed = _fit(GradientAccumulator(OPTIMIZERS[name](), ACCUM, merge_duplicate_rows=True), x, y, MICRO)
 
     assert model.jit_compile is True
     assert list(optimizer.gradient_kinds.values()).count("rows") == 1
@@ -46,6 +45,7 @@ def test_per_token_rows_under_xla_follow_keras_xla_large_batch(name):
     diff = ref.max_abs_diff(model.get_weights(), expected.get_weights())
     assert diff <= 1e-6
     if name == "adam":      # summing each index's rows first is another update with Adam
+        summed = _fit(GradientAccumulator(OPTIMIZERS[name](), ACCUM, merge_duplicate_rows=True), x, y, MICRO)
         assert ref.max_abs_diff(summed.get_weights(), expected.get_weights()) > 1e3 * max(diff, 1e-7)
 
 
