@@ -85,16 +85,13 @@ def main():
                                             measure_noise_scale=args.auto_overhead > 0)
         model.compile(optimizer=optimizer, loss="mse")
 
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.micro).with_options(options)
+    dataset = _sharded(x, y, args.micro)
 
     callbacks = []
     if args.backup:
         # One folder per worker: Keras' callback does not separate them itself.
-        index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
         callbacks.append(keras.callbacks.BackupAndRestore(
-            os.path.join(args.backup, f"worker{index}"), save_freq=args.save_freq or "epoch"))
+            os.path.join(args.backup, f"worker{_task_index()}"), save_freq=args.save_freq or "epoch"))
     if args.die_at >= 0:
         class Die(keras.callbacks.Callback):
             def __init__(self):
@@ -116,13 +113,11 @@ def main():
     if args.accum > 1:
         # A carried window is applied on demand: a collective, on every worker.
         optimizer.close_partial_window("apply")
-    task = json.loads(os.environ["TF_CONFIG"])["task"]
-    result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
-    result["iterations"] = np.array(int(optimizer.iterations.numpy()))
+    result = _result(model)
     if auto is not None:
         result["schedule"] = np.array(json.dumps(auto.schedule))
         print("auto readings", auto.readings, flush=True)
-    np.savez(f"{args.out}.{task['index']}.npz", **result)
+    np.savez(f"{args.out}.{_task_index()}.npz", **result)
     if args.then_embedding:
         _then_the_embedding(args, strategy)
 
@@ -138,14 +133,9 @@ def _then_the_embedding(args, strategy):
         model = ref.embedding_model()
         optimizer = GradientAccumulator(keras.optimizers.Adam(1e-2), args.accum, partial_window=args.partial_window)
         model.compile(optimizer=optimizer, loss="mse")
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(args.micro).with_options(options),
-              epochs=args.epochs, verbose=0)
+    model.fit(_sharded(x, y, args.micro), epochs=args.epochs, verbose=0)
     optimizer.close_partial_window("apply")
-    result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
-    result["iterations"] = np.array(int(optimizer.iterations.numpy()))
-    np.savez(f"{args.out}.embedding.{json.loads(os.environ['TF_CONFIG'])['task']['index']}.npz", **result)
+    np.savez(f"{args.out}.embedding.{_task_index()}.npz", **_result(model))
 
 
 def _fit_at_the_micro_batch_found(args, strategy, x, y):
@@ -154,21 +144,35 @@ def _fit_at_the_micro_batch_found(args, strategy, x, y):
     from tfx_gradient_accumulator.accumulator import GradientAccumulator, find_micro_batch
     from tests.accumulator import memory_cliff
 
-    task = json.loads(os.environ["TF_CONFIG"])["task"]
-    cliff = int(args.cliffs.split(",")[task["index"]])
+    cliff = int(args.cliffs.split(",")[_task_index()])
     with strategy.scope():
         model = memory_cliff.mlp(cliff=cliff)
         model.compile(optimizer=GradientAccumulator(keras.optimizers.Adam(1e-2), schedulable=True), loss="mse")
     found = find_micro_batch(model, x[:8], y[:8], effective_batch_size=args.find_micro_batch, uniform=True)
+    model.fit(_sharded(x, y, found.micro_batch), epochs=args.epochs, verbose=0)
+    result = _result(model)
+    result.update(micro_batch=np.array(found.micro_batch), accum_steps=np.array(found.accum_steps),
+                  largest_fitting=np.array(found.largest_fitting), probes=np.array(json.dumps(found.probes)))
+    np.savez(f"{args.out}.{_task_index()}.npz", **result)
+
+
+def _task_index():
+    """This worker's index in TF_CONFIG."""
+    return json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+
+
+def _sharded(x, y, micro):
+    """The arrays as global micro-batches of `micro`, sharded across the workers by data."""
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(found.micro_batch).with_options(options)
-    model.fit(dataset, epochs=args.epochs, verbose=0)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(micro).with_options(options)
+
+
+def _result(model):
+    """What every run writes: the weights (w0, w1, ...) and the optimizer's update count."""
     result = {f"w{i}": w for i, w in enumerate(model.get_weights())}
-    result.update(iterations=np.array(int(model.optimizer.iterations.numpy())),
-                  micro_batch=np.array(found.micro_batch), accum_steps=np.array(found.accum_steps),
-                  largest_fitting=np.array(found.largest_fitting), probes=np.array(json.dumps(found.probes)))
-    np.savez(f"{args.out}.{task['index']}.npz", **result)
+    result["iterations"] = np.array(int(model.optimizer.iterations.numpy()))
+    return result
 
 
 def keras2_mlp(keras2, features):
