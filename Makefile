@@ -39,7 +39,7 @@ PREFIX = sed -u 's/^/[$@] /'
 INSTALL_LOCK := $(CURDIR)/.install.lock
 LOCKED = flock $(INSTALL_LOCK)
 
-.PHONY: bench demo demo-retrieval docs test test-core test-apart test-tfx test-latest test-latest-2 test-oldest test-keras2-tf215 test-keras2-latest \
+.PHONY: bench demo demo-retrieval docs test test-core test-apart test-tfx test-tfx-2 test-latest test-latest-2 test-latest-3 test-oldest test-keras2-tf215 test-keras2-latest \
 	setup setup-latest setup-oldest setup-keras2 clean
 
 # $(call core_venv,DIR,CONSTRAINTS,PYTHON,VERSION,VARIABLE): a venv on Python VERSION
@@ -116,28 +116,34 @@ bench: $(VENV)/.installed
 docs: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/python -m mkdocs build --strict
 
-# The five environments' six lanes (the newest environment's tests in two) on the two
-# cores, two at a time (a pytest keeps about one core busy), longest first, so that
-# whichever finishes takes the next; -k runs every lane even when one fails. Each line
-# of output is prefixed with its lane's target. Each lane builds its environment first
-# (a prerequisite), so one lane's install overlaps the other's tests; the installs of
-# this checkout into each environment take turns (INSTALL_LOCK: they write the same
-# egg-info).
+# The five environments' eight lanes (the newest environment's tests in three, TFX's in
+# two), TEST_JOBS at a time, longest first, so that whichever finishes takes the next;
+# -k runs every lane even when one fails. Three at a time on two cores: a lane's pytest
+# waits now and then (its subprocesses starting, a cluster's workers, files), and a
+# third lane fills those waits (DEVELOPERS.md, "How make test spends its time"). Each
+# line of output is prefixed with its lane's target. Each lane builds its environment
+# first (a prerequisite); the installs of this checkout into each environment take turns
+# (INSTALL_LOCK: they write the same egg-info).
+TEST_JOBS ?= 3
 test:
-	$(MAKE) -k -j2 test-tfx test-latest test-latest-2 test-oldest test-keras2-latest test-keras2-tf215
+	$(MAKE) -k -j$(TEST_JOBS) test-latest-2 test-tfx test-latest test-latest-3 test-tfx-2 test-oldest test-keras2-latest test-keras2-tf215
 
 test-core:
-	$(MAKE) -k -j1 test-latest test-latest-2 test-oldest test-keras2-tf215 test-keras2-latest
+	$(MAKE) -k -j1 test-latest test-latest-2 test-latest-3 test-oldest test-keras2-tf215 test-keras2-latest
 
 # Every-optimizer sweeps run in full in test-latest, their representative optimizers
 # elsewhere (tests/sweeps.py). The library's own tests (tests/accumulator, tests/keras2)
 # run in the four core environments; the TFX environment runs what needs TFX (the
 # component, the pipelines, the docs, the benchmarks' code, the wheel) and the check
 # that the library's private names exist in its Keras and TensorFlow.
-TFX_TESTS := tests/components tests/pipelines tests/test_*.py tests/accumulator/test_seam.py \
-	tests/accumulator/test_tuning_as_installed.py
+# In two lanes: test-tfx the component and the pipelines, test-tfx-2 the rest (TFX_SECOND).
+TFX_SECOND := tests/test_*.py tests/accumulator/test_seam.py tests/accumulator/test_tuning_as_installed.py
+TFX_TESTS := tests/components tests/pipelines $(TFX_SECOND)
 test-tfx: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest $(TFX_TESTS) -m "not apart and not sweep" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
+	$(VENV)/bin/python -m pytest tests/components tests/pipelines -m "not apart and not sweep" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
+
+test-tfx-2: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest $(TFX_SECOND) -m "not apart and not sweep" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
 
 # What make test leaves out (`@pytest.mark.apart`: slow runs whose behaviour a test in
 # make test covers too; DEVELOPERS.md, "Tests that run apart", names each), the newest
@@ -151,19 +157,27 @@ test-apart: $(VENV)/.installed $(LATEST)/.installed-py$(LATEST_PY) $(KERAS2_LATE
 	TF_USE_LEGACY_KERAS=1 $(KERAS2_LATEST)/bin/python -m pytest tests/keras2 -m apart $(PYTEST_ARGS)
 
 # The newest Keras runs the library's tests, its sweeps over every optimizer apart (the
-# representative optimizers run here and in the oldest: tests/sweeps.py). In two lanes
-# of about equal minutes, so that the two cores share the longest environment:
+# representative optimizers run here and in the oldest: tests/sweeps.py). In three lanes
+# of about equal minutes, so that the cores share the longest environment:
 # test-latest-2 runs LATEST_SECOND (lookups, XLA, the conformance models, the
-# micro-batch probe, several workers), test-latest every other file (a new file lands
-# there).
+# micro-batch probe, several workers), test-latest-3 LATEST_THIRD (the noise scale,
+# auto, tuning, the check, the reductions), test-latest every other file (a new file
+# lands there).
 LATEST_SECOND := $(addprefix tests/accumulator/,test_lookups.py test_sparse.py test_xla.py test_xla_rows.py \
 	test_conformance.py test_conformance_pairs.py test_micro_batch.py test_out_of_memory_recovery.py \
 	test_multiworker.py test_gradient_cache_multiworker.py)
+LATEST_THIRD := $(addprefix tests/accumulator/,test_noise_scale.py test_noise_scale_estimator.py test_check.py \
+	test_auto_batch.py test_tuning.py test_tuning_fit.py test_tuning_effective_batch.py test_tuning_noise_scale.py \
+	test_batch_target.py test_preconditioning.py test_gradient_cache_gather.py test_reductions.py)
 test-latest: $(LATEST)/.installed-py$(LATEST_PY)
-	$(LATEST)/bin/python -m pytest tests/accumulator $(LATEST_SECOND:%=--ignore=%) -m "not apart and not sweep" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
+	$(LATEST)/bin/python -m pytest tests/accumulator $(LATEST_SECOND:%=--ignore=%) $(LATEST_THIRD:%=--ignore=%) \
+		-m "not apart and not sweep" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
 
 test-latest-2: $(LATEST)/.installed-py$(LATEST_PY)
 	$(LATEST)/bin/python -m pytest $(LATEST_SECOND) -m "not apart and not sweep" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
+
+test-latest-3: $(LATEST)/.installed-py$(LATEST_PY)
+	$(LATEST)/bin/python -m pytest $(LATEST_THIRD) -m "not apart and not sweep" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
 
 # The oldest Keras runs the library's core: the files whose paths go through what
 # differs between Keras versions (private names, saving, compile and fit, XLA, mixed
