@@ -62,12 +62,16 @@ setup-keras2: $(KERAS2_TF215)/.installed-py$(KERAS2_TF215_PY) $(KERAS2_LATEST)/.
 
 # The TFX 1.16 stack. tfx's metadata says Python < 3.11 while its libraries ship
 # 3.11 wheels, hence --ignore-requires-python; the constraints keep pip from
-# backtracking. Plus TensorFlow Recommenders for the retrieval demo's TFRS module
+# backtracking. The pinned set goes in first, as it is (no resolver, no lock); then the
+# checkout with its extras, under the lock, where pip finds them installed (the lock
+# held for seconds, not for the stack's three minutes, which kept the other
+# environments' installs of the checkout waiting). Plus TensorFlow Recommenders for the retrieval demo's TFRS module
 # (its own constraints file says why --no-deps).
 $(VENV)/.installed: setup.py constraints/tfx-1.16.txt constraints/tfx-1.16-tfrs.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "TFX 1.16 needs Python 3.11 here; got " + sys.version' 
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade "pip<25" setuptools wheel
+	$(VENV)/bin/pip install -q --ignore-requires-python --no-deps -r constraints/tfx-1.16.txt
 	$(LOCKED) $(VENV)/bin/pip install -q --ignore-requires-python -c constraints/tfx-1.16.txt -e '.[tfx,test,bench,docs]'
 	$(VENV)/bin/pip install -q --no-deps -r constraints/tfx-1.16-tfrs.txt
 	touch $@

@@ -3,9 +3,11 @@
 Conventions for README.md and docs/**/*.md (DEVELOPERS.md, "Docs"):
 
 - Every ```python fenced block is a test case, id `file:line` (the line of its opening
-  fence). It runs in a fresh `python` process (this interpreter: the TFX venv in
-  `make test`), because Keras' global state and the hooks `import accumulator`
-  installs make running blocks in one process unsafe. The process runs in an empty
+  fence). It runs in a process of its own (this interpreter: the TFX venv in `make
+  test`), because Keras' global state and the hooks `import accumulator` installs make
+  running blocks in one process unsafe: forked from a server that has imported
+  TensorFlow and Keras and nothing more (`tests/docs_block.py`: it saves each block
+  their import, about 9 s of CPU), or a fresh interpreter for a standalone block. The process runs in an empty
   temporary directory (write files there, relative), with `PYTHONPATH` = the
   repository first, `KERAS_BACKEND=tensorflow`, `TF_CPP_MIN_LOG_LEVEL=2`, no
   `TF_USE_LEGACY_KERAS` (a Keras 2 block sets it itself, before importing
@@ -29,11 +31,15 @@ temporary folder: a broken link or anchor, a page missing from the nav, or an AP
 name mkdocstrings cannot find fails it (`make docs` builds the same into site/).
 """
 
+import json
 import os
+import queue
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -125,8 +131,16 @@ def apart_blocks(files=None, root=ROOT):
     return apart
 
 
+def standalone_blocks(files=None, root=ROOT):
+    """The ids ("page:line") of the python blocks a STANDALONE_MARK precedes."""
+    return {f"{path.relative_to(root).as_posix()}:{line}" for path in files or markdown_files(root)
+            for line, language, _, mark in fenced_blocks(path.read_text(encoding="utf-8"))
+            if language == "python" and mark == STANDALONE_MARK}
+
+
 SNIPPETS = python_snippets()
 APART_SNIPPETS = apart_blocks()
+STANDALONE_SNIPPETS = standalone_blocks()
 
 
 def _env(tmp_path):
@@ -138,18 +152,70 @@ def _env(tmp_path):
     return env
 
 
-def _run(code, folder):
-    """Runs one block in a fresh process in `folder`; (exit code or None on timeout, stdout, stderr)."""
+class _BlockServer:
+    """A `tests/docs_block.py` server: forks a process per block from one that has
+    imported TensorFlow and Keras (each block saves their import)."""
+
+    def __init__(self, folder):
+        self.log = open(folder / "server.log", "w")
+        self.process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "docs_block.py")], cwd=folder,
+                                        env=_env(folder), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=self.log, text=True)
+
+    def run(self, script, work, env, out, err):
+        """The block's exit code, or None once it ran over SNIPPET_TIMEOUT (then killed)."""
+        request = dict(script=str(script), cwd=str(work), env=env, stdout=str(out), stderr=str(err))
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        started = self.process.stdout.readline()
+        if not started:
+            raise RuntimeError(f"the docs block server ended (exit {self.process.wait()}): see {self.log.name}")
+        pid, killed = json.loads(started)["pid"], threading.Event()
+
+        def kill():
+            killed.set()
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:     # it ended meanwhile
+                pass
+
+        timer = threading.Timer(SNIPPET_TIMEOUT, kill)
+        timer.start()
+        ended = json.loads(self.process.stdout.readline())["exit"]
+        timer.cancel()
+        return None if killed.is_set() else ended
+
+    def close(self):
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+        self.log.close()
+
+
+def _run(code, folder, servers=None, standalone=False):
+    """Runs one block in its own process in `folder`; (exit code or None on timeout, stdout, stderr).
+
+    The process is forked by a block server taken from the queue `servers`, or, for a
+    standalone block, a fresh interpreter.
+    """
     script = folder / "snippet.py"
     script.write_text(code, encoding="utf-8")
     work = folder / "work"
     work.mkdir()
+    if standalone or servers is None:
+        try:
+            done = subprocess.run([sys.executable, str(script)], cwd=work, env=_env(folder),
+                                  capture_output=True, text=True, timeout=SNIPPET_TIMEOUT)
+        except subprocess.TimeoutExpired as expired:
+            return None, expired.stdout or "", expired.stderr or ""
+        return done.returncode, done.stdout, done.stderr
+    out, err = folder / "stdout.txt", folder / "stderr.txt"
+    server = servers.get()
     try:
-        done = subprocess.run([sys.executable, str(script)], cwd=work, env=_env(folder),
-                              capture_output=True, text=True, timeout=SNIPPET_TIMEOUT)
-    except subprocess.TimeoutExpired as expired:
-        return None, expired.stdout or "", expired.stderr or ""
-    return done.returncode, done.stdout, done.stderr
+        returncode = server.run(script, work, _env(folder), out, err)
+    finally:
+        servers.put(server)
+    return returncode, *(path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
+                         for path in (out, err))
 
 
 @pytest.fixture(scope="session")
@@ -159,15 +225,20 @@ def snippet_results(request, tmp_path_factory):
     Each block is its own process, so they run side by side (2 at a time by default,
     the cores of the project's machines); each test then waits for its own.
     """
-    workers = int(os.environ.get("DOCS_TEST_WORKERS", min(2, os.cpu_count() or 1)))
-    pool = ThreadPoolExecutor(max(1, workers))
-    futures = {}
-    for item in request.session.items:
-        if getattr(item, "originalname", None) == "test_snippet_runs":
-            futures[item.callspec.id] = pool.submit(
-                _run, item.callspec.params["code"], tmp_path_factory.mktemp("snippet"))
+    workers = max(1, int(os.environ.get("DOCS_TEST_WORKERS", min(2, os.cpu_count() or 1))))
+    pool = ThreadPoolExecutor(workers)
+    items = [item for item in request.session.items if getattr(item, "originalname", None) == "test_snippet_runs"]
+    servers = queue.Queue()
+    if any(item.callspec.id not in STANDALONE_SNIPPETS for item in items):
+        for _ in range(workers):
+            servers.put(_BlockServer(tmp_path_factory.mktemp("block_server")))
+    futures = {item.callspec.id: pool.submit(_run, item.callspec.params["code"], tmp_path_factory.mktemp("snippet"),
+                                             servers, item.callspec.id in STANDALONE_SNIPPETS)
+               for item in items}
     yield futures
     pool.shutdown(cancel_futures=True)
+    while not servers.empty():
+        servers.get().close()
 
 
 @pytest.mark.parametrize("code", [pytest.param(code, id=name, marks=[pytest.mark.apart] * (name in APART_SNIPPETS))
@@ -207,6 +278,7 @@ def test_a_block_marked_apart_runs_apart_and_keeps_its_other_mark(tmp_path):
         "docs/page.md:9": "y = 2\n", "docs/page.md:14": "x = 1\nprint(x)\n",
         "docs/page.md:18": "x = 1\nprint(x + 1)\n"}
     assert apart_blocks([page], root=tmp_path) == {"docs/page.md:9", "docs/page.md:14"}
+    assert standalone_blocks([page], root=tmp_path) == {"docs/page.md:9"}
 
 
 def test_setup_blocks_are_prepended(tmp_path):
