@@ -27,6 +27,14 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 export KERAS_BACKEND := tensorflow
 export PYTHONUNBUFFERED := 1
 
+# Bytecode. The environments are installed without it (pip --no-compile: compiling every
+# module of TensorFlow took about half of each install); Python writes it at the first
+# import of each module that runs, under .pycache/ (PYTHONPYCACHEPREFIX: the checkout
+# and the environments stay as installed), and every later process reads it, this
+# checkout's modules included (a test's subprocesses, the docs' blocks, the workers).
+export PYTHONDONTWRITEBYTECODE :=
+export PYTHONPYCACHEPREFIX := $(CURDIR)/.pycache
+
 # A test target's output goes through `| $(PREFIX)`: each line starts with the target's
 # name, so the two lanes of `make test` can be told apart; pipefail keeps pytest's status.
 SHELL := /bin/bash
@@ -50,7 +58,7 @@ define core_venv
 	rm -rf $(1)
 	$(3) -m venv $(1)
 	$(1)/bin/pip install -q --upgrade pip
-	$(1)/bin/pip install -q -r $(2) pytest pytest-timeout portpicker
+	$(1)/bin/pip install -q --no-compile -r $(2) pytest pytest-timeout portpicker
 	$(LOCKED) $(1)/bin/pip install -q --no-deps -e .
 	touch $(1)/.installed-py$(4)
 endef
@@ -71,16 +79,16 @@ $(VENV)/.installed: setup.py constraints/tfx-1.16.txt constraints/tfx-1.16-tfrs.
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "TFX 1.16 needs Python 3.11 here; got " + sys.version' 
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade "pip<25" setuptools wheel
-	$(VENV)/bin/pip install -q --ignore-requires-python --no-deps -r constraints/tfx-1.16.txt
-	$(LOCKED) $(VENV)/bin/pip install -q --ignore-requires-python -c constraints/tfx-1.16.txt -e '.[tfx,test,bench,docs]'
-	$(VENV)/bin/pip install -q --no-deps -r constraints/tfx-1.16-tfrs.txt
+	$(VENV)/bin/pip install -q --no-compile --ignore-requires-python --no-deps -r constraints/tfx-1.16.txt
+	$(LOCKED) $(VENV)/bin/pip install -q --ignore-requires-python --no-compile -c constraints/tfx-1.16.txt -e '.[tfx,test,bench,docs]'
+	$(VENV)/bin/pip install -q --no-compile --no-deps -r constraints/tfx-1.16-tfrs.txt
 	touch $@
 
 # The core library alone on the newest TensorFlow and Keras.
 # Plus KerasHub for the conformance suite (its own constraints file says why --no-deps).
 $(LATEST)/.installed-py$(LATEST_PY): setup.py constraints/tf-latest.txt constraints/tf-latest-conformance.txt
 	$(call core_venv,$(LATEST),constraints/tf-latest.txt,$(PYTHON_LATEST),$(LATEST_PY),PYTHON_LATEST)
-	$(LATEST)/bin/pip install -q --no-deps -r constraints/tf-latest-conformance.txt || { rm -f $@; exit 1; }
+	$(LATEST)/bin/pip install -q --no-compile --no-deps -r constraints/tf-latest-conformance.txt || { rm -f $@; exit 1; }
 
 # The core library alone on the oldest supported TensorFlow and Keras.
 $(OLDEST)/.installed-py$(OLDEST_PY): setup.py constraints/oldest.txt
@@ -94,7 +102,7 @@ $(KERAS2_TF215)/.installed-py$(KERAS2_TF215_PY): setup.py constraints/keras2-tf2
 # Plus TensorFlow Recommenders for its tests (its own constraints file says why --no-deps).
 $(KERAS2_LATEST)/.installed-py$(KERAS2_LATEST_PY): setup.py constraints/keras2-latest.txt constraints/keras2-latest-tfrs.txt
 	$(call core_venv,$(KERAS2_LATEST),constraints/keras2-latest.txt,$(PYTHON_KERAS2_LATEST),$(KERAS2_LATEST_PY),PYTHON_KERAS2_LATEST)
-	$(KERAS2_LATEST)/bin/pip install -q --no-deps -r constraints/keras2-latest-tfrs.txt || { rm -f $@; exit 1; }
+	$(KERAS2_LATEST)/bin/pip install -q --no-compile --no-deps -r constraints/keras2-latest-tfrs.txt || { rm -f $@; exit 1; }
 
 # The main job: the digits pipeline, locally on the Beam DirectRunner. Run it
 # again and the cached components are reused.
@@ -121,16 +129,23 @@ docs: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/python -m mkdocs build --strict
 
 # The five environments' eight lanes (the newest environment's tests in three, TFX's in
-# two), TEST_JOBS at a time, longest first, so that whichever finishes takes the next;
-# -k runs every lane even when one fails. Three at a time on two cores: a lane's pytest
-# waits now and then (its subprocesses starting, a cluster's workers, files), and a
-# third lane fills those waits (DEVELOPERS.md, "How make test spends its time"). Each
-# line of output is prefixed with its lane's target. Each lane builds its environment
-# first (a prerequisite); the installs of this checkout into each environment take turns
-# (INSTALL_LOCK: they write the same egg-info).
+# two), TEST_JOBS at a time. First the environments (three installs at a time; one that
+# fails is tried again by its lanes, which fail), then the lanes, longest first, so that
+# whichever finishes takes the next and the last to start are the shortest (make starts
+# ready goals in the order given; with the installs as their prerequisites in the same
+# make, it started a lane whose environment was ready before a longer one). -k runs
+# every lane even when one fails. Three at a time on two cores: a lane's pytest waits
+# now and then (its subprocesses starting, a cluster's workers, files), and a third lane
+# fills those waits (DEVELOPERS.md, "How make test spends its time"). Each line of
+# output is prefixed with its lane's target; the installs of this checkout into each
+# environment take turns (INSTALL_LOCK: they write the same egg-info).
 TEST_JOBS ?= 3
+LANES := test-latest-2 test-latest test-tfx test-latest-3 test-oldest test-keras2-latest test-tfx-2 test-keras2-tf215
+ENVIRONMENTS := $(VENV)/.installed $(LATEST)/.installed-py$(LATEST_PY) $(OLDEST)/.installed-py$(OLDEST_PY) \
+	$(KERAS2_LATEST)/.installed-py$(KERAS2_LATEST_PY) $(KERAS2_TF215)/.installed-py$(KERAS2_TF215_PY)
 test:
-	$(MAKE) -k -j$(TEST_JOBS) test-latest-2 test-tfx test-latest test-latest-3 test-tfx-2 test-oldest test-keras2-latest test-keras2-tf215
+	-$(MAKE) -k -j3 $(ENVIRONMENTS)
+	$(MAKE) -k -j$(TEST_JOBS) $(LANES)
 
 test-core:
 	$(MAKE) -k -j1 test-latest test-latest-2 test-latest-3 test-oldest test-keras2-tf215 test-keras2-latest
@@ -201,4 +216,4 @@ test-keras2-latest: $(KERAS2_LATEST)/.installed-py$(KERAS2_LATEST_PY)
 	TF_USE_LEGACY_KERAS=1 $(KERAS2_LATEST)/bin/python -m pytest tests/keras2 -m "not apart" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
 
 clean:
-	rm -rf $(VENV) $(LATEST) $(OLDEST) $(KERAS2_TF215) $(KERAS2_LATEST) *.egg-info site
+	rm -rf $(VENV) $(LATEST) $(OLDEST) $(KERAS2_TF215) $(KERAS2_LATEST) *.egg-info site .pycache

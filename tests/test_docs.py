@@ -7,7 +7,8 @@ Conventions for README.md and docs/**/*.md (DEVELOPERS.md, "Docs"):
   test`), because Keras' global state and the hooks `import accumulator` installs make
   running blocks in one process unsafe: forked from a server that has imported
   TensorFlow and Keras and nothing more (`tests/docs_block.py`: it saves each block
-  their import, about 9 s of CPU), or a fresh interpreter for a standalone block. The process runs in an empty
+  their import, about 9 s of CPU), or a fresh interpreter for a standalone block and
+  for one that sets `TF_USE_LEGACY_KERAS`. The process runs in an empty
   temporary directory (write files there, relative), with `PYTHONPATH` = the
   repository first, `KERAS_BACKEND=tensorflow`, `TF_CPP_MIN_LOG_LEVEL=2`, no
   `TF_USE_LEGACY_KERAS` (a Keras 2 block sets it itself, before importing
@@ -162,8 +163,8 @@ class _BlockServer:
                                         env=_env(folder), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=self.log, text=True)
 
-    def run(self, script, work, env, out, err):
-        """The block's exit code, or None once it ran over SNIPPET_TIMEOUT (then killed)."""
+    def run(self, script, work, env, out, err, timeout):
+        """The block's exit code, or None once it ran over `timeout` seconds (then killed)."""
         request = dict(script=str(script), cwd=str(work), env=env, stdout=str(out), stderr=str(err))
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
@@ -179,19 +180,27 @@ class _BlockServer:
             except ProcessLookupError:     # it ended meanwhile
                 pass
 
-        timer = threading.Timer(SNIPPET_TIMEOUT, kill)
+        timer = threading.Timer(timeout, kill)
         timer.start()
         ended = json.loads(self.process.stdout.readline())["exit"]
         timer.cancel()
         return None if killed.is_set() else ended
 
     def close(self):
+        """Ends the server (between blocks it only waits for the next: nothing to finish)."""
+        self.process.kill()
+        self.process.wait()
         self.process.stdin.close()
-        self.process.wait(timeout=60)
+        self.process.stdout.close()
         self.log.close()
 
 
-def _run(code, folder, servers=None, standalone=False):
+def _needs_a_fresh_interpreter(name, code):
+    """A standalone block, or one that sets TF_USE_LEGACY_KERAS (before TensorFlow is imported, it says)."""
+    return name in STANDALONE_SNIPPETS or "TF_USE_LEGACY_KERAS" in code
+
+
+def _run(code, folder, servers=None, standalone=False, timeout=SNIPPET_TIMEOUT):
     """Runs one block in its own process in `folder`; (exit code or None on timeout, stdout, stderr).
 
     The process is forked by a block server taken from the queue `servers`, or, for a
@@ -204,14 +213,14 @@ def _run(code, folder, servers=None, standalone=False):
     if standalone or servers is None:
         try:
             done = subprocess.run([sys.executable, str(script)], cwd=work, env=_env(folder),
-                                  capture_output=True, text=True, timeout=SNIPPET_TIMEOUT)
+                                  capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as expired:
             return None, expired.stdout or "", expired.stderr or ""
         return done.returncode, done.stdout, done.stderr
     out, err = folder / "stdout.txt", folder / "stderr.txt"
     server = servers.get()
     try:
-        returncode = server.run(script, work, _env(folder), out, err)
+        returncode = server.run(script, work, _env(folder), out, err, timeout)
     finally:
         servers.put(server)
     return returncode, *(path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
@@ -219,26 +228,36 @@ def _run(code, folder, servers=None, standalone=False):
 
 
 @pytest.fixture(scope="session")
-def snippet_results(request, tmp_path_factory):
+def block_servers(tmp_path_factory):
+    """A queue of DOCS_TEST_WORKERS block servers (`tests/docs_block.py`): a block takes one and gives it back."""
+    servers = queue.Queue()
+    for _ in range(_workers()):
+        servers.put(_BlockServer(tmp_path_factory.mktemp("block_server")))
+    yield servers
+    while not servers.empty():
+        servers.get().close()
+
+
+def _workers():
+    return max(1, int(os.environ.get("DOCS_TEST_WORKERS", min(2, os.cpu_count() or 1))))
+
+
+@pytest.fixture(scope="session")
+def snippet_results(request, tmp_path_factory, block_servers):
     """{test id: Future}: the selected blocks, started together, DOCS_TEST_WORKERS at a time.
 
     Each block is its own process, so they run side by side (2 at a time by default,
     the cores of the project's machines); each test then waits for its own.
     """
-    workers = max(1, int(os.environ.get("DOCS_TEST_WORKERS", min(2, os.cpu_count() or 1))))
-    pool = ThreadPoolExecutor(workers)
+    pool = ThreadPoolExecutor(_workers())
     items = [item for item in request.session.items if getattr(item, "originalname", None) == "test_snippet_runs"]
-    servers = queue.Queue()
-    if any(item.callspec.id not in STANDALONE_SNIPPETS for item in items):
-        for _ in range(workers):
-            servers.put(_BlockServer(tmp_path_factory.mktemp("block_server")))
+    fresh = {item.callspec.id: _needs_a_fresh_interpreter(item.callspec.id, item.callspec.params["code"])
+             for item in items}
     futures = {item.callspec.id: pool.submit(_run, item.callspec.params["code"], tmp_path_factory.mktemp("snippet"),
-                                             servers, item.callspec.id in STANDALONE_SNIPPETS)
+                                             block_servers, fresh[item.callspec.id])
                for item in items}
     yield futures
     pool.shutdown(cancel_futures=True)
-    while not servers.empty():
-        servers.get().close()
 
 
 @pytest.mark.parametrize("code", [pytest.param(code, id=name, marks=[pytest.mark.apart] * (name in APART_SNIPPETS))
@@ -251,6 +270,28 @@ def test_snippet_runs(code, request, snippet_results):
         numbered = "\n".join(f"{n:4d}  {line}" for n, line in enumerate(code.splitlines(), 1))
         pytest.fail(f"the block failed (exit {returncode}):\n{numbered}\n\n"
                     f"stdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-6000:]}", pytrace=False)
+
+
+def test_a_forked_block_starts_clean_and_its_end_is_reported(block_servers, tmp_path):
+    """A block forked by the server: TensorFlow and Keras imported, not this library (its hooks
+    are the block's to install), the block's folder and environment; its exit status, its
+    exception and its output come back, and one that runs over its time is killed."""
+    cases = [
+        ("import os, sys\nassert 'tensorflow' in sys.modules and 'keras' in sys.modules\n"
+         "assert not any(name.startswith('tfx_gradient_accumulator') for name in sys.modules)\n"
+         "assert os.getcwd().endswith('work') and __name__ == '__main__' and 'TF_USE_LEGACY_KERAS' not in os.environ\n"
+         "print('clean'); sys.exit(3)", 3, "clean"),
+        ("raise ValueError('boom')", 1, "ValueError: boom"),
+        ("import time; time.sleep(60)", None, ""),
+    ]
+    for i, (code, expected, said) in enumerate(cases):
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        returncode, stdout, stderr = _run(code, folder, block_servers, timeout=60 if expected else 3)
+        assert returncode == expected, (code, returncode, stdout, stderr[-2000:])
+        assert said in stdout + stderr, (code, stdout, stderr[-2000:])
+    assert _needs_a_fresh_interpreter("p.md:1", 'os.environ["TF_USE_LEGACY_KERAS"] = "1"\n')
+    assert not _needs_a_fresh_interpreter("p.md:1", "import keras\n")
 
 
 def test_every_block_is_collected():
