@@ -3,8 +3,10 @@
 Built from this checkout (`pip wheel --no-deps`), installed `--no-deps` into a folder of
 its own, and used from a project folder outside the repository that has its own
 `components/` and `pipelines/` packages and its own `accumulator.py`: the project's
-names and ours both import, and the retrieval demo pipeline runs from the wheel alone
-(its TFX components, our Trainer, the module file it ships) on the Beam DirectRunner.
+names and ours both import, the module files the demos' Trainers load lie in the
+installed package, and (in `make test-apart`) the retrieval demo pipeline runs from the
+wheel alone (its TFX components, our Trainer, the module file it ships) on the Beam
+DirectRunner.
 
 The sources hold no symbolic link (setup.py's `package_dir` maps the top-level folders
 into the package): the wheel's files are this checkout's files, byte for byte; the sdist
@@ -137,18 +139,25 @@ def test_a_project_with_its_own_components_and_pipelines_imports_ours_and_its_ow
             "    if where.startswith(os.path.dirname(ours.__file__)):\n"
             "        files[os.path.realpath(where)].append(name)\n"
             "print(all(len(n) == 1 and n[0].startswith('tfx_gradient_accumulator') for n in files.values()),"
-            " len(files))\n")
+            " len(files))\n"
+            # The demos' module files, which TFX's Trainer loads by path: inside the installed package.
+            "from tfx_gradient_accumulator.pipelines.retrieval import pipeline as retrieval\n"
+            "from tfx_gradient_accumulator.pipelines.digits import pipeline as digits\n"
+            "paths = list(retrieval.MODULE_FILES.values()) + [digits.MODULE_FILE]\n"
+            "print(all(os.path.isfile(p) and p.startswith(os.path.dirname(ours.__file__)) for p in paths), len(paths))\n")
     out = _python(site, _project(tmp_path), "-c", code)
     assert out.returncode == 0, out.stderr[-3000:]
-    mine, where, modules, one_each = out.stdout.strip().splitlines()[-4:]
+    mine, where, modules, one_each, module_files = out.stdout.strip().splitlines()[-5:]
     assert mine == "components pipelines accumulator"
     assert where.startswith(str(site))
     assert modules == ("tfx_gradient_accumulator.accumulator.optimizer "
                        "tfx_gradient_accumulator.components.component")
     single, count = one_each.split()
     assert single == "True" and int(count) > 20, one_each
+    assert module_files == "True 3", module_files
 
 
+@pytest.mark.apart      # 70-100 s; the wheel's package and module files are checked above, the demo in tests/pipelines
 @pytest.mark.timeout(900)
 def test_the_retrieval_demo_runs_from_the_wheel_outside_the_repository(site, tmp_path):
     project = _project(tmp_path)
