@@ -129,17 +129,17 @@ docs: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/python -m mkdocs build --strict
 
 # The five environments' eight lanes (the newest environment's tests in three, TFX's in
-# two), TEST_JOBS at a time. First the environments (three installs at a time; one that
+# two), TEST_JOBS at a time (the cores + 1). First the environments (three installs at a time; one that
 # fails is tried again by its lanes, which fail), then the lanes, longest first, so that
 # whichever finishes takes the next and the last to start are the shortest (make starts
 # ready goals in the order given; with the installs as their prerequisites in the same
 # make, it started a lane whose environment was ready before a longer one). -k runs
-# every lane even when one fails. Three at a time on two cores: a lane's pytest waits
-# now and then (its subprocesses starting, a cluster's workers, files), and a third lane
-# fills those waits (DEVELOPERS.md, "How make test spends its time"). Each line of
+# every lane even when one fails. One lane more than the cores (three on two): a lane's
+# pytest waits now and then (its subprocesses starting, a cluster's workers, files), and
+# the extra lane fills those waits (DEVELOPERS.md, "How make test spends its time"). Each line of
 # output is prefixed with its lane's target; the installs of this checkout into each
 # environment take turns (INSTALL_LOCK: they write the same egg-info).
-TEST_JOBS ?= 3
+TEST_JOBS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 2) + 1 )))
 LANES := test-latest-2 test-latest test-tfx test-latest-3 test-oldest test-keras2-latest test-tfx-2 test-keras2-tf215
 ENVIRONMENTS := $(VENV)/.installed $(LATEST)/.installed-py$(LATEST_PY) $(OLDEST)/.installed-py$(OLDEST_PY) \
 	$(KERAS2_LATEST)/.installed-py$(KERAS2_LATEST_PY) $(KERAS2_TF215)/.installed-py$(KERAS2_TF215_PY)
