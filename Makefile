@@ -166,14 +166,15 @@ test-tfx-2: $(VENV)/.installed
 
 # What make test leaves out (`@pytest.mark.apart`: slow runs whose behaviour a test in
 # make test covers too; DEVELOPERS.md, "Tests that run apart", names each), the newest
-# Keras' every-optimizer sweeps, and in the oldest Keras the library's files but its
-# core (OLDEST_TESTS).
+# Keras' every-optimizer sweeps, in the oldest Keras the library's files but its core
+# (OLDEST_TESTS), and in TF 2.15's Keras 2 the GradientCache file (KERAS2_TF215_APART).
 test-apart: $(VENV)/.installed $(LATEST)/.installed-py$(LATEST_PY) $(KERAS2_LATEST)/.installed-py$(KERAS2_LATEST_PY) \
-		$(OLDEST)/.installed-py$(OLDEST_PY)
+		$(OLDEST)/.installed-py$(OLDEST_PY) $(KERAS2_TF215)/.installed-py$(KERAS2_TF215_PY)
 	$(VENV)/bin/python -m pytest $(TFX_TESTS) -m apart $(PYTEST_ARGS)
 	$(LATEST)/bin/python -m pytest tests/accumulator -m "apart or sweep" $(PYTEST_ARGS)
 	$(OLDEST)/bin/python -m pytest tests/accumulator $(OLDEST_TESTS:%=--ignore=%) -m "not sweep and not apart" $(PYTEST_ARGS)
 	TF_USE_LEGACY_KERAS=1 $(KERAS2_LATEST)/bin/python -m pytest tests/keras2 -m apart $(PYTEST_ARGS)
+	$(KERAS2_TF215)/bin/python -m pytest $(KERAS2_TF215_APART) -m "not apart" $(PYTEST_ARGS)
 
 # The newest Keras runs the library's tests, its sweeps over every optimizer apart (the
 # representative optimizers run here and in the oldest: tests/sweeps.py). In three lanes
@@ -209,8 +210,12 @@ OLDEST_TESTS := $(addprefix tests/accumulator/,test_seam.py test_api.py test_opt
 test-oldest: $(OLDEST)/.installed-py$(OLDEST_PY)
 	$(OLDEST)/bin/python -m pytest $(OLDEST_TESTS) -m "not sweep and not apart" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
 
+# TF 2.15's own Keras 2 runs tests/keras2 but its GradientCache file (KERAS2_TF215_APART,
+# about 80 s of CPU): that file runs there in make test-apart, and in make test on
+# tf_keras (the same Keras 2 lineage, TF 2.15's Keras 2.15 its source).
+KERAS2_TF215_APART := tests/keras2/test_keras2_gradient_cache.py
 test-keras2-tf215: $(KERAS2_TF215)/.installed-py$(KERAS2_TF215_PY)
-	$(KERAS2_TF215)/bin/python -m pytest tests/keras2 -m "not apart" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
+	$(KERAS2_TF215)/bin/python -m pytest tests/keras2 --ignore=$(KERAS2_TF215_APART) -m "not apart" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
 
 test-keras2-latest: $(KERAS2_LATEST)/.installed-py$(KERAS2_LATEST_PY)
 	TF_USE_LEGACY_KERAS=1 $(KERAS2_LATEST)/bin/python -m pytest tests/keras2 -m "not apart" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
