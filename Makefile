@@ -73,8 +73,8 @@ setup-keras2: $(KERAS2_TF215)/.installed-py$(KERAS2_TF215_PY) $(KERAS2_LATEST)/.
 # backtracking. The pinned set goes in first, as it is (no resolver, no lock); then the
 # checkout with its extras, under the lock, where pip finds them installed (the lock
 # held for seconds, not for the stack's three minutes, which kept the other
-# environments' installs of the checkout waiting). Plus TensorFlow Recommenders for the retrieval demo's TFRS module
-# (its own constraints file says why --no-deps).
+# environments' installs of the checkout waiting). Plus TensorFlow Recommenders for the
+# retrieval demo's TFRS module (its own constraints file says why --no-deps).
 $(VENV)/.installed: setup.py constraints/tfx-1.16.txt constraints/tfx-1.16-tfrs.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "TFX 1.16 needs Python 3.11 here; got " + sys.version' 
 	$(PYTHON) -m venv $(VENV)
@@ -129,16 +129,17 @@ docs: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/python -m mkdocs build --strict
 
 # The five environments' eight lanes (the newest environment's tests in three, TFX's in
-# two), TEST_JOBS at a time (the cores + 1). First the environments (three installs at a time; one that
-# fails is tried again by its lanes, which fail), then the lanes, longest first, so that
-# whichever finishes takes the next and the last to start are the shortest (make starts
-# ready goals in the order given; with the installs as their prerequisites in the same
-# make, it started a lane whose environment was ready before a longer one). -k runs
+# two), TEST_JOBS at a time (the cores + 1). First the environments (three installs at a
+# time; one that fails is tried again by its lanes, which fail), then the lanes,
+# longest first, so that whichever finishes takes the next and the last to start are
+# the shortest (make starts ready goals in the order given; with the installs as their
+# prerequisites in the same make, it started a lane whose environment was ready before
+# a longer one). -k runs
 # every lane even when one fails. One lane more than the cores (three on two): a lane's
 # pytest waits now and then (its subprocesses starting, a cluster's workers, files), and
-# the extra lane fills those waits (DEVELOPERS.md, "How make test spends its time"). Each line of
-# output is prefixed with its lane's target; the installs of this checkout into each
-# environment take turns (INSTALL_LOCK: they write the same egg-info).
+# the extra lane fills those waits (DEVELOPERS.md, "How make test spends its time").
+# Each line of output is prefixed with its lane's target; the installs of this checkout
+# into each environment take turns (INSTALL_LOCK: they write the same egg-info).
 TEST_JOBS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 2) + 1 )))
 LANES := test-latest-2 test-latest test-tfx test-latest-3 test-oldest test-keras2-latest test-tfx-2 test-keras2-tf215
 ENVIRONMENTS := $(VENV)/.installed $(LATEST)/.installed-py$(LATEST_PY) $(OLDEST)/.installed-py$(OLDEST_PY) \

@@ -8,6 +8,8 @@ which is why it happens here, at import time of the test session.
 """
 
 import os
+import sys
+
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -57,7 +59,6 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
     if _exit_status is not None and os.environ.get("ACCUMULATOR_TEST_TEARDOWN") != "1":
-        import sys
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_exit_status)

@@ -39,10 +39,12 @@ def _run_block(request):
     code = 0
     try:
         runpy.run_path(request["script"], run_name="__main__")
-    except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
-        if not isinstance(done.code, (int, type(None))):
+    except SystemExit as done:        # as the interpreter reads it: None 0, a number, else printed and 1
+        if done.code is None or isinstance(done.code, int):
+            code = done.code or 0
+        else:
             print(done.code, file=sys.stderr)
+            code = 1
     except BaseException:
         traceback.print_exc()
         code = 1

@@ -200,7 +200,7 @@ def _needs_a_fresh_interpreter(name, code):
     return name in STANDALONE_SNIPPETS or "TF_USE_LEGACY_KERAS" in code
 
 
-def _run(code, folder, servers=None, standalone=False, timeout=SNIPPET_TIMEOUT):
+def _run(code, folder, servers, standalone=False, timeout=SNIPPET_TIMEOUT):
     """Runs one block in its own process in `folder`; (exit code or None on timeout, stdout, stderr).
 
     The process is forked by a block server taken from the queue `servers`, or, for a
@@ -210,7 +210,7 @@ def _run(code, folder, servers=None, standalone=False, timeout=SNIPPET_TIMEOUT):
     script.write_text(code, encoding="utf-8")
     work = folder / "work"
     work.mkdir()
-    if standalone or servers is None:
+    if standalone:
         try:
             done = subprocess.run([sys.executable, str(script)], cwd=work, env=_env(folder),
                                   capture_output=True, text=True, timeout=timeout)
