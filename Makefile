@@ -144,10 +144,6 @@ TEST_JOBS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 2) + 1 )))
 LANES := test-latest-2 test-latest test-tfx test-latest-3 test-oldest test-keras2-latest test-tfx-2 test-keras2-tf215
 ENVIRONMENTS := $(VENV)/.installed $(LATEST)/.installed-py$(LATEST_PY) $(OLDEST)/.installed-py$(OLDEST_PY) \
 	$(KERAS2_LATEST)/.installed-py$(KERAS2_LATEST_PY) $(KERAS2_TF215)/.installed-py$(KERAS2_TF215_PY)
-# Each lane's TensorFlow runs an op on one thread (TF_NUM_INTRAOP_THREADS): the lanes
-# already fill the cores, and TensorFlow's pool of a thread per core in each of them
-# only switched and spun (three files at once on two cores: 6% less CPU, 10% less wall).
-$(LANES): export TF_NUM_INTRAOP_THREADS ?= 1
 test:
 	-$(MAKE) -k -j3 $(ENVIRONMENTS)
 	$(MAKE) -k -j$(TEST_JOBS) $(LANES)
