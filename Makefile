@@ -168,14 +168,17 @@ test-tfx-2: $(VENV)/.installed
 # What make test leaves out (`@pytest.mark.apart`: slow runs whose behaviour a test in
 # make test covers too; DEVELOPERS.md, "Tests that run apart", names each), the newest
 # Keras' every-optimizer sweeps, in the oldest Keras the library's files but its core
-# (OLDEST_TESTS), and in TF 2.15's Keras 2 the GradientCache file (KERAS2_TF215_APART).
+# (OLDEST_TESTS) and the replica runs of OLDEST_APART, and in TF 2.15's Keras 2 the
+# GradientCache file, the runs of KERAS2_TF215_APART_RUNS and the sweeps.
 test-apart: $(VENV)/.installed $(LATEST)/.installed-py$(LATEST_PY) $(KERAS2_LATEST)/.installed-py$(KERAS2_LATEST_PY) \
 		$(OLDEST)/.installed-py$(OLDEST_PY) $(KERAS2_TF215)/.installed-py$(KERAS2_TF215_PY)
 	$(VENV)/bin/python -m pytest $(TFX_TESTS) -m apart $(PYTEST_ARGS)
 	$(LATEST)/bin/python -m pytest tests/accumulator -m "apart or sweep" $(PYTEST_ARGS)
 	$(OLDEST)/bin/python -m pytest tests/accumulator $(OLDEST_TESTS:%=--ignore=%) -m "not sweep and not apart" $(PYTEST_ARGS)
+	$(OLDEST)/bin/python -m pytest $(OLDEST_APART) -m "not sweep and not apart" $(PYTEST_ARGS)
 	TF_USE_LEGACY_KERAS=1 $(KERAS2_LATEST)/bin/python -m pytest tests/keras2 -m apart $(PYTEST_ARGS)
-	$(KERAS2_TF215)/bin/python -m pytest $(KERAS2_TF215_APART) -m "not apart" $(PYTEST_ARGS)
+	$(KERAS2_TF215)/bin/python -m pytest $(KERAS2_TF215_APART) $(KERAS2_TF215_APART_RUNS) -m "not apart" $(PYTEST_ARGS)
+	$(KERAS2_TF215)/bin/python -m pytest tests/keras2 --ignore=$(KERAS2_TF215_APART) -m "sweep and not apart" $(PYTEST_ARGS)
 
 # The newest Keras runs the library's tests, its sweeps over every optimizer apart (the
 # representative optimizers run here and in the oldest: tests/sweeps.py). In three lanes
@@ -208,15 +211,31 @@ test-latest-3: $(LATEST)/.installed-py$(LATEST_PY)
 OLDEST_TESTS := $(addprefix tests/accumulator/,test_seam.py test_api.py test_optimizer.py test_exactness.py \
 	test_window.py test_xla.py test_mixed_precision.py test_saving.py test_saving_before_training.py \
 	test_mirrored.py test_gradient_cache.py test_flavours.py test_options.py)
+# Its replica runs keep the ones that meet the replicas' path (fit and a custom loop under
+# the strategy, the one reduction per window, the refusal without merge_call, the saving
+# under a strategy); the replica runs of OLDEST_APART (global clipping, the epoch's last
+# window, uneven micro-batches, GradientCache's negatives) repeat that path with other
+# inputs, and run there in make test-apart (about 90 s).
+OLDEST_APART := tests/accumulator/test_mirrored.py::test_clipping_acts_on_the_global_gradient \
+	tests/accumulator/test_mirrored.py::test_each_epochs_last_window_is_applied_across_replicas \
+	tests/accumulator/test_mirrored.py::test_uneven_micro_batches_are_weighted_across_replicas \
+	tests/accumulator/test_gradient_cache.py::test_mirrored_replicas_see_the_negatives_of_keras_large_batch_under_the_same_strategy
 test-oldest: $(OLDEST)/.installed-py$(OLDEST_PY)
-	$(OLDEST)/bin/python -m pytest $(OLDEST_TESTS) -m "not sweep and not apart" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
+	$(OLDEST)/bin/python -m pytest $(OLDEST_TESTS) $(OLDEST_APART:%=--deselect=%) -m "not sweep and not apart" \
+		$(PYTEST_ARGS) 2>&1 | $(PREFIX)
 
 # TF 2.15's own Keras 2 runs tests/keras2 but its GradientCache file (KERAS2_TF215_APART,
 # about 80 s of CPU): that file runs there in make test-apart, and in make test on
 # tf_keras (the same Keras 2 lineage, TF 2.15's Keras 2.15 its source).
+# Likewise the two-worker run and the second mirrored fit (KERAS2_TF215_APART_RUNS, about
+# 45 s: the first mirrored fit meets the replicas' path there), and, as in the oldest
+# Keras 3, the every-optimizer sweeps (tests/sweeps.py): tf_keras runs them all.
 KERAS2_TF215_APART := tests/keras2/test_keras2_gradient_cache.py
+KERAS2_TF215_APART_RUNS := tests/keras2/test_keras2.py::test_two_worker_fit_matches_one_device_large_batch \
+	tests/keras2/test_keras2.py::test_mirrored_fit_of_an_embedding_with_repeated_ids_matches_keras_2s_large_batch
 test-keras2-tf215: $(KERAS2_TF215)/.installed-py$(KERAS2_TF215_PY)
-	$(KERAS2_TF215)/bin/python -m pytest tests/keras2 --ignore=$(KERAS2_TF215_APART) -m "not apart" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
+	$(KERAS2_TF215)/bin/python -m pytest tests/keras2 --ignore=$(KERAS2_TF215_APART) \
+		$(KERAS2_TF215_APART_RUNS:%=--deselect=%) -m "not apart and not sweep" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
 
 test-keras2-latest: $(KERAS2_LATEST)/.installed-py$(KERAS2_LATEST_PY)
 	TF_USE_LEGACY_KERAS=1 $(KERAS2_LATEST)/bin/python -m pytest tests/keras2 -m "not apart" $(PYTEST_ARGS) 2>&1 | $(PREFIX)

@@ -91,6 +91,7 @@ def test_interrupted_fit_resumes_with_the_weights_of_the_uninterrupted_one(
     assert ref.max_abs_diff(resumed.get_weights(), expected_weights) <= 1e-6
 
 
+@pytest.mark.apart   # a control of Keras' own callback, not of ours (48 s)
 def test_control_keras_backup_and_restore_counts_the_interrupted_epochs_steps_twice(tmp_path):
     """Keras' own callback resumes the epoch from its first batch: not exact."""
     dataset = _dataset(MICRO * 11, repeat=True)

@@ -163,6 +163,11 @@ VISION_REPEATS = {"clip_vision", "siglip_vision"}
 # GPT-2's AdamW case runs apart too (26 s): KerasHub's PositionEmbedding looked up once per batch
 # beside a per-token table, traced, with AdamW, is BERT's case in make test (and BERT's under XLA).
 SECOND_TRACED = {("gpt2", "adamw")}
+# Text families whose embeddings repeat another's path in make test run apart too (80 s):
+# RoBERTa and XLM-RoBERTa a token and a learned position table, as DistilBERT's; Mistral,
+# Qwen, Phi-3, GPT-NeoX and BLOOM one token table under rotary or ALiBi positions, as
+# Llama's and Falcon's. Every kind of lookup stays in make test.
+TEXT_REPEATS = {"roberta", "xlm_roberta", "mistral", "qwen", "phi3", "gpt_neo_x", "bloom"}
 MACHINE_DEPENDENT = {("t5", "adamw"): "T5/AdamW's first key projector: 2.05x Keras' float32 distance from "
                                       "float64 on some CPUs (2x allowed); see MACHINE_DEPENDENT"}
 
@@ -171,7 +176,8 @@ def _cases():
     for family in sorted(cm.HUB):
         for optimizer_name in sorted(OPTIMIZERS):
             marks = []
-            if optimizer_name in APART or family in VISION_REPEATS or (family, optimizer_name) in SECOND_TRACED:
+            if (optimizer_name in APART or family in VISION_REPEATS or family in TEXT_REPEATS
+                    or (family, optimizer_name) in SECOND_TRACED):
                 marks.append(pytest.mark.apart)
             if (family, optimizer_name) in MACHINE_DEPENDENT:
                 # Apart too: it cannot fail make test, and it is the family's slowest case.

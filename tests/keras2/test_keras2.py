@@ -19,7 +19,7 @@ import tensorflow as tf
 from tfx_gradient_accumulator import accumulator
 from tfx_gradient_accumulator.accumulator import GradientAccumulator, flavours, hooks
 from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
-from tests import deltas
+from tests import deltas, sweeps
 
 k2 = flavours.keras2_module()
 pytestmark = pytest.mark.skipif(k2 is None, reason="no Keras 2 here (tf_keras not installed)")
@@ -467,7 +467,7 @@ def _saved_and_loaded(name, built, fmt, tmp_path):
 
 @pytest.mark.parametrize("strategy", [False, True], ids=["one-device", "mirrored"])
 @pytest.mark.parametrize("built", [False, True], ids=["unbuilt", "built"])
-@pytest.mark.parametrize("name", K2_INNER)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=sweeps.marks(name)) for name in K2_INNER])
 def test_a_model_saves_and_pickles_before_training(name, built, strategy, tmp_path):
     scope = (tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=tf.distribute.ReductionToOneDevice())
              if strategy else tf.distribute.get_strategy()).scope()

@@ -128,6 +128,7 @@ def test_uneven_micro_batches_and_a_short_last_batch():
     assert_like_tfrs_large_batch(batch=30)
 
 
+@pytest.mark.apart   # 28 s; the two-replica tests below add a regularizer and compare its logged loss too
 def test_weight_regularization_is_added_and_logged_as_tfrs_does():
     assert_like_tfrs_large_batch(regularizer=k2.regularizers.l2(1e-3))
 
