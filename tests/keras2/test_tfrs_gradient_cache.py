@@ -113,6 +113,7 @@ def initial(**kwargs):
     return model
 
 
+@pytest.mark.apart   # 44 s; the options test trains this model with the options, the uneven one without
 def test_the_tutorial_model_trains_like_tfrs_large_batch():
     assert_like_tfrs_large_batch()
 
