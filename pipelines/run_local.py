@@ -77,6 +77,11 @@ MEASURE = flags.DEFINE_boolean("measure_noise_scale", True,
 def beam_pipeline_args(running_mode: str = "in_memory", workers: Optional[int] = None) -> list:
     """The pipeline's `beam_pipeline_args` for the direct runner.
 
+    In memory with one worker, Beam's own defaults, the list is empty: given any
+    arguments, each of TFX's Beam components first packs TFX's own source into a
+    source distribution for a remote runner's workers (about 6 s each on 2 cores), which
+    the direct runner never reads.
+
     Args:
         running_mode: one of `BEAM_RUNNING_MODES`.
         workers: Beam's `direct_num_workers`: 1 in memory; else default the
@@ -96,6 +101,8 @@ def beam_pipeline_args(running_mode: str = "in_memory", workers: Optional[int] =
     if workers < 1 or (running_mode == "in_memory" and workers != 1):
         raise ValueError(f"workers={workers} with running_mode={running_mode!r}: in_memory takes 1, "
                          "multi_threading and multi_processing 1 or more")
+    if running_mode == "in_memory":
+        return []
     return [f"--direct_running_mode={running_mode}", f"--direct_num_workers={workers}"]
 
 

@@ -110,8 +110,9 @@ def create_pipeline(
             replaces it.
         accuracy_threshold: the Evaluator's accuracy lower bound for blessing.
         strategy: the Trainer's `strategy` ("auto" reads the environment).
-        beam_pipeline_args: Beam's arguments; None: the direct runner in
-            memory, one worker.
+        beam_pipeline_args: Beam's arguments; None or none: Beam's defaults, the
+            direct runner in memory with one worker (and, given no arguments, TFX's
+            Beam components do not pack TFX's source for a remote runner's workers).
         module_file: the Tuner's and Trainer's code by path (packaged by TFX as
             a wheel under the pipeline root when the pipeline is compiled or run).
         module: the same code by import path instead (`f"{module}.tuner_fn"`,
@@ -185,5 +186,5 @@ def create_pipeline(
             tfx.orchestration.metadata.sqlite_metadata_connection_config(metadata_path)
             if metadata_path else None
         ),
-        beam_pipeline_args=beam_pipeline_args or ["--direct_running_mode=in_memory", "--direct_num_workers=1"],
+        beam_pipeline_args=list(beam_pipeline_args or ()),
     )

@@ -51,8 +51,9 @@ def create_pipeline(
         effective_batch_size: the Trainer's default; the Tuner's best value
             replaces it.
         strategy: the Trainer's `strategy` ("auto" reads the environment).
-        beam_pipeline_args: Beam's arguments; None: the direct runner in
-            memory, one worker.
+        beam_pipeline_args: Beam's arguments; None or none: Beam's defaults, the
+            direct runner in memory with one worker (and, given no arguments, TFX's
+            Beam components do not pack TFX's source for a remote runner's workers).
         model: which module file: "keras" (Keras 3, tunable) or "tfrs"
             (TensorFlow Recommenders on Keras 2, `max_trials=0` only).
         module_file: a module file of your own instead of `model`'s.
@@ -111,5 +112,5 @@ def create_pipeline(
             tfx.orchestration.metadata.sqlite_metadata_connection_config(metadata_path)
             if metadata_path else None
         ),
-        beam_pipeline_args=beam_pipeline_args or ["--direct_running_mode=in_memory", "--direct_num_workers=1"],
+        beam_pipeline_args=list(beam_pipeline_args or ()),
     )

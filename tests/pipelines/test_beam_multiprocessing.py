@@ -29,11 +29,15 @@ import subprocess
 import pytest
 import tensorflow as tf
 from absl import flags
+from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions
 from apache_beam.runners.portability import local_job_service
 from google.protobuf import json_format, text_format
 from tensorflow_metadata.proto.v0 import schema_pb2, statistics_pb2
 from tfx import v1 as tfx
+from tfx.components.statistics_gen.executor import Executor as StatisticsGenExecutor
+from tfx.dsl.components.base.base_beam_executor import BaseBeamExecutor
 from tfx.orchestration.beam.beam_dag_runner import BeamDagRunner
+from tfx.utils import dependency_utils
 
 from tfx_gradient_accumulator.pipelines.digits.data import write_digits_csv
 from tfx_gradient_accumulator.pipelines.digits.pipeline import data_components
@@ -155,7 +159,7 @@ def test_multi_processing_gives_the_data_components_the_default_runners_outputs(
 
 
 @pytest.mark.parametrize("arguments, expected", [
-    ((), ["--direct_running_mode=in_memory", "--direct_num_workers=1"]),
+    ((), []),
     (("--beam_running_mode=multi_processing", "--beam_workers=2"),
      ["--direct_running_mode=multi_processing", "--direct_num_workers=2"]),
     (("--beam_running_mode=multi_threading", "--beam_workers=3"),
@@ -166,6 +170,19 @@ def test_multi_processing_gives_the_data_components_the_default_runners_outputs(
 def test_the_flags_give_the_pipelines_beam_arguments(command_line, arguments, expected):
     command_line(*arguments)
     assert run_local._beam_args() == expected
+
+
+def test_the_default_is_beams_own_and_spares_tfx_packing_itself(monkeypatch):
+    """No arguments: Beam's direct runner in memory with one worker, as the flags say, and
+    TFX's Beam components no longer pack TFX's source for a remote runner's workers."""
+    options = PipelineOptions(beam_pipeline_args()).view_as(DirectOptions)
+    assert (options.direct_running_mode, options.direct_num_workers) == ("in_memory", 1)
+    packed = []
+    monkeypatch.setattr(dependency_utils, "build_ephemeral_package", lambda: packed.append(1) or "tfx.tar.gz")
+    StatisticsGenExecutor(BaseBeamExecutor.Context(beam_pipeline_args=beam_pipeline_args()))
+    assert packed == []
+    StatisticsGenExecutor(BaseBeamExecutor.Context(beam_pipeline_args=beam_pipeline_args("multi_threading", 2)))
+    assert packed == [1]      # the control: with arguments, TFX packs itself
 
 
 @pytest.mark.parametrize("arguments, message", [

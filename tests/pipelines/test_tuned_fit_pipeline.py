@@ -11,7 +11,7 @@ from tfx.orchestration.beam.beam_dag_runner import BeamDagRunner
 from tfx_gradient_accumulator.components import AccumulatingTrainer
 from tfx_gradient_accumulator.pipelines.digits.data import write_digits_csv
 from tfx_gradient_accumulator.pipelines.digits.pipeline import data_components
-from tfx_gradient_accumulator.pipelines.run_local import latest_artifacts, summarize
+from tfx_gradient_accumulator.pipelines.run_local import beam_pipeline_args, latest_artifacts, summarize
 from tests.components import fixtures
 from tests.components.testdata import memory_cliff_tuning_module as module
 
@@ -34,7 +34,7 @@ def _pipeline(tmp_path, metadata_path):
         pipeline_name="tuned_fit", pipeline_root=str(tmp_path / "root"),
         components=[example_gen, statistics_gen, schema_gen, tuner, trainer], enable_cache=False,
         metadata_connection_config=tfx.orchestration.metadata.sqlite_metadata_connection_config(metadata_path),
-        beam_pipeline_args=["--direct_running_mode=in_memory", "--direct_num_workers=1"])
+        beam_pipeline_args=beam_pipeline_args())
 
 
 def test_a_search_over_the_effective_batch_alone_completes_and_the_trainer_fits_the_best(tmp_path):
