@@ -61,7 +61,7 @@ def transform(module_file, root):
     transformed = artifact(standard_artifacts.Examples, os.path.join(root, "transformed"))
     graph = artifact(standard_artifacts.TransformGraph, os.path.join(root, "graph"))
     context = base_beam_executor.BaseBeamExecutor.Context(
-        beam_pipeline_args=["--direct_num_workers=1"], tmp_dir=os.path.join(root, "tmp"), unique_id="1")
+        beam_pipeline_args=[], tmp_dir=os.path.join(root, "tmp"), unique_id="1")
     transform_executor.Executor(context).Do(
         {keys.EXAMPLES_KEY: [examples], keys.SCHEMA_KEY: [schema]},
         {keys.TRANSFORM_GRAPH_KEY: [graph], keys.TRANSFORMED_EXAMPLES_KEY: [transformed]},
