@@ -110,9 +110,9 @@ def create_pipeline(
             replaces it.
         accuracy_threshold: the Evaluator's accuracy lower bound for blessing.
         strategy: the Trainer's `strategy` ("auto" reads the environment).
-        beam_pipeline_args: Beam's arguments; None or none: Beam's defaults, the
-            direct runner in memory with one worker (and, given no arguments, TFX's
-            Beam components do not pack TFX's source for a remote runner's workers).
+        beam_pipeline_args: Beam's arguments; None or an empty list: Beam's
+            defaults, the direct runner in memory with one worker (why none rather
+            than those two flags: `run_local.beam_pipeline_args`).
         module_file: the Tuner's and Trainer's code by path (packaged by TFX as
             a wheel under the pipeline root when the pipeline is compiled or run).
         module: the same code by import path instead (`f"{module}.tuner_fn"`,

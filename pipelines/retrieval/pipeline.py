@@ -51,9 +51,9 @@ def create_pipeline(
         effective_batch_size: the Trainer's default; the Tuner's best value
             replaces it.
         strategy: the Trainer's `strategy` ("auto" reads the environment).
-        beam_pipeline_args: Beam's arguments; None or none: Beam's defaults, the
-            direct runner in memory with one worker (and, given no arguments, TFX's
-            Beam components do not pack TFX's source for a remote runner's workers).
+        beam_pipeline_args: Beam's arguments; None or an empty list: Beam's
+            defaults, the direct runner in memory with one worker (why none rather
+            than those two flags: `run_local.beam_pipeline_args`).
         model: which module file: "keras" (Keras 3, tunable) or "tfrs"
             (TensorFlow Recommenders on Keras 2, `max_trials=0` only).
         module_file: a module file of your own instead of `model`'s.
