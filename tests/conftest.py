@@ -47,7 +47,9 @@ def pytest_configure(config):
 # process ends at once with pytest's status: the interpreter's own teardown, TensorFlow's
 # threads and thousands of traced functions, took from 10 s to almost 4 minutes after a
 # lane's last test, a slot of make test held and nothing run. ACCUMULATOR_TEST_TEARDOWN=1
-# keeps the ordinary exit (to debug what that teardown does).
+# keeps the ordinary exit (to debug what that teardown does). The fork servers
+# (tests/fork_server.py) are ended first: they would end at the end of their input
+# anyway, but not before their logs could be removed.
 _exit_status = None
 
 
@@ -59,6 +61,8 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
     if _exit_status is not None and os.environ.get("ACCUMULATOR_TEST_TEARDOWN") != "1":
+        if "tests.fork_server" in sys.modules:
+            sys.modules["tests.fork_server"].close_servers()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_exit_status)

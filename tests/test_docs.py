@@ -6,7 +6,7 @@ Conventions for README.md and docs/**/*.md (DEVELOPERS.md, "Docs"):
   fence). It runs in a process of its own (this interpreter: the TFX venv in `make
   test`), because Keras' global state and the hooks `import accumulator` installs make
   running blocks in one process unsafe: forked from a server that has imported
-  TensorFlow and Keras and nothing more (`tests/docs_block.py`: it saves each block
+  TensorFlow and Keras and nothing more (`tests/fork_server.py`: it saves each block
   their import, about 9 s of CPU), or a fresh interpreter for a standalone block and
   for one that sets `TF_USE_LEGACY_KERAS`. The process runs in an empty
   temporary directory (write files there, relative), with `PYTHONPATH` = the
@@ -32,19 +32,17 @@ temporary folder: a broken link or anchor, a page missing from the nav, or an AP
 name mkdocstrings cannot find fails it (`make docs` builds the same into site/).
 """
 
-import json
 import os
-import queue
 import re
-import signal
 import subprocess
 import sys
 import textwrap
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from tests import fork_server
 
 ROOT = Path(__file__).resolve().parent.parent
 SETUP_MARK = "<!-- docs-test: setup -->"
@@ -153,89 +151,32 @@ def _env(tmp_path):
     return env
 
 
-class _BlockServer:
-    """A `tests/docs_block.py` server: forks a process per block from one that has
-    imported TensorFlow and Keras (each block saves their import)."""
-
-    def __init__(self, folder):
-        self.log = open(folder / "server.log", "w")
-        self.process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "docs_block.py")], cwd=folder,
-                                        env=_env(folder), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=self.log, text=True)
-
-    def run(self, script, work, env, out, err, timeout):
-        """The block's exit code, or None once it ran over `timeout` seconds (then killed)."""
-        request = dict(script=str(script), cwd=str(work), env=env, stdout=str(out), stderr=str(err))
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-        started = self.process.stdout.readline()
-        if not started:
-            raise RuntimeError(f"the docs block server ended (exit {self.process.wait()}): see {self.log.name}")
-        pid, killed = json.loads(started)["pid"], threading.Event()
-
-        def kill():
-            killed.set()
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:     # it ended meanwhile
-                pass
-
-        timer = threading.Timer(timeout, kill)
-        timer.start()
-        ended = json.loads(self.process.stdout.readline())["exit"]
-        timer.cancel()
-        return None if killed.is_set() else ended
-
-    def close(self):
-        """Ends the server (between blocks it only waits for the next: nothing to finish)."""
-        self.process.kill()
-        self.process.wait()
-        self.process.stdin.close()
-        self.process.stdout.close()
-        self.log.close()
-
-
 def _needs_a_fresh_interpreter(name, code):
     """A standalone block, or one that sets TF_USE_LEGACY_KERAS (before TensorFlow is imported, it says)."""
     return name in STANDALONE_SNIPPETS or "TF_USE_LEGACY_KERAS" in code
 
 
-def _run(code, folder, servers, standalone=False, timeout=SNIPPET_TIMEOUT):
+def _run(code, folder, standalone=False, timeout=SNIPPET_TIMEOUT):
     """Runs one block in its own process in `folder`; (exit code or None on timeout, stdout, stderr).
 
-    The process is forked by a block server taken from the queue `servers`, or, for a
-    standalone block, a fresh interpreter.
+    The process is forked from one that has imported TensorFlow and Keras
+    (`tests/fork_server.py`), or, for a standalone block, a fresh interpreter.
     """
     script = folder / "snippet.py"
     script.write_text(code, encoding="utf-8")
     work = folder / "work"
     work.mkdir()
-    if standalone:
-        try:
-            done = subprocess.run([sys.executable, str(script)], cwd=work, env=_env(folder),
-                                  capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as expired:
-            return None, expired.stdout or "", expired.stderr or ""
-        return done.returncode, done.stdout, done.stderr
-    out, err = folder / "stdout.txt", folder / "stderr.txt"
-    server = servers.get()
+    run = subprocess.run if standalone else fork_server.run
     try:
-        returncode = server.run(script, work, _env(folder), out, err, timeout)
-    finally:
-        servers.put(server)
-    return returncode, *(path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
-                         for path in (out, err))
+        done = run([sys.executable, str(script)], cwd=work, env=_env(folder), capture_output=True, text=True,
+                   timeout=timeout)
+    except subprocess.TimeoutExpired as expired:
+        return None, _text(expired.stdout), _text(expired.stderr)
+    return done.returncode, done.stdout, done.stderr
 
 
-@pytest.fixture(scope="session")
-def block_servers(tmp_path_factory):
-    """A queue of DOCS_TEST_WORKERS block servers (`tests/docs_block.py`): a block takes one and gives it back."""
-    servers = queue.Queue()
-    for _ in range(_workers()):
-        servers.put(_BlockServer(tmp_path_factory.mktemp("block_server")))
-    yield servers
-    while not servers.empty():
-        servers.get().close()
+def _text(output):
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def _workers():
@@ -243,7 +184,7 @@ def _workers():
 
 
 @pytest.fixture(scope="session")
-def snippet_results(request, tmp_path_factory, block_servers):
+def snippet_results(request, tmp_path_factory):
     """{test id: Future}: the selected blocks, started together, DOCS_TEST_WORKERS at a time.
 
     Each block is its own process, so they run side by side (2 at a time by default,
@@ -254,7 +195,7 @@ def snippet_results(request, tmp_path_factory, block_servers):
     fresh = {item.callspec.id: _needs_a_fresh_interpreter(item.callspec.id, item.callspec.params["code"])
              for item in items}
     futures = {item.callspec.id: pool.submit(_run, item.callspec.params["code"], tmp_path_factory.mktemp("snippet"),
-                                             block_servers, fresh[item.callspec.id])
+                                             fresh[item.callspec.id])
                for item in items}
     yield futures
     pool.shutdown(cancel_futures=True)
@@ -272,7 +213,7 @@ def test_snippet_runs(code, request, snippet_results):
                     f"stdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-6000:]}", pytrace=False)
 
 
-def test_a_forked_block_starts_clean_and_its_end_is_reported(block_servers, tmp_path):
+def test_a_forked_block_starts_clean_and_its_end_is_reported(tmp_path):
     """A block forked by the server: TensorFlow and Keras imported, not this library (its hooks
     are the block's to install), the block's folder and environment; its exit status, its
     exception and its output come back, and one that runs over its time is killed."""
@@ -287,7 +228,7 @@ def test_a_forked_block_starts_clean_and_its_end_is_reported(block_servers, tmp_
     for i, (code, expected, said) in enumerate(cases):
         folder = tmp_path / str(i)
         folder.mkdir()
-        returncode, stdout, stderr = _run(code, folder, block_servers, timeout=60 if expected else 3)
+        returncode, stdout, stderr = _run(code, folder, timeout=60 if expected else 3)
         assert returncode == expected, (code, returncode, stdout, stderr[-2000:])
         assert said in stdout + stderr, (code, stdout, stderr[-2000:])
     assert _needs_a_fresh_interpreter("p.md:1", 'os.environ["TF_USE_LEGACY_KERAS"] = "1"\n')

@@ -1,4 +1,9 @@
-"""Runs a 2-worker MultiWorkerMirroredStrategy cluster on 127.0.0.1 for a test."""
+"""Runs a 2-worker MultiWorkerMirroredStrategy cluster on 127.0.0.1 for a test.
+
+Each worker is forked by a server of its own (`tests/fork_server.py`, slot = its index):
+TensorFlow's import is paid once per server, not once per worker, and the workers'
+hash seeds differ as fresh processes' would.
+"""
 
 import json
 import os
@@ -7,6 +12,8 @@ import sys
 
 import numpy as np
 import portpicker
+
+from tests import fork_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKERS = 2
@@ -22,9 +29,9 @@ def start_cluster(out, *args, module="tests.accumulator.multiworker_worker"):
             TF_CPP_MIN_LOG_LEVEL="3",
             TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
         )
-        procs.append(subprocess.Popen(
+        procs.append(fork_server.popen(
             [sys.executable, "-m", module, "--out", str(out), *map(str, args)],
-            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, slot=index,
         ))
     return procs
 

@@ -2,13 +2,13 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import distribute
+from tests import fork_server
 
 TWO_WORKERS = {"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},
                "task": {"type": "worker", "index": 1}}
@@ -70,6 +70,7 @@ _TWO_STRATEGIES = """
 import sys
 import tensorflow as tf
 from tfx_gradient_accumulator.accumulator import distribute
+from tests import fork_server
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
@@ -93,10 +94,10 @@ except tf.errors.OpError as err:
 def test_two_mirrored_strategies_of_one_process_do_not_share_collective_keys(made_by, printed):
     """A second `MirroredStrategy` on the same devices (a second Trainer run in one process)
     reuses the first's collective keys in TF, and its first all-reduce of another shape
-    fails; the library's strategies have keys of their own. In a fresh process: the
+    fails; the library's strategies have keys of their own. In a process of its own: the
     control's failure would poison this one's collectives."""
-    run = subprocess.run([sys.executable, "-c", _TWO_STRATEGIES, made_by], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    run = fork_server.run([sys.executable, "-c", _TWO_STRATEGIES, made_by], capture_output=True, timeout=300,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     lines = [line for line in run.stdout.splitlines() if line.startswith(("sizes", "failed"))]
     assert lines and lines[-1].startswith(printed), run.stdout + run.stderr
     assert made_by == "ours" or "Shape mismatch in the collective instance" in lines[-1]

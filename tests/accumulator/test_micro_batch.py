@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import GradientAccumulator, find_micro_batch, seam
 from tfx_gradient_accumulator.accumulator.micro_batch import split
+from tests import fork_server
 from tests.accumulator import memory_cliff
 from tests.accumulator import reference as ref
 
@@ -244,11 +245,10 @@ def test_under_a_mirrored_strategy_the_cliff_is_per_replica_and_each_replica_is_
     split found then matches a single device's Keras large batch. In its own process: TensorFlow gives
     every MirroredStrategy the same collective keys, which would clash with other tests'."""
     import os
-    import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", _UNDER_MIRRORED], capture_output=True, text=True,
-                         timeout=600, cwd=root)
+    out = fork_server.run([sys.executable, "-c", _UNDER_MIRRORED], capture_output=True, timeout=600, cwd=root,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
     assert out.returncode == 0, out.stderr[-3000:]
     found = out.stdout.split("FOUND ")[1].split()
     assert found[:3] == ["18", "16", "4"], out.stdout[-2000:]

@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -11,6 +10,7 @@ import keras
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import GradientAccumulator
+from tests import fork_server
 from tests.accumulator import reference as ref
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,8 +73,9 @@ def fresh_process(tmp_path_factory):
     plain.fit(x[:MICRO * 4], y[:MICRO * 4], batch_size=MICRO, shuffle=False, verbose=0)
     plain.save(paths["plain"])
     # Outside the checkout's root: nothing but the installed package is importable by name.
-    out = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, json.dumps(paths)], cwd=folder,
-                         capture_output=True, text=True, timeout=300)
+    # Forked from a process that has imported TensorFlow and Keras, not the library (tests/fork_server.py).
+    out = fork_server.run([sys.executable, "-c", _FRESH_PROCESS, json.dumps(paths)], cwd=folder,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"), capture_output=True, timeout=300)
     return out, paths
 
 

@@ -5,6 +5,10 @@ the worker pools (`training_clients...generate_container_command`: run_executor
 with the serialized inputs, outputs and exec_properties), with the TF_CONFIG
 Vertex sets: pool 0 is the chief, pool 1 the workers. `run_custom_job` plays
 Vertex for `tfx_gradient_accumulator.components.cloud.VertexExecutor`: it runs a CustomJob's pools here.
+
+Each replica is forked by a server of its own (`tests/fork_server.py`, slot = its
+index) that has imported TensorFlow, Keras and TFX's `run_executor` (about 15 s of CPU
+a replica would spend on them); this library is imported by the replica itself.
 """
 
 import json
@@ -16,8 +20,11 @@ import time
 import portpicker
 from tfx.extensions.google_cloud_ai_platform import training_clients
 
+from tests import fork_server
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXECUTOR = "tfx_gradient_accumulator.components.executor.Executor"
+PRELOAD = (*fork_server.PRELOAD, "tfx.scripts.run_executor")
 
 
 def container_command(inputs, outputs, properties, executor=EXECUTOR):
@@ -26,7 +33,7 @@ def container_command(inputs, outputs, properties, executor=EXECUTOR):
 
 
 def start(command, workers, tmp, env=None):
-    """Starts `workers` replicas of `command` (chief first); returns the Popen objects.
+    """Starts `workers` replicas of `command` (chief first); returns them (`fork_server.Forked`).
 
     `env`: {replica index: extra environment} (a value None unsets the variable). Each replica's TMPDIR is its own
     folder under `tmp`, so a test can see what it leaves there. Output goes to
@@ -48,9 +55,9 @@ def start(command, workers, tmp, env=None):
         for name, value in ((env or {}).get(index) or {}).items():     # None: not set
             replica_env.pop(name, None) if value is None else replica_env.__setitem__(name, str(value))
         with open(f"{tmpdir}.out", "w") as out, open(f"{tmpdir}.err", "w") as err:
-            proc = subprocess.Popen(
+            proc = fork_server.popen(
                 [sys.executable, "-m", "tests.components.replica_process", *command[3:], "--write-outputs-stdout"],
-                env=replica_env, cwd=ROOT, stdout=out, stderr=err)
+                env=replica_env, cwd=ROOT, stdout=out, stderr=err, slot=index, preload=PRELOAD)
         proc.logs = tmpdir
         procs.append(proc)
     return procs
