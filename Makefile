@@ -114,10 +114,11 @@ $(KERAS2_TF215)/.installed-py$(KERAS2_TF215_PY): setup.py constraints/keras2-tf2
 	$(call core_venv,$(KERAS2_TF215),constraints/keras2-tf215.txt,$(PYTHON_KERAS2_TF215),$(KERAS2_TF215_PY),PYTHON_KERAS2_TF215)
 
 # Keras 2 on the newest TensorFlow: tf_keras, with TF_USE_LEGACY_KERAS=1 for the tests.
-# Plus TensorFlow Recommenders for its tests (its own constraints file says why --no-deps).
-$(KERAS2_LATEST)/.installed-py$(KERAS2_LATEST_PY): setup.py constraints/keras2-latest.txt constraints/keras2-latest-tfrs.txt | $(UV)
+# tf_keras and TensorFlow Recommenders (for its tests) go in with --no-deps (their
+# constraints file says why).
+$(KERAS2_LATEST)/.installed-py$(KERAS2_LATEST_PY): setup.py constraints/keras2-latest.txt constraints/keras2-latest-no-deps.txt | $(UV)
 	$(call core_venv,$(KERAS2_LATEST),constraints/keras2-latest.txt,$(PYTHON_KERAS2_LATEST),$(KERAS2_LATEST_PY),PYTHON_KERAS2_LATEST)
-	$(UV) pip install -q --python $(KERAS2_LATEST)/bin/python --no-deps -r constraints/keras2-latest-tfrs.txt || { rm -f $@; exit 1; }
+	$(UV) pip install -q --python $(KERAS2_LATEST)/bin/python --no-deps -r constraints/keras2-latest-no-deps.txt || { rm -f $@; exit 1; }
 
 # The main job: the digits pipeline, locally on the Beam DirectRunner. Run it
 # again and the cached components are reused.
