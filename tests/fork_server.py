@@ -27,7 +27,7 @@ Where a fork would differ from a fresh interpreter, and how each is kept apart:
 interpreter; `popen` answers a `Forked`, which waits, polls and kills as a `Popen` does.
 
 The protocol, a line of JSON each way: the client writes {"id", "argv", "cwd", "env",
-"stdin", "stdout", "stderr"} (the three: paths; stderr may be "stdout"); the server
+"stdout", "stderr"} (the two: paths; stderr may be "stdout"; stdin is /dev/null); the server
 answers {"id", "pid"} once the child has started and {"id", "exit"} once it has ended
 (negative: killed by that signal). At the end of its input the server kills the
 children still running and ends.
@@ -85,7 +85,7 @@ def _child(request):
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
         os.chdir(request["cwd"])
-        for fd, path, flags in ((0, request["stdin"], os.O_RDONLY),
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY),
                                 (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_APPEND),
                                 (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)):
             if path == "stdout":
@@ -110,8 +110,7 @@ def _child(request):
         traceback.print_exception(type(error), error, frames)
         code = 1
     try:
-        import threading as _threading
-        _threading._shutdown()      # as the interpreter does: wait for non-daemon threads
+        threading._shutdown()       # as the interpreter does: wait for non-daemon threads
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
@@ -200,9 +199,6 @@ class Forked:
     def kill(self):
         self.send_signal(signal.SIGKILL)
 
-    def terminate(self):
-        self.send_signal(signal.SIGTERM)
-
     def communicate(self, timeout=None):
         """(stdout, stderr) of what went to PIPE, else None; raises TimeoutExpired as Popen does."""
         self.wait(timeout)
@@ -217,14 +213,6 @@ class Forked:
             os.remove(path)
             self._outputs[name] = None
         return tuple(texts)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        if self.returncode is None:
-            self.kill()
-            self.wait()
 
 
 class _Server:
@@ -315,9 +303,9 @@ def _path(target, name):
     raise ValueError(f"{name}: PIPE, DEVNULL, a path or an open file with a name, not {target!r}")
 
 
-def popen(args, *, env=None, cwd=None, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-          stderr=subprocess.PIPE, slot=0, preload=None):
-    """`subprocess.Popen(args, ...)` for `args` = [sys.executable, "-m"/"-c"/script, ...], forked.
+def popen(args, *, env=None, cwd=None, stdout=subprocess.PIPE, stderr=subprocess.PIPE, slot=0, preload=None):
+    """`subprocess.Popen(args, ...)` for `args` = [sys.executable, "-m"/"-c"/script, ...], forked
+    (its stdin: /dev/null).
 
     `slot`: which of the servers with the same start-up environment forks it (the
     processes of one cluster take one each: their hash seeds differ). `preload`: the
@@ -328,13 +316,11 @@ def popen(args, *, env=None, cwd=None, stdin=subprocess.DEVNULL, stdout=subproce
     if args[0] != sys.executable or len(args) < 2 or args[1].startswith("-") and args[1] not in ("-m", "-c"):
         raise ValueError(f"args: [sys.executable, '-m' module | '-c' code | script, ...], not {args[:2]!r}")
     env = dict(os.environ if env is None else env)
-    if stdin not in (subprocess.DEVNULL, None):
-        raise ValueError(f"stdin: DEVNULL, not {stdin!r}")
     paths, outputs = {}, {}
     for name, target in (("stdout", stdout), ("stderr", stderr)):
         paths[name], outputs[name] = _path(target, name)
     forked = Forked(args, outputs)
-    request = dict(argv=args[1:], cwd=os.path.abspath(cwd or os.getcwd()), env=env, stdin=os.devnull, **paths)
+    request = dict(argv=args[1:], cwd=os.path.abspath(cwd or os.getcwd()), env=env, **paths)
     legacy = env.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true")
     preload = tuple("tf_keras" if legacy and module == "keras" else module for module in preload or PRELOAD)
     _server(env, slot, preload).start(forked, request)

@@ -25,9 +25,9 @@ def _env(**extra):
     return dict(env, **extra)
 
 
-def _report(args, tmp_path, **kwargs):
+def _report(args, tmp_path):
     done = fork_server.run([sys.executable, *args], cwd=tmp_path, env=_env(FORKED="yes", TMPDIR=str(tmp_path)),
-                           capture_output=True, timeout=60, preload=LIGHT, **kwargs)
+                           capture_output=True, timeout=60, preload=LIGHT)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -86,7 +86,7 @@ def test_a_server_whose_input_ends_kills_its_children_and_ends(tmp_path):
     server = fork_server._Server(sys.executable, _env(), LIGHT)
     forked = fork_server.Forked(["sleep"], {})
     server.start(forked, dict(argv=["-c", "import time; time.sleep(600)"], cwd=str(tmp_path), env=_env(),
-                              stdin=os.devnull, stdout=os.devnull, stderr=os.devnull))
+                              stdout=os.devnull, stderr=os.devnull))
     server.close()
     assert server.process.returncode == 0
     assert forked.wait(60) == -signal.SIGKILL

@@ -70,7 +70,6 @@ _TWO_STRATEGIES = """
 import sys
 import tensorflow as tf
 from tfx_gradient_accumulator.accumulator import distribute
-from tests import fork_server
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
