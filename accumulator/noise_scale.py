@@ -50,12 +50,6 @@ def validate_smoothing(smoothing: float, name: str = "smoothing") -> float:
     return float(smoothing)
 
 
-def _dense_sq_norm(values):
-    """The squared norm of a dense tensor, in float32."""
-    values = tf.cast(values, tf.float32)
-    return tf.reduce_sum(tf.square(values))
-
-
 def squared_norm(grads: tf.Tensor | tf.IndexedSlices | Sequence | None) -> tf.Tensor:
     """Squared L2 norm, in float32, of a gradient or a list of gradients.
 
@@ -74,53 +68,47 @@ def squared_norm(grads: tf.Tensor | tf.IndexedSlices | Sequence | None) -> tf.Te
         return tf.constant(0.0, tf.float32)
     if not isinstance(grads, (list, tuple)):
         grads = [grads]
-    total = tf.constant(0.0, tf.float32)
+    flat = []
     for grad in grads:
-        if grad is None:
-            continue
         if isinstance(grad, tf.IndexedSlices):
             unique, positions = tf.unique(tf.reshape(grad.indices, [-1]))
-            summed = tf.math.unsorted_segment_sum(
-                tf.cast(grad.values, tf.float32), positions, tf.size(unique)
-            )
-            total += _dense_sq_norm(summed)
-        else:
-            total += _dense_sq_norm(tf.convert_to_tensor(grad))
-    return total
+            grad = tf.math.unsorted_segment_sum(tf.cast(grad.values, tf.float32), positions, tf.size(unique))
+        if grad is not None:
+            flat.append(tf.reshape(tf.cast(tf.convert_to_tensor(grad), tf.float32), [-1]))
+    if not flat:
+        return tf.constant(0.0, tf.float32)
+    # One pass over them all: a micro-step of a small model pays for its kernels in launches.
+    return tf.reduce_sum(tf.square(flat[0] if len(flat) == 1 else tf.concat(flat, axis=0)))
 
 
-def micro_batch_terms(grads: Sequence | None, weight: tf.Tensor | float, replicas: int = 1,
-                      squared: tf.Tensor | None = None, preconditioned: tf.Tensor | None = None) -> tuple:
-    """One replica micro-batch's share of the window sums: `(R^2 |grad|^2, R/w, 1)`.
+def micro_batch_terms(size: tf.Tensor | float, replicas: int = 1, squared_norms: Sequence = ()) -> tf.Tensor:
+    """One replica micro-batch's share of the window's sums, as one float32 vector:
+    `[R^2 n for n in squared_norms] + [R / w, 1, w]`, w = `size`.
 
-    Under R replicas a replica's loss is its local sum divided by its weight
-    w = R b (b its samples: what `fit` and `tf.nn.compute_average_loss` do), so
-    R grad is its mean-loss gradient and w / R its size. A micro-batch of
-    weight <= 0 (all sample weights zero) adds nothing to the window, and
-    counts nothing here either.
+    Under R replicas a replica's loss is its local sum divided by w = R b (b its
+    samples: what `fit` and `tf.nn.compute_average_loss` do), so R grad is its
+    mean-loss gradient and w / R its size. A micro-batch of size <= 0 (all sample
+    weights zero) adds nothing to the window, and counts nothing here either. One
+    vector, so a window adds it to its sums in one kernel.
 
     Args:
-        grads: the replica's gradient list (of its loss, divided by `weight`).
-        weight: w, the loss's denominator (`micro_batch_weight`).
+        size: w, the micro-batch's size as the noise scale counts it (samples), times R.
         replicas: R, the accumulator's replica count.
-        squared: |grad|^2 when the caller has it already (the window computes it in one
-            pass with its preconditioned norm); `grads` is then not read.
-        preconditioned: |P grad|^2, or None: a fourth term, R^2 |P grad|^2, counted alike.
+        squared_norms: |grad|^2 of the replica's gradient (of its loss, divided by
+            its weight), and |P grad|^2 with a preconditioner: where a window adds
+            them per micro-batch (none where it keeps the squares per coordinate).
 
     Returns:
-        `(squared norm, inverse size, count)`, three float32 scalar tensors, and
-        the preconditioned squared norm fourth when `preconditioned` is given.
+        A float32 vector of `len(squared_norms) + 3`: the squared norms times R^2,
+        the inverse size, the count and w; zeros if w <= 0.
     """
-    weight = tf.cast(weight, tf.float32)
-    counted = weight > 0.0
-    zero = tf.zeros_like(weight)
-    norms = [squared_norm(grads) if squared is None else tf.cast(squared, tf.float32)]
-    norms += [] if preconditioned is None else [tf.cast(preconditioned, tf.float32)]
+    size = tf.cast(size, tf.float32)
     # R^2 multiplies only under several replicas: one kernel fewer a micro-step on one device.
-    norms = [n if replicas == 1 else float(replicas) ** 2 * n for n in norms]
-    inv = float(replicas) / tf.where(counted, weight, tf.ones_like(weight))
-    terms = (tf.where(counted, norms[0], zero), tf.where(counted, inv, zero), tf.cast(counted, tf.float32))
-    return terms + tuple(tf.where(counted, n, zero) for n in norms[1:])
+    norms = [tf.cast(n, tf.float32) if replicas == 1 else float(replicas) ** 2 * tf.cast(n, tf.float32)
+             for n in squared_norms]
+    # R / 0 is inf, and the `where` drops it with the rest of an uncounted micro-batch.
+    terms = tf.stack(norms + [float(replicas) / size, tf.constant(1.0), size])
+    return tf.where(size > 0.0, terms, 0.0)
 
 
 def window_estimates(micro_sq_norm_sum: tf.Tensor, inv_size_sum: tf.Tensor, micro_count: tf.Tensor,
@@ -140,12 +128,21 @@ def window_estimates(micro_sq_norm_sum: tf.Tensor, inv_size_sum: tf.Tensor, micr
         window_size: B = sum_k b_k.
 
     Returns:
-        `(g2_est, trace_est, valid)`: float32 scalars and a bool scalar.
-        `valid` is false when the window gives no estimate: K < 2, h - 1/B <= 0,
-        B <= 0, or a non-finite input (a window with an overflowed gradient,
-        skipped by a loss-scale optimizer); the two estimates are then 0.
-        Graph-safe: no Python branching on tensors.
+        `(g2_est, trace_est, valid)`: float32 and bool, shaped like the broadcast
+        of the squared norms (scalars, or one per estimate where several share a
+        window's sizes: `update_from_windows`). `valid` is false when the window
+        gives no estimate: K < 2, h - 1/B <= 0, B <= 0, or a non-finite input or
+        estimate (a window with an overflowed gradient, skipped by a loss-scale
+        optimizer); the two estimates are then 0. Graph-safe: no Python branching
+        on tensors.
     """
+    g2, trace, valid = _estimates(micro_sq_norm_sum, inv_size_sum, micro_count, window_sq_norm, window_size)
+    return tf.where(valid, g2, 0.0), tf.where(valid, trace, 0.0), valid
+
+
+def _estimates(micro_sq_norm_sum, inv_size_sum, micro_count, window_sq_norm, window_size) -> tuple:
+    """`window_estimates` with the estimates of invalid windows left as computed (any value,
+    NaN included: a fold's `where` drops them)."""
     f32 = tf.float32
     sq_sum = tf.cast(micro_sq_norm_sum, f32)
     inv_sum = tf.cast(inv_size_sum, f32)
@@ -154,23 +151,16 @@ def window_estimates(micro_sq_norm_sum: tf.Tensor, inv_size_sum: tf.Tensor, micr
     size = tf.cast(window_size, f32)
 
     safe_count = tf.maximum(count, 1.0)
-    safe_size = tf.where(size > 0.0, size, tf.ones_like(size))
     mean_sq = sq_sum / safe_count  # m
     mean_inv = inv_sum / safe_count  # h
-    denominator = mean_inv - 1.0 / safe_size  # h - 1/B, > 0 iff K >= 2
-    valid = (
-        (count >= 2.0)
-        & (size > 0.0)
-        & (denominator > 0.0)
-        & tf.math.is_finite(sq_sum)
-        & tf.math.is_finite(inv_sum)
-        & tf.math.is_finite(big_sq)
-    )
-    safe_denominator = tf.where(valid, denominator, tf.ones_like(denominator))
-    trace = (mean_sq - big_sq) / safe_denominator
-    g2 = big_sq - trace / safe_size
-    zero = tf.zeros_like(trace)
-    return tf.where(valid, g2, zero), tf.where(valid, trace, zero), valid
+    denominator = mean_inv - 1.0 / size  # h - 1/B, > 0 iff K >= 2
+    trace = (mean_sq - big_sq) / denominator
+    g2 = big_sq - trace / size
+    # What the window's sizes allow (shared by every estimate of the window), and what the
+    # norms give: a non-finite norm (or h) makes g2 + (h - 1/B) non-finite. Values of
+    # windows that give none (a zero denominator, say) are whatever they came out as.
+    valid = (count >= 2.0) & (size > 0.0) & (denominator > 0.0) & tf.math.is_finite(g2 + denominator)
+    return g2, trace, valid
 
 
 class NoiseScaleEstimate:
@@ -185,19 +175,20 @@ class NoiseScaleEstimate:
     exactly the paper's ratio of EMAs. Windows with `valid` false (K = 1,
     non-finite gradients) leave the state untouched, and do not count in t.
 
-    The state is four zero-initialised scalar variables made by
-    `make_variable(name, dtype)`, so their owner (an optimizer) can create,
-    track and checkpoint them: `ema_gradient_sq_norm` and `ema_trace`
-    (float32, uncorrected EMAs), `ema_weight` (float32, 1 - smoothing^t: the
-    EMA of the constant 1, which needs no initialiser but zero) and
-    `window_count` (int64, t). Under a strategy, make them mirrored
-    (`aggregation="only_first_replica"`) and update them after the window's
-    reduction, where every replica holds the same values. Without a callback,
-    plain `keras.Variable`s are made (handy eagerly and in tests).
+    The state is one float64 vector of zeros made by `make_variable(name, dtype,
+    shape)`, so its owner (an optimizer) can create, track and checkpoint it, and a
+    window folds into it with one read and one write (`FIELDS`): the decayed sums
+    sum_i s^(t-i) x_i of the windows' |G|^2 and tr(Sigma) estimates and of 1 (their
+    ratios are the bias-corrected EMAs: an EMA and its weight, 1 - s^t, are these
+    sums times 1 - s, which cancels), the window count t, and the windows'
+    moments (`WindowMoments`, a view of the rest). Under a strategy, make it
+    mirrored (`aggregation="only_first_replica"`) and update it after the window's
+    reduction, where every replica holds the same values. Without a callback, a
+    plain `keras.Variable` is made (handy eagerly and in tests).
 
     Args:
         make_variable: `make_variable(name, dtype, shape=())` returning a variable
-            of zeros; None makes `keras.Variable`s.
+            of zeros; None makes a `keras.Variable`.
         smoothing: the EMA decay, a float in [0, 1). Default 0.99: single
             windows are noisy (the relative noise of g2_est is of order
             B_simple / B, often > 1 below the critical batch, which is where
@@ -211,22 +202,20 @@ class NoiseScaleEstimate:
         ValueError: `smoothing` is not a float in [0, 1).
     """
 
-    def __init__(self, make_variable: Callable[[str, str], tf.Variable] | None = None,
+    FIELDS = ("decayed_gradient_sq_norm", "decayed_trace", "decayed_count", "window_count")
+
+    def __init__(self, make_variable: Callable[..., tf.Variable] | None = None,
                  smoothing: float = DEFAULT_SMOOTHING):
         self.smoothing = validate_smoothing(smoothing)
         if make_variable is None:
             make_variable = _keras_variable
-        self._ema_g2 = make_variable("ema_gradient_sq_norm", "float32")
-        self._ema_trace = make_variable("ema_trace", "float32")
-        self._ema_weight = make_variable("ema_weight", "float32")
-        self._window_count = make_variable("window_count", "int64")
-        self.moments = WindowMoments(make_variable, self.smoothing)
+        self.state = make_variable("state", "float64", (len(self.FIELDS) + len(WindowMoments.FIELDS),))
+        self.moments = WindowMoments(decay=self.smoothing, variable=self.state, offset=len(self.FIELDS))
 
     @property
     def variables(self) -> list:
-        """The state variables (the two EMAs, the EMA weight, the window count, the
-        windows' moments)."""
-        return [self._ema_g2, self._ema_trace, self._ema_weight, self._window_count, self.moments.variable]
+        """The state variable (the decayed sums, the window count, the windows' moments)."""
+        return [self.state]
 
     def update(self, g2_est: tf.Tensor, trace_est: tf.Tensor, valid: tf.Tensor,
                window_size: tf.Tensor | float = 1.0) -> None:
@@ -238,17 +227,8 @@ class NoiseScaleEstimate:
             valid: whether the window gives an estimate (`window_estimates`).
             window_size: its size B, the weight of its moments (`WindowMoments`).
         """
-        valid = tf.cast(valid, tf.bool)
-        self.moments.add(g2_est, trace_est, window_size, valid)
-        # Invalid windows: decay 1 keeps the state, and the estimates (0, or
-        # even NaN from a caller) are replaced before they can reach it.
-        decay = tf.where(valid, tf.constant(self.smoothing, tf.float32), tf.constant(1.0, tf.float32))
-        g2 = tf.where(valid, tf.cast(g2_est, tf.float32), 0.0)
-        trace = tf.where(valid, tf.cast(trace_est, tf.float32), 0.0)
-        self._ema_g2.assign(decay * self._ema_g2 + (1.0 - decay) * g2)
-        self._ema_trace.assign(decay * self._ema_trace + (1.0 - decay) * trace)
-        self._ema_weight.assign(decay * self._ema_weight + (1.0 - decay))
-        self._window_count.assign_add(tf.cast(valid, tf.int64))
+        _fold([self], *(tf.reshape(v, [1]) for v in (tf.cast(g2_est, tf.float32), tf.cast(trace_est, tf.float32),
+                                                     tf.cast(valid, tf.bool))), window_size)
 
     def update_from_window(self, micro_sq_norm_sum: tf.Tensor, inv_size_sum: tf.Tensor, micro_count: tf.Tensor,
                            window_sq_norm: tf.Tensor, window_size: tf.Tensor) -> tf.Tensor:
@@ -264,44 +244,45 @@ class NoiseScaleEstimate:
         Returns:
             `valid`: a bool scalar tensor, whether the window was folded in.
         """
-        g2, trace, valid = window_estimates(
-            micro_sq_norm_sum, inv_size_sum, micro_count, window_sq_norm, window_size
-        )
-        self.update(g2, trace, valid, window_size)
-        return valid
+        return update_from_windows([self], [micro_sq_norm_sum], inv_size_sum, micro_count, [window_sq_norm],
+                                   window_size)[0]
+
+    def _fields(self) -> dict:
+        """The state by `FIELDS` name, as Python floats (eager)."""
+        return dict(zip(self.FIELDS, (float(v) for v in self.state.numpy()[:len(self.FIELDS)])))
 
     def noise_scale_value(self) -> float:
         """`noise_scale` as a Python float, read from the variables without tensor ops (eager)."""
-        if int(self._window_count.numpy()) == 0:
+        fields = self._fields()
+        if fields["window_count"] == 0:
             return float("nan")
-        g2 = float(self._ema_g2.numpy())
-        trace = float(self._ema_trace.numpy())
+        g2, trace = fields["decayed_gradient_sq_norm"], fields["decayed_trace"]
         if g2 == 0.0:
             return float("nan") if trace == 0.0 else math.copysign(float("inf"), trace)
         return trace / g2
 
-    def _corrected(self, ema):
-        """`ema` divided by its bias correction; NaN before the first valid window."""
-        weight = tf.convert_to_tensor(self._ema_weight)
-        seen = tf.convert_to_tensor(self._window_count) > 0
-        safe = tf.where(seen, weight, tf.ones_like(weight))
-        nan = tf.constant(float("nan"), tf.float32)
-        return tf.where(seen, tf.convert_to_tensor(ema) / safe, nan)
+    def _corrected(self, field: int) -> tf.Tensor:
+        """The decayed sum at `field` over the decayed count: the bias-corrected EMA, float32; NaN
+        before the first valid window."""
+        state = tf.convert_to_tensor(self.state)
+        seen = state[3] > 0.0
+        value = state[field] / tf.where(seen, state[2], 1.0)
+        return tf.cast(tf.where(seen, value, float("nan")), tf.float32)
 
     @property
     def window_count(self) -> tf.Tensor:
         """t: the number of valid windows folded in (int64)."""
-        return tf.convert_to_tensor(self._window_count)
+        return tf.cast(tf.convert_to_tensor(self.state)[3], tf.int64)
 
     @property
     def gradient_sq_norm(self) -> tf.Tensor:
         """Bias-corrected EMA of |G|^2 (float32); NaN before the first valid window."""
-        return self._corrected(self._ema_g2)
+        return self._corrected(0)
 
     @property
     def trace(self) -> tf.Tensor:
         """Bias-corrected EMA of tr(Sigma) (float32); NaN before the first valid window."""
-        return self._corrected(self._ema_trace)
+        return self._corrected(1)
 
     @property
     def noise_scale(self) -> tf.Tensor:
@@ -317,61 +298,50 @@ class NoiseScaleEstimate:
         return self.trace / self.gradient_sq_norm
 
 
-
 def update_from_windows(estimates: Sequence, micro_sq_norm_sums: Sequence, inv_size_sum: tf.Tensor,
                         micro_count: tf.Tensor, window_sq_norms: Sequence, window_size: tf.Tensor) -> tf.Tensor:
     """`estimate.update_from_window(...)` for each of `estimates`, of one window, in one pass.
 
     The raw and the preconditioned noise scale of a window share its sizes and count:
-    their scalar arithmetic (`window_estimates`, the moments, the EMAs) runs once over a
-    vector holding both, not once per estimate, which halves the close's scalar kernels
-    (on a GPU, launches). The values are the same, bit for bit: every operation is
-    elementwise, in the same order. Only the variables' reads and writes stay one per
-    variable.
+    their arithmetic (`window_estimates`, the EMAs, the moments) runs once over a
+    vector holding both, not once per estimate, which halves the close's scalar
+    kernels (on a GPU, launches); each estimate's state is read and written once.
 
     Args:
         estimates: `NoiseScaleEstimate`s of one smoothing.
-        micro_sq_norm_sums: per estimate, its sum_k |g_k|^2.
+        micro_sq_norm_sums: per estimate, its sum_k |g_k|^2 (a list, or a vector).
         inv_size_sum: sum_k 1 / b_k (shared).
         micro_count: K (shared).
-        window_sq_norms: per estimate, its |G_B|^2.
+        window_sq_norms: per estimate, its |G_B|^2 (a list, or a vector).
         window_size: B (shared).
 
     Returns:
         `valid`: a bool vector, one per estimate, whether the window was folded in.
     """
+    def joined(values):
+        return tf.cast(values, tf.float32) if tf.is_tensor(values) else tf.stack([tf.cast(v, tf.float32) for v in values])
+
+    g2_est, trace_est, valid = _estimates(
+        joined(micro_sq_norm_sums), inv_size_sum, micro_count, joined(window_sq_norms), window_size)
+    _fold(estimates, g2_est, trace_est, valid, window_size)
+    return valid
+
+
+def _fold(estimates: Sequence, g2_est: tf.Tensor, trace_est: tf.Tensor, valid: tf.Tensor, size) -> None:
+    """Each estimate's state, a row of one matrix, moved by its window when `valid`: the decayed
+    sums (decay s, the count +1) and the moments (`WindowMoments.terms`). The terms in float32
+    (one window's), the sums in float64 (many windows')."""
     if len({e.smoothing for e in estimates}) != 1:
         raise ValueError("update_from_windows folds estimates of one smoothing.")
-
-    def joined(values, dtype=tf.float32):
-        return tf.stack([tf.cast(tf.convert_to_tensor(v), dtype) for v in values])
-
-    g2_est, trace_est, valid = window_estimates(
-        joined(micro_sq_norm_sums), inv_size_sum, micro_count, joined(window_sq_norms), window_size)
-    smoothing = estimates[0].smoothing
-    # `WindowMoments.add`, a row per estimate.
-    moments = [e.moments for e in estimates]
-    g, t = tf.cast(g2_est, tf.float64), tf.cast(trace_est, tf.float64)
-    w = tf.stack([tf.cast(window_size, tf.float64)] * len(estimates))
-    terms = tf.stack([w, w * g, w * t, w * g * g, w * t * t, w * g * t, tf.ones_like(w), w * w], axis=1)
-    decays = tf.constant([moments[0].decay] * (len(WindowMoments.FIELDS) - 1) + [moments[0].decay ** 2], tf.float64)
-    old = joined([m.variable for m in moments], tf.float64)
-    new = tf.unstack(tf.where(valid[:, None], decays * old + terms, old))
-    # `NoiseScaleEstimate.update`'s EMAs, likewise.
-    decay = tf.where(valid, tf.constant(smoothing, tf.float32), tf.constant(1.0, tf.float32))
-    g2 = tf.where(valid, g2_est, 0.0)
-    trace = tf.where(valid, trace_est, 0.0)
-    ema_g2 = tf.unstack(decay * joined([e._ema_g2 for e in estimates]) + (1.0 - decay) * g2)
-    ema_trace = tf.unstack(decay * joined([e._ema_trace for e in estimates]) + (1.0 - decay) * trace)
-    ema_weight = tf.unstack(decay * joined([e._ema_weight for e in estimates]) + (1.0 - decay))
-    counts = tf.unstack(tf.cast(valid, tf.int64))
-    for k, estimate in enumerate(estimates):
-        moments[k].variable.assign(new[k])
-        estimate._ema_g2.assign(ema_g2[k])
-        estimate._ema_trace.assign(ema_trace[k])
-        estimate._ema_weight.assign(ema_weight[k])
-        estimate._window_count.assign_add(counts[k])
-    return valid
+    s = estimates[0].smoothing
+    ones = tf.ones_like(g2_est)
+    rows = tf.cast(tf.stack([g2_est, trace_est, ones, ones] + WindowMoments.terms(g2_est, trace_est, size), axis=1),
+                   tf.float64)
+    decays = tf.constant([s, s, s, 1.0] + WindowMoments.decays(s), tf.float64)
+    old = tf.stack([tf.convert_to_tensor(e.state) for e in estimates])
+    new = tf.unstack(tf.where(tf.reshape(valid, [-1, 1]), decays * old + rows, old))
+    for estimate, row in zip(estimates, new):
+        estimate.state.assign(row)
 
 
 class WindowMoments:
@@ -379,26 +349,52 @@ class WindowMoments:
 
     Per valid window i, with w_i its size, G_i its |G|^2 estimate and T_i its
     tr(Sigma) estimate: sum w, sum w G, sum w T, sum w G^2, sum w T^2,
-    sum w G T, the count n and sum w^2, in one float64 vector variable (`FIELDS`),
-    mirrored like the EMAs, decaying by the EMAs' smoothing per window (so they
-    follow a drifting B_simple over the same ~1 / (1 - smoothing) windows; sum w^2
-    decays by its square). Weighting by size weighs each window by about its
-    inverse variance (a window's estimates scatter as 1/B); the decayed weights'
+    sum w G T, the count n and sum w^2, in a float64 vector (`FIELDS`), mirrored
+    like the EMAs, decaying by the EMAs' smoothing per window (so they follow a
+    drifting B_simple over the same ~1 / (1 - smoothing) windows; sum w^2 decays
+    by its square). Weighting by size weighs each window by about its inverse
+    variance (a window's estimates scatter as 1/B); the decayed weights'
     effective count, (sum w)^2 / sum w^2, is what the bound's standard error
     divides by (~(1 + s) / (1 - s) windows at smoothing s, twice the decayed n).
     `AutoAccumulation` resets it when the batch changes, so the sums hold windows
     of one batch only.
 
     Args:
-        make_variable: `make_variable(name, dtype, shape)` returning a variable of zeros.
+        make_variable: `make_variable(name, dtype, shape)` returning a variable of
+            zeros: the sums' own; or None with `variable`.
         decay: the factor the sums keep per window, in [0, 1).
+        variable: a float64 vector holding the sums at `offset` (a
+            `NoiseScaleEstimate`'s state), instead of a variable of their own.
+        offset: where in `variable` the sums start.
     """
 
     FIELDS = ("weight", "g2", "trace", "g2_g2", "trace_trace", "g2_trace", "count", "weight_sq")
 
-    def __init__(self, make_variable: Callable[..., tf.Variable], decay: float = DEFAULT_SMOOTHING):
-        self.variable = make_variable("window_moments", "float64", (len(self.FIELDS),))
+    def __init__(self, make_variable: Callable[..., tf.Variable] | None = None, decay: float = DEFAULT_SMOOTHING,
+                 variable=None, offset: int = 0):
         self.decay = validate_smoothing(decay, "decay")
+        self.variable = make_variable("window_moments", "float64", (len(self.FIELDS),)) if variable is None else variable
+        self.offset = offset
+
+    @staticmethod
+    def terms(g2_est: tf.Tensor, trace_est: tf.Tensor, size) -> list:
+        """One window's terms, in `FIELDS` order (in the estimates' dtype and shape)."""
+        g, t = tf.convert_to_tensor(g2_est), tf.convert_to_tensor(trace_est)
+        w = tf.cast(size, g.dtype) * tf.ones_like(g)
+        wg, wt = w * g, w * t
+        return [w, wg, wt, wg * g, wt * t, wg * t, tf.ones_like(g), w * w]
+
+    @classmethod
+    def decays(cls, decay: float) -> list:
+        """What each field keeps per window: `decay`, and its square for sum w^2."""
+        return [decay] * (len(cls.FIELDS) - 1) + [decay ** 2]
+
+    def _replaced(self, part: tf.Tensor) -> tf.Tensor:
+        """`variable` with the sums replaced by `part`."""
+        whole = tf.convert_to_tensor(self.variable)
+        end = self.offset + len(self.FIELDS)
+        return part if whole.shape[0] == len(self.FIELDS) else tf.concat(
+            [whole[:self.offset], part, whole[end:]], axis=0)
 
     def add(self, g2_est: tf.Tensor, trace_est: tf.Tensor, size: tf.Tensor | float, valid: tf.Tensor) -> None:
         """Adds one window when `valid` (graph-safe).
@@ -409,19 +405,19 @@ class WindowMoments:
             size: its size B, w.
             valid: whether it gives an estimate.
         """
-        g, t, w = (tf.cast(value, tf.float64) for value in (g2_est, trace_est, size))
-        terms = tf.stack([w, w * g, w * t, w * g * g, w * t * t, w * g * t, tf.ones_like(w), w * w])
-        decays = tf.constant([self.decay] * (len(self.FIELDS) - 1) + [self.decay ** 2], tf.float64)
-        valid = tf.cast(valid, tf.bool)
-        self.variable.assign(tf.where(valid, decays * self.variable + terms, self.variable))
+        sums = tf.convert_to_tensor(self.variable)[self.offset:self.offset + len(self.FIELDS)]
+        terms = self.terms(tf.cast(g2_est, tf.float64), tf.cast(trace_est, tf.float64), size)
+        moved = tf.constant(self.decays(self.decay), tf.float64) * sums + tf.stack(terms)
+        self.variable.assign(self._replaced(tf.where(tf.cast(valid, tf.bool), moved, sums)))
 
     def values(self) -> dict:
         """The sums by `FIELDS` name, as Python floats (eager)."""
-        return dict(zip(self.FIELDS, (float(v) for v in self.variable.numpy())))
+        sums = self.variable.numpy()[self.offset:self.offset + len(self.FIELDS)]
+        return dict(zip(self.FIELDS, (float(v) for v in sums)))
 
     def reset(self) -> None:
         """Forgets every window (eager or traced)."""
-        self.variable.assign(tf.zeros_like(self.variable))
+        self.variable.assign(self._replaced(tf.zeros([len(self.FIELDS)], tf.float64)))
 
 
 def _keras_variable(name: str, dtype: str, shape: tuple = ()):

@@ -4,6 +4,7 @@ An adaptive optimizer steps along P m (m its momentum, P = 1 / (sqrt(v_hat) + ep
 so the noise scale that predicts its critical batch is that of P g (Pollux, Qiao et al.,
 OSDI 2021; AdaptDL's `AdamGradientNoiseScale`). `preconditioner_of` reads P from the
 optimizer's second moments; `preconditioned_squared_norm` is `noise_scale.squared_norm` of P g.
+A window reads P once, at its close: `joined_squares` per micro-batch, `joined_scale` per window.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import numbers
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import seam
@@ -248,69 +250,86 @@ def preconditioned_squared_norm(grads: Sequence, scales: Sequence) -> tf.Tensor:
     return total
 
 
-def _flat_rows(grad) -> tuple:
-    """(the values `grad` stands for, float32 and flat; the rows they are, or None for a dense one).
-
-    An `IndexedSlices`' repeated rows are summed first (one `unique` per sparse gradient)."""
-    if isinstance(grad, tf.IndexedSlices):
-        rows, positions = tf.unique(tf.reshape(grad.indices, [-1]))
-        summed = tf.math.unsorted_segment_sum(tf.cast(grad.values, tf.float32), positions, tf.size(rows))
-        return tf.reshape(summed, [-1]), rows
-    return tf.reshape(tf.cast(tf.convert_to_tensor(grad), tf.float32), [-1]), None
-
-
 def _joined(parts: list) -> tf.Tensor:
     """`parts` (flat tensors) as one flat tensor: one `concat` for the lot."""
     return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
 
 
-def squared_norms(grads: Sequence, variables: Sequence,
-                  preconditioner: Preconditioner | None = None) -> tuple:
-    """(|g|^2, |P g|^2) of a list of gradients, in one pass over them all: float32 scalars.
+def _size(variable) -> int:
+    """How many numbers `variable` holds."""
+    return int(np.prod(tuple(variable.shape)))
 
-    The same values as `noise_scale.squared_norm(grads)` and
-    `preconditioned_squared_norm(grads, preconditioner.scales(variables))` (up to the
-    order float32 sums in), for a fraction of their kernels, which a micro-step of a
-    small model pays for in launches: each gradient is flattened (a sparse one's rows
-    summed once, for both norms), the lot joined into one vector, and P computed once
-    over its moments, joined likewise, with no `cond` per variable (before
-    `min_updates` the scales are ones, so |P g|^2 is |g|^2 over the variables P knows).
+
+def _filled(size: int, value: float) -> tf.Tensor:
+    """A float32 vector of `size` holding `value`, made at run time: `Empty` is stateful,
+    so Grappler never folds it into a graph constant the traced function would hold."""
+    zeros = tf.raw_ops.Empty(shape=[size], dtype=tf.float32, init=True)
+    return zeros if value == 0 else zeros + value
+
+
+def _flat_dense(grad, variable) -> tf.Tensor:
+    """The dense gradient `grad` stands for, float32 and flat, shaped like `variable`: an
+    `IndexedSlices`' rows summed into the table (repeated rows summed: one kernel), None zeros."""
+    size = _size(variable)
+    if grad is None:
+        return _filled(size, 0.0)
+    if isinstance(grad, tf.IndexedSlices):
+        rows = int(variable.shape[0])
+        grad = tf.math.unsorted_segment_sum(tf.cast(grad.values, tf.float32), grad.indices, rows)
+    return tf.reshape(tf.cast(tf.convert_to_tensor(grad), tf.float32), [size])
+
+
+def joined_squares(grads: Sequence, variables: Sequence) -> tf.Tensor:
+    """g^2 per coordinate of `variables`, joined in their order: one flat float32 vector.
+
+    What a window adds up per micro-batch so that P, which only the window's update
+    changes, is read once, at the close: sum_k |P g_k|^2 = sum_i P_i^2 sum_k g_ki^2
+    (`joined_scale`). A sparse gradient counts as the dense one it stands for (its
+    repeated rows summed before squaring, as `noise_scale.squared_norm` counts them);
+    a variable without a gradient (None) counts zeros.
 
     Args:
-        grads: the gradients (None: the variable has none; counts 0).
-        variables: the variables they are for, as long as `grads`.
-        preconditioner: the optimizer's `Preconditioner`, or None (|P g|^2 is then None).
+        grads: the gradients, as long as `variables` (None: none).
+        variables: the variables, in the layout's order.
 
     Returns:
-        `(squared, preconditioned)`: float32 scalar tensors (`preconditioned` None
-        without a preconditioner).
+        A float32 vector of their summed sizes.
     """
-    values, scaled, moments = [], [], []
-    for grad, variable in zip(grads, variables):
-        if grad is None:
-            continue
-        flat, rows = _flat_rows(grad)
-        values.append(flat)
-        found = None if preconditioner is None else preconditioner.moments_of(variable)
-        if found is not None:
-            scaled.append(flat)
-            moments.append(tuple(None if m is None else tf.reshape(m if rows is None else tf.gather(m, rows), [-1])
-                                 for m in found))
-    if not values:
-        zero = tf.constant(0.0, tf.float32)
-        return zero, (None if preconditioner is None else zero)
-    joined = _joined(values)
-    squared = tf.reduce_sum(tf.square(joined))
-    if preconditioner is None:
-        return squared, None
-    if not scaled:
-        return squared, tf.constant(0.0, tf.float32)
-    every = len(scaled) == len(values)
-    kept = joined if every else _joined(scaled)
+    return tf.square(_joined([_flat_dense(g, v) for g, v in zip(grads, variables)]))
+
+
+def joined_scale(preconditioner: Preconditioner, variables: Sequence) -> tf.Tensor:
+    """P per coordinate of `variables`, joined in their order: one flat float32 vector.
+
+    `Preconditioner.scales` in one pass: the moments joined, P's formula once over them,
+    and no `cond` per variable (before `min_updates` P is ones: a `where`). A variable
+    the optimizer does not know (or an optimizer not built yet) gets zeros: it has no
+    geometry, as in `preconditioned_squared_norm`.
+
+    Args:
+        preconditioner: the optimizer's `Preconditioner`.
+        variables: the variables, in the layout's order.
+
+    Returns:
+        A float32 vector of their summed sizes.
+    """
+    found = [preconditioner.moments_of(v) for v in variables]
+    known = [m for m in found if m is not None]
+    if not known:
+        return _filled(sum(_size(v) for v in variables), 0.0)
     ready, correction, epsilon = preconditioner._constants()
-    joined_moments = tuple(None if parts[0] is None else _joined(list(parts)) for parts in zip(*moments))
-    scale = preconditioner._formula(joined_moments, correction, epsilon)
-    # Before `min_updates` P is ones: |g|^2 over the variables P knows (a `where`, not a
-    # `cond`: the formula's values there are left unused).
-    unscaled = squared if every else tf.reduce_sum(tf.square(kept))
-    return squared, tf.where(ready, tf.reduce_sum(tf.square(kept * scale)), unscaled)
+    width = len(known[0])
+    pieces = [m if m is not None else (None,) * width for m in found]
+    joined = []
+    for part in range(width):
+        if known[0][part] is None:
+            joined.append(None)
+            continue
+        joined.append(_joined([tf.reshape(m[part], [-1]) if m[part] is not None else _filled(_size(v), 0.0)
+                               for m, v in zip(pieces, variables)]))
+    scale = tf.where(ready, preconditioner._formula(tuple(joined), correction, epsilon), 1.0)
+    if len(known) < len(found):
+        # Unknown variables' coordinates: zeros, whatever the formula made of their zero moments.
+        mask = _joined([_filled(_size(v), float(m is not None)) for m, v in zip(found, variables)])
+        scale = scale * mask
+    return scale

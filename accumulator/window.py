@@ -173,14 +173,20 @@ class WindowState:
             for `overwrite_with_gradient` variables).
         rows: per variable of rank >= 1, its `WindowRows` (None for scalars): the
             sparse gradients' rows (replica-local; `accumulator.window_rows`).
-        noise_sums: with `measure_noise_scale`: sum_k R^2 |g_k|^2, sum_k 1/b_k, K
-            and sum_k b_k of the open window, b_k in samples (replica-local).
+        noise_sums: with `measure_noise_scale`: one float32 vector of the open window's
+            sums (`window_noise.SUM_FIELDS`): sum_k R^2 |g_k|^2 (unless
+            `noise_squares` keeps it), sum_k 1/b_k, K and sum_k b_k, b_k in samples
+            (replica-local).
         noise_estimate: with `measure_noise_scale`: the smoothed estimate
             (`NoiseScaleEstimate`, mirrored).
         preconditioner: the inner optimizer's `Preconditioner` when it has a second
-            moment (Adam-like) and the window measures; then `noise_sums` has a fifth
-            sum, sum_k R^2 |P g_k|^2, and `preconditioned_estimate` is the estimate of
-            P g's noise scale (the one Adam's steps follow).
+            moment (Adam-like) and the window measures; `preconditioned_estimate` is
+            then the estimate of P g's noise scale (the one Adam's steps follow).
+        noise_squares: with a `preconditioner`: per coordinate of the variables at
+            `noise_layout` (the non-`overwrite_with_gradient` ones, joined flat),
+            sum_k g_k^2 of the open window, from which the close reads sum_k |g_k|^2
+            and sum_k |P g_k|^2 with P read once (replica-local; `window_noise`).
+        noise_layout: the indices of the variables `noise_squares` is laid out over.
         variables: the model's variables the window is for, in order (`build`).
         index_by_id: {id(variable): its index in `variables`}.
         overwrite_indices: the `overwrite_with_gradient` variables' indices.
@@ -213,10 +219,12 @@ class WindowState:
     weight_sum: Any = None
     accumulators: list = dataclasses.field(default_factory=list)
     rows: list = dataclasses.field(default_factory=list)
-    noise_sums: list = dataclasses.field(default_factory=list)
+    noise_sums: Any = None
     noise_estimate: Optional[NoiseScaleEstimate] = None
     preconditioner: Any = None
     preconditioned_estimate: Optional[NoiseScaleEstimate] = None
+    noise_squares: Any = None
+    noise_layout: tuple = ()
     variables: list = dataclasses.field(default_factory=list)
     index_by_id: dict = dataclasses.field(default_factory=dict)
     overwrite_indices: frozenset = frozenset()
@@ -290,16 +298,13 @@ class WindowState:
                 for shape, dt, part in (((None,) + rest, dtype, "values"), ((None,), tf.int64, "indices"),
                                         ((), tf.int64, "count"))]))
         if noise_smoothing is not None:
-            self.noise_sums = [local((), tf.float32, f"noise_scale_{name}")
-                               for name in ("micro_sq_norm_sum", "inv_size_sum", "micro_count", "sample_sum")]
+            self.overwrite_indices = overwrite
+            window_noise.build(self, local, var_list, preconditioner)
             with seam.variables_created_as(aggregation=first_replica):
                 self.noise_estimate = NoiseScaleEstimate(
                     lambda name, dtype, shape=(): new_variable(shape, dtype, 0, f"noise_scale_{name}"),
                     smoothing=noise_smoothing)
-            if preconditioner is not None:
-                self.preconditioner = preconditioner
-                self.noise_sums.append(local((), tf.float32, "noise_scale_preconditioned_sq_norm_sum"))
-                with seam.variables_created_as(aggregation=first_replica):
+                if self.preconditioner is not None:
                     self.preconditioned_estimate = NoiseScaleEstimate(
                         lambda name, dtype, shape=(): new_variable(shape, dtype, 0, f"preconditioned_{name}"),
                         smoothing=noise_smoothing)
@@ -794,7 +799,10 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
         rows = [i for i in used if i in s.rows_seen]
         sums = [_tf.backing_variable(s.accumulators[i]) for i in dense]
         weight = _tf.backing_variable(s.weight_sum)
-        noise = [_tf.backing_variable(total) for total in s.noise_sums]
+        noise = [] if s.noise_sums is None else [_tf.backing_variable(s.noise_sums)]
+        if noise and s.noise_squares is not None and distribution is not None:
+            # Each replica's squares read with P, to be summed with the rest.
+            noise.append(distribution.extended.call_for_each_replica(window_noise.squares_sums, args=(s,)))
         if distribution is None:
             # 4. Apply the window's mean and 5. reset.
             self._apply_mean_and_reset(dense, rows, sums, weight, noise)
@@ -846,7 +854,7 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
             # A variable with dense and sparse gradients in one window gets their sum.
             grads[i] = mean if grads[i] is None else window_rows.add_rows(grads[i], mean)
         if s.noise_estimate is not None:
-            window_noise.fold_window(s, noise_sums, means + row_means, grads, replica_count,
+            window_noise.fold_window(s, noise_sums, grads, replica_count,
                                     self._window_gradient_scale(), self._loss_scale_divisor())
         self._hand_to_updater(grads, s.variables, reduced=True)
         # Refill once the update has read the means: reading the variables it
@@ -858,16 +866,15 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
         """Empties the buffers at `indices` and the rows at `row_indices` (the
         others are empty) and the weight. Row buffers keep their capacity."""
         s, indices = self._state, list(indices)
+        squares = window_noise.reset(s)
         _tf.fill_one_after_another(
-            [s.accumulators[i] for i in indices],
-            [float("-inf") if i in s.overwrite_indices else 0.0 for i in indices],
+            [s.accumulators[i] for i in indices] + squares,
+            [float("-inf") if i in s.overwrite_indices else 0.0 for i in indices] + [0.0] * len(squares),
             after=after,
         )
         for i in row_indices:
             s.rows[i].reset(i in s.row_room)
         s.weight_sum.assign(0.0)
-        for total in s.noise_sums:
-            total.assign(0.0)
 
     def _window_config(self):
         """The window's options for `get_config`, with its length now."""

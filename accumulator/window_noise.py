@@ -3,27 +3,57 @@
 `AccumulationWindow` calls `add_micro_batch` from `_accumulate` (replica-local) and
 `fold_window` from `_apply_mean_and_reset` (after the reduction), one line each; the
 maths are `accumulator.noise_scale` (the estimator) and `accumulator.preconditioning`
-(P of an adaptive optimizer). Both norms of a micro-batch come from one pass over its
-gradients (`preconditioning.squared_norms`): a micro-step of a small model pays for
-its kernels in launches, and the noise scale must not cost more than a quarter of a
-micro-step's (`benchmarks/kernel_count.py`).
+(P of an adaptive optimizer). A micro-step of a small model pays for its kernels in
+launches, and the noise scale must not cost more than a quarter of a micro-step's
+(`benchmarks/kernel_count.py`), so a micro-step makes one pass over its gradients and
+adds to two variables:
+
+- `noise_sums`, one small vector: the sizes, the count, and |g_k|^2 where no
+  preconditioner is measured;
+- with an adaptive optimizer's preconditioner P, `noise_squares`: per coordinate of
+  the variables, sum_k g_k^2. P changes only when the window's update is applied, so
+  sum_k |P g_k|^2 = sum_i P_i^2 sum_k g_ki^2 reads P once, at the close, not at every
+  micro-step: one float32 vector the size of the variables buys that.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import _tf, preconditioning, replicas
-from tfx_gradient_accumulator.accumulator.noise_scale import micro_batch_terms, update_from_windows
+from tfx_gradient_accumulator.accumulator.noise_scale import micro_batch_terms, squared_norm, update_from_windows
+
+# The fields of `noise_sums` (the first only where the window keeps no `noise_squares`).
+SUM_FIELDS = ("micro_sq_norm_sum", "inv_size_sum", "micro_count", "sample_sum")
+
+
+def build(state, local, var_list, preconditioner) -> None:
+    """Makes the window's replica-local sums (the estimates are the window's to make).
+
+    Args:
+        state: the window's `WindowState` (its `overwrite_indices` set).
+        local: `local(shape, dtype, name)`, the window's maker of replica-local variables.
+        var_list: the variables the window is for.
+        preconditioner: the inner optimizer's `Preconditioner`, or None.
+    """
+    layout = tuple(i for i in range(len(var_list)) if i not in state.overwrite_indices)
+    size = sum(int(np.prod(tuple(var_list[i].shape))) for i in layout)
+    if preconditioner is not None and size:
+        state.preconditioner, state.noise_layout = preconditioner, layout
+        state.noise_squares = local((size,), tf.float32, "noise_scale_squares")
+    fields = SUM_FIELDS[1:] if state.noise_squares is not None else SUM_FIELDS
+    state.noise_sums = local((len(fields),), tf.float32, "noise_scale_sums")
 
 
 def add_micro_batch(state, grads, indices, weight, samples=None) -> None:
-    """Replica-local: adds this replica's micro-batch to `state.noise_sums` (none kept: nothing).
+    """Replica-local: adds this replica's micro-batch to the window's sums (none kept: nothing).
 
-    Its terms are R^2 |g|^2, R/w, 1, its size (and R^2 |P g|^2 with a preconditioner),
-    R the replicas, as in the window's gradient (see `accumulator.noise_scale`); sizes in
-    samples (`samples`, else `weight`), so B_simple is in samples (D_k counts tokens for
-    sequences). `overwrite_with_gradient` variables are left out.
+    Its terms are R^2 |g|^2 (or g^2 per coordinate, into `noise_squares`), R/w, 1 and
+    its size, R the replicas, as in the window's gradient (see
+    `noise_scale.micro_batch_terms`); sizes in samples (`samples`, else `weight`), so
+    B_simple is in samples (D_k counts tokens for sequences).
+    `overwrite_with_gradient` variables are left out.
 
     Args:
         state: the window's `WindowState`.
@@ -32,52 +62,86 @@ def add_micro_batch(state, grads, indices, weight, samples=None) -> None:
         weight: the micro-batch's weight (float32).
         samples: its samples, or None (then `weight`).
     """
-    if not state.noise_sums:
+    if state.noise_sums is None:
         return
-    size = tf.cast(weight if samples is None else samples, tf.float32)
-    kept = [(g, i) for g, i in zip(grads, indices) if g is not None and i not in state.overwrite_indices]
-    squared, preconditioned = preconditioning.squared_norms(
-        [g for g, _ in kept], [state.variables[i] for _, i in kept], state.preconditioner)
-    terms = micro_batch_terms(None, size, replicas.replicas_in_sync(), squared=squared, preconditioned=preconditioned)
-    for total, term in zip(state.noise_sums, terms[:3] + (size,) + terms[3:]):     # `noise_sums`' order
+    size = weight if samples is None else tf.cast(samples, tf.float32)
+    kept = {i: g for g, i in zip(grads, indices) if g is not None and i not in state.overwrite_indices}
+    norms = []
+    if state.noise_squares is None:
+        norms.append(squared_norm(list(kept.values())))
+    else:
+        squares = preconditioning.joined_squares([kept.get(i) for i in state.noise_layout],
+                                                 [state.variables[i] for i in state.noise_layout])
         # On the `tf.Variable` itself: one kernel (a Keras variable's `assign_add` reads and assigns).
-        _tf.backing_variable(total).assign_add(term, read_value=False)
+        _tf.backing_variable(state.noise_squares).assign_add(tf.where(size > 0.0, squares, 0.0), read_value=False)
+    terms = micro_batch_terms(size, replicas.replicas_in_sync(), norms)
+    _tf.backing_variable(state.noise_sums).assign_add(terms, read_value=False)
 
-def fold_window(state, noise_sums, window_means, window_grads, replica_count, gradient_scale=None,
+
+def squares_sums(state, scale_squared=None) -> tf.Tensor:
+    """Replica-local: `[sum_k |g_k|^2, sum_k |P g_k|^2]` of this replica's micro-batches, from
+    `noise_squares` (`scale_squared`: P^2 joined, or None to read it now)."""
+    if scale_squared is None:
+        scale_squared = tf.square(preconditioning.joined_scale(
+            state.preconditioner, [state.variables[i] for i in state.noise_layout]))
+    squares = tf.convert_to_tensor(_tf.backing_variable(state.noise_squares))
+    return tf.stack([tf.reduce_sum(squares), tf.reduce_sum(scale_squared * squares)])
+
+
+def fold_window(state, noise_sums, window_grads, replica_count, gradient_scale=None,
                 loss_scale_divisor=None) -> None:
     """Folds the closing window into the estimates (before the update changes the loss scale
     and the preconditioner).
 
     Args:
         state: the window's `WindowState`.
-        noise_sums: the window's noise sums, reduced over the replicas.
-        window_means: the window's mean gradients (dense sums, then rows).
-        window_grads: the window's gradients by variable (None: none; `overwrite_with_gradient`
-            variables' are left out here).
+        noise_sums: `[noise_sums]`, reduced over the replicas, and under a strategy the
+            replicas' `squares_sums` reduced likewise (without one, read here).
+        window_grads: the window's gradients by variable (None: none).
         replica_count: R.
         gradient_scale: the loss scale the window's sums carry (constant in a window), or None.
         loss_scale_divisor: N where each micro-batch's loss was scaled by S / N (mixed
             float16 under compile's defaults), or None.
     """
-    micro_sq_sum, inv_size_sum, micro_count, sample_sum = noise_sums[:4]
+    sums = tf.unstack(tf.convert_to_tensor(noise_sums[0]))
+    inv_size_sum, micro_count, sample_sum = sums[-3:]
     # The window's samples, counted over the replicas as its weight is.
-    window_samples = sample_sum / replica_count
-    window_sq, _ = preconditioning.squared_norms(window_means, [None] * len(window_means))
-    pairs = [(micro_sq_sum, window_sq)]
-    if state.preconditioner is not None:
-        window_grads = [None if i in state.overwrite_indices else g for i, g in enumerate(window_grads)]
-        _, window_preconditioned = preconditioning.squared_norms(window_grads, state.variables, state.preconditioner)
-        pairs.append((noise_sums[4], window_preconditioned))
+    window_samples = sample_sum if replica_count == 1 else sample_sum / replica_count
+    kept = [None if i in state.overwrite_indices else g for i, g in enumerate(window_grads)]
+    # Per estimate (raw, then preconditioned), the micro-batches' sum and the window's norm.
+    if state.noise_squares is None:
+        micro = tf.reshape(sums[0], [1])
+        window = tf.reshape(squared_norm([g for g in kept if g is not None]), [1])
+    else:
+        variables = [state.variables[i] for i in state.noise_layout]
+        # P, read once per window, for the micro-batches' squares and the window's gradient alike.
+        scale_squared = tf.square(preconditioning.joined_scale(state.preconditioner, variables))
+        window_squares = preconditioning.joined_squares([kept[i] for i in state.noise_layout], variables)
+        if len(noise_sums) > 1:     # the replicas' `squares_sums`, reduced
+            micro = noise_sums[1]
+            window = tf.stack([tf.reduce_sum(window_squares), tf.reduce_sum(scale_squared * window_squares)])
+        else:
+            # Both vectors' sums, plain and with P^2, in one pass: [[micro, window] raw, ... with P].
+            both = tf.stack([tf.convert_to_tensor(_tf.backing_variable(state.noise_squares)), window_squares])
+            micro, window = tf.unstack(tf.stack(
+                [tf.reduce_sum(both, axis=1), tf.reduce_sum(scale_squared * both, axis=1)], axis=1))
+        if replica_count > 1:
+            micro = float(replica_count) ** 2 * micro
     if gradient_scale is not None:
         # The window's gradients carry the loss scale (constant in a window), each
         # micro-batch's S / N where `loss_scale_divisor` says N.
         square = tf.square(tf.cast(gradient_scale, tf.float32))
         micro_square = square if loss_scale_divisor is None else square / tf.square(loss_scale_divisor)
-        pairs = [(micro / micro_square, window / square) for micro, window in pairs]
-    estimates = [state.noise_estimate, state.preconditioned_estimate][:len(pairs)]
-    if len(pairs) == 1:
-        estimates[0].update_from_window(pairs[0][0], inv_size_sum, micro_count, pairs[0][1], window_samples)
-    else:
-        # Both estimates' scalar arithmetic in one pass (`noise_scale.update_from_windows`).
-        update_from_windows(estimates, [micro for micro, _ in pairs], inv_size_sum, micro_count,
-                            [window for _, window in pairs], window_samples)
+        micro, window = micro / micro_square, window / square
+    # Both estimates' arithmetic in one pass (`noise_scale.update_from_windows`).
+    estimates = [state.noise_estimate] + ([] if state.noise_squares is None else [state.preconditioned_estimate])
+    update_from_windows(estimates, micro, inv_size_sum, micro_count, window, window_samples)
+
+
+def reset(state) -> list:
+    """The window's sums emptied (the close's last step); returns the variables to refill with
+    zeros in place (`noise_squares`), which the close's refill takes."""
+    if state.noise_sums is None:
+        return []
+    _tf.backing_variable(state.noise_sums).assign(tf.zeros(state.noise_sums.shape, tf.float32))
+    return [] if state.noise_squares is None else [state.noise_squares]

@@ -57,9 +57,9 @@ def _flat_gradient(model, loss_fn, x, y):
                            for g in tape.gradient(loss, model.trainable_variables)])
 
 
-def _readings(optimizer):
-    estimate = optimizer.noise_scale_estimate
-    return optimizer.noise_scale, float(estimate.gradient_sq_norm), float(estimate.trace)
+def _readings(optimizer, preconditioned=False):
+    estimate = optimizer.preconditioned_noise_scale_estimate if preconditioned else optimizer.noise_scale_estimate
+    return estimate.noise_scale_value(), float(estimate.gradient_sq_norm), float(estimate.trace)
 
 
 # ------------------------------------------------------ known truths via fit
@@ -204,28 +204,38 @@ def test_short_last_micro_batch_and_forced_close_are_exact():
     np.testing.assert_allclose(_readings(optimizer), _expected_from_windows(windows, 0.5), rtol=2e-4)
 
 
-@pytest.mark.parametrize("mode, counted", [("drop", 1), ("apply", 1)])
-def test_the_sums_reset_with_every_window(mode, counted):
+INNER = {"sgd": lambda: keras.optimizers.SGD(0.01), "adam": lambda: keras.optimizers.Adam(1e-3)}
+
+
+@pytest.mark.parametrize("inner", list(INNER))
+@pytest.mark.parametrize("mode", ["drop", "apply"])
+def test_the_sums_reset_with_every_window(mode, inner):
     """5 micro-batches, accum_steps 4: a window of 4, then one of 1 ("apply":
-    K = 1 gives no estimate, skipped) or dropped; the sums are empty after."""
+    K = 1 gives no estimate, skipped) or dropped; the sums are empty after (Adam's
+    squares per coordinate too)."""
     x, y = ref.regression_data(80)
     model = ref.mlp()
-    optimizer = _accumulator(partial_window=mode)
+    optimizer = _accumulator(INNER[inner](), partial_window=mode)
     model.compile(optimizer, "mse")
     model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
-    assert int(optimizer.noise_scale_estimate.window_count) == counted
-    assert [float(v.numpy()) for v in optimizer._state.noise_sums] == [0.0, 0.0, 0.0, 0.0]
+    assert int(optimizer.noise_scale_estimate.window_count) == 1
+    state = optimizer._state
+    assert state.noise_sums.numpy().tolist() == [0.0] * (3 if inner == "adam" else 4)
+    assert (state.noise_squares is not None) == (inner == "adam")
+    if state.noise_squares is not None:
+        assert state.noise_squares.shape == (sum(int(np.prod(v.shape)) for v in model.trainable_variables),)
+        assert not np.any(state.noise_squares.numpy())
     # The same 4 micro-batches alone give the same estimate: nothing of the
     # fifth leaked into it, nor into the next window.
-    assert optimizer.noise_scale == pytest.approx(_first_window_alone(), rel=1e-6)
+    assert optimizer.noise_scale == pytest.approx(_first_window_alone(inner), rel=1e-6)
 
 
 @functools.lru_cache(maxsize=None)
-def _first_window_alone():
+def _first_window_alone(inner):
     """The estimate of the first 4 micro-batches of 16 of `regression_data(80)` alone (both modes')."""
     x, y = ref.regression_data(80)
     alone = ref.mlp()
-    alone_optimizer = _accumulator()
+    alone_optimizer = _accumulator(INNER[inner]())
     alone.compile(alone_optimizer, "mse")
     alone.fit(x[:64], y[:64], batch_size=16, shuffle=False, verbose=0)
     return alone_optimizer.noise_scale
@@ -264,39 +274,90 @@ def test_loss_scale_is_divided_out():
     np.testing.assert_allclose(readings[1], readings[0], rtol=1e-4)
 
 
+def test_adams_preconditioned_sums_read_p_once_a_window_and_match_each_micro_batchs_norm():
+    """Adam's window keeps g^2 per coordinate and reads P at the close. The same estimate,
+    window by window, as P read (eagerly, `Preconditioner.scales`) before each window's
+    update and applied to each micro-batch's gradient: an embedding looked up twice per
+    micro-batch (repeated rows summed before squaring) beside dense layers, and P's
+    first window (ones, before any update) and later ones."""
+    from tfx_gradient_accumulator.accumulator import noise_scale as ns, preconditioning as pc
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 6, size=(9, 4, 5)).astype("int32")          # 9 micro-batches of 4, 5 ids each
+    targets = rng.normal(size=(9, 4, 1)).astype("float32")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,), dtype="int32")
+    hidden = keras.layers.Dense(3, activation="tanh")(keras.layers.Flatten()(keras.layers.Embedding(6, 2)(inputs)))
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    optimizer = _accumulator(keras.optimizers.Adam(0.05), 3, noise_scale_smoothing=0.5)
+    variables = model.trainable_variables
+    optimizer.build(variables)
+    preconditioner = pc.preconditioner_of(optimizer)
+    reference = ns.NoiseScaleEstimate(smoothing=0.5)
+
+    def gradients(k):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(ids[k]) - targets[k]))
+        return tape.gradient(loss, variables)
+
+    step = tf.function(lambda grads: optimizer.apply_gradients(zip(grads, variables)))
+    for window in range(3):
+        scales = preconditioner.scales(variables)      # P before this window's update
+        micro = [gradients(3 * window + k) for k in range(3)]
+        assert isinstance(micro[0][0], tf.IndexedSlices)
+        mean = [sum(tf.convert_to_tensor(g[i]) for g in micro) / 3.0 for i in range(len(variables))]
+        reference.update_from_window(sum(pc.preconditioned_squared_norm(g, scales) for g in micro), 3.0, 3.0,
+                                     pc.preconditioned_squared_norm(mean, scales), 3.0)
+        for grads in micro:
+            step(grads)
+        assert int(optimizer.iterations.numpy()) == window + 1
+        estimate = optimizer.preconditioned_noise_scale_estimate
+        np.testing.assert_allclose([float(estimate.gradient_sq_norm), float(estimate.trace)],
+                                   [float(reference.gradient_sq_norm), float(reference.trace)], rtol=2e-5)
+    assert int(reference.window_count) == 3
+
+
 # ------------------------------------------------------------- distribution
 
 MICRO, ACCUM = 16, 4        # global micro-batch 16: 8 per replica
 
 
-def _one_device_reference(x, y, epochs):
+MIRRORED_INNER = {"sgd": lambda: keras.optimizers.SGD(0.05), "adam": lambda: keras.optimizers.Adam(0.01)}
+
+
+def _one_device_reference(x, y, epochs, inner="sgd"):
     """One device, micro-batches of 8 in windows of 8: the replicas' shares in order."""
     model = ref.mlp()
-    optimizer = _accumulator(keras.optimizers.SGD(0.05), 2 * ACCUM, noise_scale_smoothing=0.5)
+    optimizer = _accumulator(MIRRORED_INNER[inner](), 2 * ACCUM, noise_scale_smoothing=0.5)
     model.compile(optimizer, "mse")
     model.fit(x, y, batch_size=MICRO // 2, epochs=epochs, shuffle=False, verbose=0)
     return optimizer
 
 
-def test_mirrored_fit_matches_one_device_with_one_reduction_per_window():
+@pytest.mark.parametrize("inner", list(MIRRORED_INNER))
+def test_mirrored_fit_matches_one_device_with_one_reduction_per_window(inner):
     """2 replicas, 96 samples in global micro-batches of 16, accum_steps 4: windows
     of 4 and 2 (closed at the epoch's end) per epoch. Same windows, same
     micro-batches (the replicas' shares) as one device with batches of 8 and
-    accum_steps 8: the same estimate. And still one batched reduction per
-    window: the noise-scale sums travel with the gradients."""
+    accum_steps 8: the same estimate (with Adam, the preconditioned one too: each
+    replica's squares per coordinate, read with P at the close). And still one
+    batched reduction per window: the noise-scale sums travel with the gradients."""
     x, y = ref.regression_data(96)
     counter = CountingReduction()
     strategy = tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=counter)
     with strategy.scope():
         model = ref.mlp()
-        optimizer = _accumulator(keras.optimizers.SGD(0.05), ACCUM, noise_scale_smoothing=0.5)
+        optimizer = _accumulator(MIRRORED_INNER[inner](), ACCUM, noise_scale_smoothing=0.5)
         model.compile(optimizer, "mse")
     model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
     windows = int(optimizer.iterations.numpy())
     assert windows == 4 and int(optimizer.noise_scale_estimate.window_count) == 4
     assert int(counter.count.numpy()) == windows
-    one_device = _one_device_reference(x, y, epochs=2)
+    one_device = _one_device_reference(x, y, epochs=2, inner=inner)
     np.testing.assert_allclose(_readings(optimizer), _readings(one_device), rtol=1e-4)
+    if inner == "adam":
+        assert int(optimizer.preconditioned_noise_scale_estimate.window_count) == 4
+        np.testing.assert_allclose(_readings(optimizer, preconditioned=True),
+                                   _readings(one_device, preconditioned=True), rtol=1e-4)
 
 
 # Apart (36 s): the same replicas^2 correction runs through fit in
@@ -349,8 +410,8 @@ def test_off_by_default_adds_no_variables_and_no_log():
             assert not any("noise_scale" in v.name for v in optimizer.variables)
             with pytest.raises(AttributeError, match="measure_noise_scale=True"):
                 optimizer.noise_scale
-    # Adam: 5 replica-local sums (one of the preconditioned gradient), 5 + 5 estimator variables.
-    assert counts[1] == counts[0] + 15
+    # Adam: 2 replica-local sums (a vector of sizes, one of squares per coordinate), 5 + 5 estimator variables.
+    assert counts[1] == counts[0] + 12
     assert "noise_scale" not in histories[0] and "noise_scale_preconditioned" not in histories[0]
     assert len(histories[1]["noise_scale"]) == 2 and len(histories[1]["noise_scale_preconditioned"]) == 2
 
