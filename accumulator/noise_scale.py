@@ -125,13 +125,13 @@ def window_estimates(micro_sq_norm_sum: tf.Tensor, inv_size_sum: tf.Tensor, micr
         inv_size_sum: sum_k 1 / b_k over the same micro-batches.
         micro_count: K, the number of micro-batches summed.
         window_sq_norm: |G_B|^2, the squared norm of the window's mean gradient.
-        window_size: B = sum_k b_k.
+        window_size: B = sum_k b_k (of sizes b_k > 0).
 
     Returns:
         `(g2_est, trace_est, valid)`: float32 and bool, shaped like the broadcast
         of the squared norms (scalars, or one per estimate where several share a
         window's sizes: `update_from_windows`). `valid` is false when the window
-        gives no estimate: K < 2, h - 1/B <= 0, B <= 0, or a non-finite input or
+        gives no estimate: K < 2, h - 1/B <= 0, B = 0, or a non-finite input or
         estimate (a window with an overflowed gradient, skipped by a loss-scale
         optimizer); the two estimates are then 0. Graph-safe: no Python branching
         on tensors.
@@ -150,16 +150,15 @@ def _estimates(micro_sq_norm_sum, inv_size_sum, micro_count, window_sq_norm, win
     big_sq = tf.cast(window_sq_norm, f32)
     size = tf.cast(window_size, f32)
 
-    safe_count = tf.maximum(count, 1.0)
-    mean_sq = sq_sum / safe_count  # m
-    mean_inv = inv_sum / safe_count  # h
-    denominator = mean_inv - 1.0 / size  # h - 1/B, > 0 iff K >= 2
+    mean_sq = sq_sum / count  # m
+    mean_inv = inv_sum / count  # h
+    denominator = mean_inv - 1.0 / size  # h - 1/B, > 0 iff K >= 2 (B = 0: -inf)
     trace = (mean_sq - big_sq) / denominator
     g2 = big_sq - trace / size
     # What the window's sizes allow (shared by every estimate of the window), and what the
     # norms give: a non-finite norm (or h) makes g2 + (h - 1/B) non-finite. Values of
-    # windows that give none (a zero denominator, say) are whatever they came out as.
-    valid = (count >= 2.0) & (size > 0.0) & (denominator > 0.0) & tf.math.is_finite(g2 + denominator)
+    # windows that give none (K = 0, a zero denominator) are whatever they came out as.
+    valid = (count >= 2.0) & (denominator > 0.0) & tf.math.is_finite(g2 + denominator)
     return g2, trace, valid
 
 

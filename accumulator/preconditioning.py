@@ -132,13 +132,11 @@ class Preconditioner:
         return None if index is None else self._moments(index)
 
     def _bias_correction(self, updates: tf.Tensor) -> tf.Tensor:
-        """1 - beta_2^t, with t at least 1 (t = 0 gives ones, and must not divide by 0).
-
-        In float64: in float32, 1 - beta_2^t loses ~1e-5 of itself to rounding while t is small.
-        """
+        """1 - beta_2^t, in float64 (in float32, 1 - beta_2^t loses ~1e-5 of itself to rounding
+        while t is small). At t = 0 it is 0, and P's formula may divide by it: those scales
+        are never used (ones stand in before `min_updates`)."""
         beta_2 = _hyperparameter(self.optimizer, "beta_2", tf.float64)
-        power = tf.pow(beta_2, tf.maximum(tf.cast(updates, tf.float64), 1.0))
-        return tf.cast(1.0 - power, tf.float32)
+        return tf.cast(1.0 - tf.pow(beta_2, tf.cast(updates, tf.float64)), tf.float32)
 
     def _moments(self, index: int) -> tuple | None:
         """The moments P is made of, for the variable at `index` of the slot lists, read as
