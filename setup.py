@@ -31,7 +31,7 @@ KERAS = "keras>=2.15," + ",".join(f"!=3.{minor}.*" for minor in range(OLDEST_KER
 
 setup(
     name="tfx-gradient-accumulator",
-    version="0.3.0",
+    version="0.4.0",
     description=(
         "Exact gradient accumulation for TensorFlow 2 / Keras 3 and Keras 2, "
         "packaged as a TFX Trainer component."

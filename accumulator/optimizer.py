@@ -354,9 +354,10 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
         """
         # Keras' own loop assigns through `keras.Variable.assign`, which holds a
         # buffer to the size it was made with; the window's buffers change size.
-        if len(store.keys()) != len(self.variables):
+        values = self.restorable([store[str(i)] for i in range(len(store.keys()))])
+        if values is None:
             return super().load_own_variables(store)   # Keras' warning, nothing loaded
-        self.restore_window_state([store[str(i)] for i in range(len(store.keys()))])
+        self.restore_window_state(values)
 
     def finalize_variable_values(self, var_list: list) -> None:
         """Closes the open window as `partial_window` says, then the inner optimizer's.

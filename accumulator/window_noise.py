@@ -145,3 +145,54 @@ def reset(state) -> list:
         return []
     _tf.backing_variable(state.noise_sums).assign(tf.zeros(state.noise_sums.shape, tf.float32))
     return [] if state.noise_squares is None else [state.noise_squares]
+
+
+# What version 0.3 saved of the noise scale where this version saves `noise_squares`,
+# `noise_sums` and one state vector per estimate: four scalar sums, the raw estimate's
+# five variables, with a preconditioner its sum and the preconditioned estimate's five.
+_SUMS_0_3 = ("micro_sq_norm_sum", "inv_size_sum", "micro_count", "sample_sum")
+_ESTIMATE_0_3 = ("ema_gradient_sq_norm", "ema_trace", "ema_weight", "window_count", "window_moments")
+
+
+def from_version_0_3(state, variables, values) -> list | None:
+    """`values`, an optimizer's variables as version 0.3 saved them, in this version's layout;
+    None where they are not that (a count or a shape differs).
+
+    The estimates carry over (0.3 kept EMAs; these are the decayed sums, the EMAs over
+    1 - smoothing). The open window's sums carry over without a preconditioner; with one,
+    0.3 kept no squares per coordinate, so a window open when it was saved is left out of
+    the estimate (its inverse-size sum set to inf: the window gives none) while it trains
+    on as saved.
+
+    Args:
+        state: the window's `WindowState`, built.
+        variables: the optimizer's `variables`.
+        values: one array per variable of the 0.3 layout, in its order.
+    """
+    if state.noise_sums is None:
+        return None
+    estimates = [e for e in (state.noise_estimate, state.preconditioned_estimate) if e is not None]
+    noise = [v for v in (state.noise_squares, state.noise_sums) if v is not None] + [e.state for e in estimates]
+    positions = [i for i, v in enumerate(variables) if any(v is n for n in noise)]
+    first, preconditioned = positions[0], len(estimates) == 2
+    old_count = len(_SUMS_0_3) + len(_ESTIMATE_0_3) + preconditioned * (1 + len(_ESTIMATE_0_3))
+    if positions != list(range(first, first + len(noise))) or len(values) != len(variables) - len(noise) + old_count:
+        return None
+    old = [np.asarray(v) for v in values[first:first + old_count]]
+    # 0.3's order: the four sums, the raw estimate, then the preconditioned sum and estimate.
+    sums, raw = old[:4], old[4:4 + len(_ESTIMATE_0_3)]
+    parts = [raw] + ([old[10:]] if preconditioned else [])
+    if any(v.shape != () for v in old[:4] + old[9:10] + [p for part in parts for p in part[:4]]) or any(
+            part[4].shape != (8,) for part in parts):
+        return None
+    new = []
+    if state.noise_squares is not None:
+        new.append(np.zeros(state.noise_squares.shape, np.float32))
+        inv = np.float32(np.inf) if sums[2] > 0 else sums[1]
+        new.append(np.array([inv, sums[2], sums[3]], np.float32))
+    else:
+        new.append(np.array(sums, np.float32))
+    for estimate, (ema_g2, ema_trace, ema_weight, count, moments) in zip(estimates, parts):
+        kept = 1.0 - estimate.smoothing
+        new.append(np.concatenate([[ema_g2 / kept, ema_trace / kept, ema_weight / kept, count], moments]))
+    return list(values[:first]) + new + list(values[first + old_count:])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import replicas, seam
+from tfx_gradient_accumulator.accumulator import replicas, seam, window_noise
 from tfx_gradient_accumulator.accumulator._tf import backing_variable, filled, is_filled, local_components, runtime_shape
 from tfx_gradient_accumulator.accumulator.window_rows import read_rows
 
@@ -40,6 +40,14 @@ class WindowSaving:
         window still open is reported once (`accumulator.loop_notes`)."""
         self._state.loop_notes.note_saved(self.held_micro_batches)
         return saved(self.variables, self._state)
+
+    def restorable(self, values):
+        """`values` (what a store saved, in order) in this version's layout: as they are where
+        they fit, converted where version 0.3 saved them (`window_noise.from_version_0_3`),
+        else None."""
+        if len(values) == len(self.variables):
+            return list(values)
+        return window_noise.from_version_0_3(self._state, self.variables, values) if self._window_built() else None
 
     def restore_window_state(self, state):
         """Assigns `state` (as `window_state` returns it) to `variables`; rows go to replica 0."""

@@ -344,7 +344,10 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, _Optimiz
         """
         # As arrays: a replica-local variable's assign under a strategy divides
         # what it is given by the replica count, which an h5 dataset refuses.
-        super().load_own_variables({key: np.asarray(store[key]) for key in store.keys()})
+        values = self.restorable([np.asarray(store[str(i)]) for i in range(len(store.keys()))])
+        if values is None:      # Keras' warning, nothing loaded
+            return super().load_own_variables({key: np.asarray(store[key]) for key in store.keys()})
+        super().load_own_variables({str(i): value for i, value in enumerate(values)})
 
 
 @_register

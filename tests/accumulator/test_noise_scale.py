@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import GradientAccumulator
+from tests import saved_0_3
 from tests.accumulator import reference as ref
 from tests.accumulator import test_noise_scale_estimator as est
 from tests.accumulator.reference import CountingReduction
@@ -410,10 +411,53 @@ def test_off_by_default_adds_no_variables_and_no_log():
             assert not any("noise_scale" in v.name for v in optimizer.variables)
             with pytest.raises(AttributeError, match="measure_noise_scale=True"):
                 optimizer.noise_scale
-    # Adam: 2 replica-local sums (a vector of sizes, one of squares per coordinate), 5 + 5 estimator variables.
-    assert counts[1] == counts[0] + 12
+    # Adam: 2 replica-local sums (a vector of sizes, one of squares per coordinate), a state vector per estimate.
+    assert counts[1] == counts[0] + 4
     assert "noise_scale" not in histories[0] and "noise_scale_preconditioned" not in histories[0]
     assert len(histories[1]["noise_scale"]) == 2 and len(histories[1]["noise_scale_preconditioned"]) == 2
+
+
+@pytest.mark.parametrize("inner", list(INNER))
+def test_an_optimizer_saved_by_version_0_3_loads_with_its_estimates(inner):
+    """Version 0.3 kept the noise scale in scalar variables (the open window's squared norms,
+    each estimate's EMAs). Loaded now: the estimates carry over; the open window trains on as
+    saved, and is left out of the estimate where this version keeps squares per coordinate
+    (Adam), counted where it keeps the sums alike (SGD); the windows after count on both."""
+    x, y = ref.regression_data(96)
+    runs = []
+    for _ in range(2):
+        model = ref.mlp()
+        optimizer = _accumulator(INNER[inner](), 4, noise_scale_smoothing=0.9, partial_window="carry")
+        model.compile(optimizer, "mse")
+        runs.append((model, optimizer))
+    (model, optimizer), (loaded_model, loaded) = runs
+    model.fit(x[:80], y[:80], batch_size=8, shuffle=False, verbose=0)       # 2 windows and 2 micro-batches
+    assert optimizer.held_micro_batches == 2 and int(optimizer.noise_scale_estimate.window_count) == 2
+    old = saved_0_3.in_the_0_3_layout(optimizer)
+    assert len(old) == len(optimizer.variables) + (11 if inner == "adam" else 7)
+    loaded_model.set_weights(model.get_weights())
+    loaded.build(loaded_model.trainable_variables)
+    loaded.load_own_variables({str(i): value for i, value in enumerate(old)})
+
+    estimates = ["noise_scale_estimate"] + (["preconditioned_noise_scale_estimate"] if inner == "adam" else [])
+    for name in estimates:
+        np.testing.assert_allclose([float(getattr(loaded, name).state[i]) for i in range(12)],
+                                   [float(getattr(optimizer, name).state[i]) for i in range(12)], rtol=1e-6)
+    assert loaded.held_micro_batches == 2
+    for a, b in zip(loaded.variables, optimizer.variables):
+        if not any(a is v for v in (loaded._state.noise_squares, loaded._state.noise_sums)):
+            np.testing.assert_allclose(np.asarray(a.numpy(), "float64"), np.asarray(b.numpy(), "float64"),
+                                       rtol=1e-6, err_msg=a.path)
+    # The open window (2 held + 2 more), then one more: the same training.
+    for fitted in (model, loaded_model):
+        fitted.fit(x[:48], y[:48], batch_size=8, shuffle=False, verbose=0)
+    for a, b in zip(loaded_model.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    counted = int(loaded.noise_scale_estimate.window_count)
+    assert int(optimizer.noise_scale_estimate.window_count) == 4
+    assert counted == (3 if inner == "adam" else 4)
+    if inner == "sgd":
+        assert loaded.noise_scale == pytest.approx(optimizer.noise_scale, rel=1e-5)
 
 
 def test_history_progress_bar_and_batch_logs_show_the_noise_scale(capsys):

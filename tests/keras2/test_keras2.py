@@ -19,7 +19,7 @@ import tensorflow as tf
 from tfx_gradient_accumulator import accumulator
 from tfx_gradient_accumulator.accumulator import GradientAccumulator, flavours, hooks
 from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
-from tests import deltas, sweeps
+from tests import deltas, saved_0_3, sweeps
 
 k2 = flavours.keras2_module()
 pytestmark = pytest.mark.skipif(k2 is None, reason="no Keras 2 here (tf_keras not installed)")
@@ -364,6 +364,33 @@ def test_noise_scale_is_measured_and_logged_in_fit():
     history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     logged = history.history["noise_scale"]
     assert len(logged) == 2 and all(np.isfinite(logged)) and logged[-1] == model.optimizer.noise_scale > 0
+
+
+def test_an_optimizer_saved_by_version_0_3_loads_with_its_estimates():
+    """As for Keras 3 (`test_noise_scale`): Adam's estimates carry over, the open window
+    trains on as saved and is left out of the estimate."""
+    x, y = data(96)
+    runs = []
+    for _ in range(2):
+        model = mlp()
+        model.compile(GradientAccumulator(k2.optimizers.Adam(0.01), accum_steps=4, measure_noise_scale=True,
+                                          noise_scale_smoothing=0.9, partial_window="carry"), loss="mse")
+        runs.append(model)
+    model, loaded_model = runs
+    model.fit(x[:80], y[:80], batch_size=8, shuffle=False, verbose=0)
+    optimizer, loaded = model.optimizer, loaded_model.optimizer
+    old = saved_0_3.in_the_0_3_layout(optimizer)
+    assert len(old) == len(optimizer.variables) + 11
+    loaded_model.set_weights(model.get_weights())
+    loaded.build(loaded_model.trainable_variables)
+    loaded.load_own_variables({str(i): value for i, value in enumerate(old)})
+    for name in ("noise_scale_estimate", "preconditioned_noise_scale_estimate"):
+        np.testing.assert_allclose(getattr(loaded, name).state.numpy(), getattr(optimizer, name).state.numpy(),
+                                   rtol=1e-6)
+    for fitted in (model, loaded_model):
+        fitted.fit(x[:48], y[:48], batch_size=8, shuffle=False, verbose=0)
+    assert deltas.max_abs_diff(loaded_model.get_weights(), model.get_weights()) < 1e-6
+    assert (int(optimizer.noise_scale_estimate.window_count), int(loaded.noise_scale_estimate.window_count)) == (4, 3)
 
 
 def test_schedule_by_update_with_sqrt_lr_scaling_equals_keras_fits_chained():
