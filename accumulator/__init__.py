@@ -66,4 +66,4 @@ __all__ = [
 if flavours.keras_is_3():
     __all__ += ["AccumBatchNormalization", "MicroBatchFit", "MicroBatchSwitch", "RecoveredFit", "find_micro_batch",
                 "fit_with_out_of_memory_recovery", "use_accumulated_batch_norm"]
-__version__ = "0.3.0"
+__version__ = "0.4.0"
