@@ -95,8 +95,8 @@ def micro_batch_terms(size: tf.Tensor | float, replicas: int = 1, squared_norms:
         size: w, the micro-batch's size as the noise scale counts it (samples), times R.
         replicas: R, the accumulator's replica count.
         squared_norms: |grad|^2 of the replica's gradient (of its loss, divided by
-            its weight), and |P grad|^2 with a preconditioner: where a window adds
-            them per micro-batch (none where it keeps the squares per coordinate).
+            its weight), where a window adds it per micro-batch (none where it keeps
+            the squares per coordinate).
 
     Returns:
         A float32 vector of `len(squared_norms) + 3`: the squared norms times R^2,

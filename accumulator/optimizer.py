@@ -147,10 +147,12 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
             windows' micro-batches; see `accumulator.noise_scale`. Read it as
             `optimizer.noise_scale` (a float, NaN until a window of at least
             two micro-batches has closed); in `fit` it is logged as
-            `noise_scale` (History, progress bar, TensorBoard). Costs one
-            squared norm per micro-step and a few scalars in the window's one
-            all-reduce; needs windows, so not with a pass-through
-            (`accum_steps=1` without `schedulable`).
+            `noise_scale` (History, progress bar, TensorBoard). Costs one pass
+            over each micro-step's gradients (with an Adam-like optimizer, whose
+            preconditioned noise scale is measured too, one float32 vector the
+            size of the model's variables, so that P is read once per window)
+            and a few scalars in the window's one all-reduce; needs windows, so
+            not with a pass-through (`accum_steps=1` without `schedulable`).
         noise_scale_smoothing: the decay, in [0, 1), of the exponential moving
             averages of |G|^2 and tr(Sigma) over windows (0.99: about 100 windows).
         merge_duplicate_rows: False (the default) hands the inner optimizer a
