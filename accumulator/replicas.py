@@ -101,11 +101,12 @@ def in_cross_replica_context(fn):
 
 def sum_over_replicas(distribution, values_and_destinations):
     """Each value summed over the replicas, in one batched all-reduce (cross-replica
-    context); each result is placed like its destination variable. A value is a variable
-    or per-replica values (`call_for_each_replica`'s)."""
+    context); each result is placed like its destination variable. A value is a variable,
+    or what `call_for_each_replica` returns: per-replica values, or with one local replica
+    (a worker of `MultiWorkerMirroredStrategy`) a tensor."""
     return distribution.extended.batch_reduce_to(
-        SUM, [(v if isinstance(v, tf.distribute.DistributedValues) else backing_variable(v), backing_variable(d))
-              for v, d in values_and_destinations])
+        SUM, [(v if isinstance(v, (tf.Tensor, tf.distribute.DistributedValues)) else backing_variable(v),
+               backing_variable(d)) for v, d in values_and_destinations])
 
 
 def in_each_replica(distribution, without_reduction, fn, *args):

@@ -10,6 +10,7 @@ Weights are kept fixed (SGD with learning rate 0) where a truth is known, so
 every window samples the same |G|^2 and tr Sigma.
 """
 
+import contextlib
 import functools
 import math
 
@@ -359,6 +360,23 @@ def test_mirrored_fit_matches_one_device_with_one_reduction_per_window(inner):
         assert int(optimizer.preconditioned_noise_scale_estimate.window_count) == 4
         np.testing.assert_allclose(_readings(optimizer, preconditioned=True),
                                    _readings(one_device, preconditioned=True), rtol=1e-4)
+
+
+def test_one_local_replica_reads_its_squares_as_several_do():
+    """A strategy with one local replica (each worker of a multi-worker cluster has one)
+    hands the close's per-replica squares back as a plain tensor: Adam's estimates there
+    are the one-device ones."""
+    x, y = ref.regression_data(64)
+    readings = []
+    for strategy in (tf.distribute.MirroredStrategy(DEVICES[:1]), None):
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            model = ref.mlp()
+            optimizer = _accumulator(keras.optimizers.Adam(0.01), ACCUM, noise_scale_smoothing=0.5)
+            model.compile(optimizer, "mse")
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        assert int(optimizer.preconditioned_noise_scale_estimate.window_count) == 2
+        readings.append(_readings(optimizer) + _readings(optimizer, preconditioned=True))
+    np.testing.assert_allclose(readings[0], readings[1], rtol=1e-5)
 
 
 # Apart (36 s): the same replicas^2 correction runs through fit in
