@@ -14,6 +14,8 @@ adds to two variables:
   the variables, sum_k g_k^2. P changes only when the window's update is applied, so
   sum_k |P g_k|^2 = sum_i P_i^2 sum_k g_ki^2 reads P once, at the close, not at every
   micro-step: one float32 vector the size of the variables buys that.
+
+What version 0.3 saved in its place loads converted (`from_version_0_3`).
 """
 
 from __future__ import annotations
