@@ -264,24 +264,24 @@ class NoiseScaleEstimate:
         """The decayed sum at `field` over the decayed count: the bias-corrected EMA, float32; NaN
         before the first valid window."""
         state = tf.convert_to_tensor(self.state)
-        seen = state[3] > 0.0
-        value = state[field] / tf.where(seen, state[2], 1.0)
+        seen = state[self.FIELDS.index("window_count")] > 0.0
+        value = state[field] / tf.where(seen, state[self.FIELDS.index("decayed_count")], 1.0)
         return tf.cast(tf.where(seen, value, float("nan")), tf.float32)
 
     @property
     def window_count(self) -> tf.Tensor:
         """t: the number of valid windows folded in (int64)."""
-        return tf.cast(tf.convert_to_tensor(self.state)[3], tf.int64)
+        return tf.cast(tf.convert_to_tensor(self.state)[self.FIELDS.index("window_count")], tf.int64)
 
     @property
     def gradient_sq_norm(self) -> tf.Tensor:
         """Bias-corrected EMA of |G|^2 (float32); NaN before the first valid window."""
-        return self._corrected(0)
+        return self._corrected(self.FIELDS.index("decayed_gradient_sq_norm"))
 
     @property
     def trace(self) -> tf.Tensor:
         """Bias-corrected EMA of tr(Sigma) (float32); NaN before the first valid window."""
-        return self._corrected(1)
+        return self._corrected(self.FIELDS.index("decayed_trace"))
 
     @property
     def noise_scale(self) -> tf.Tensor:
@@ -391,9 +391,7 @@ class WindowMoments:
     def _replaced(self, part: tf.Tensor) -> tf.Tensor:
         """`variable` with the sums replaced by `part`."""
         whole = tf.convert_to_tensor(self.variable)
-        end = self.offset + len(self.FIELDS)
-        return part if whole.shape[0] == len(self.FIELDS) else tf.concat(
-            [whole[:self.offset], part, whole[end:]], axis=0)
+        return tf.concat([whole[:self.offset], part, whole[self.offset + len(self.FIELDS):]], axis=0)
 
     def add(self, g2_est: tf.Tensor, trace_est: tf.Tensor, size: tf.Tensor | float, valid: tf.Tensor) -> None:
         """Adds one window when `valid` (graph-safe).

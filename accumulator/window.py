@@ -173,20 +173,17 @@ class WindowState:
             for `overwrite_with_gradient` variables).
         rows: per variable of rank >= 1, its `WindowRows` (None for scalars): the
             sparse gradients' rows (replica-local; `accumulator.window_rows`).
-        noise_sums: with `measure_noise_scale`: one float32 vector of the open window's
-            sums (`window_noise.SUM_FIELDS`): sum_k R^2 |g_k|^2 (unless
-            `noise_squares` keeps it), sum_k 1/b_k, K and sum_k b_k, b_k in samples
-            (replica-local).
+        noise_sums: with `measure_noise_scale`: the open window's sums, one float32 vector
+            (`window_noise.SUM_FIELDS`, b_k in samples; replica-local).
         noise_estimate: with `measure_noise_scale`: the smoothed estimate
             (`NoiseScaleEstimate`, mirrored).
         preconditioner: the inner optimizer's `Preconditioner` when it has a second
             moment (Adam-like) and the window measures; `preconditioned_estimate` is
             then the estimate of P g's noise scale (the one Adam's steps follow).
-        noise_squares: with a `preconditioner`: per coordinate of the variables at
-            `noise_layout` (the non-`overwrite_with_gradient` ones, joined flat),
-            sum_k g_k^2 of the open window, from which the close reads sum_k |g_k|^2
-            and sum_k |P g_k|^2 with P read once (replica-local; `window_noise`).
-        noise_layout: the indices of the variables `noise_squares` is laid out over.
+        noise_squares: with a `preconditioner`: the open window's sum_k g_k^2 per coordinate
+            of the variables at `noise_layout` (joined flat), to which the close applies P
+            once (replica-local; `window_noise`).
+        noise_layout: the non-`overwrite_with_gradient` variables' indices, `noise_squares`' order.
         variables: the model's variables the window is for, in order (`build`).
         index_by_id: {id(variable): its index in `variables`}.
         overwrite_indices: the `overwrite_with_gradient` variables' indices.
@@ -298,8 +295,7 @@ class WindowState:
                 for shape, dt, part in (((None,) + rest, dtype, "values"), ((None,), tf.int64, "indices"),
                                         ((), tf.int64, "count"))]))
         if noise_smoothing is not None:
-            self.overwrite_indices = overwrite
-            window_noise.build(self, local, var_list, preconditioner)
+            window_noise.build(self, local, var_list, overwrite, preconditioner)
             with seam.variables_created_as(aggregation=first_replica):
                 self.noise_estimate = NoiseScaleEstimate(
                     lambda name, dtype, shape=(): new_variable(shape, dtype, 0, f"noise_scale_{name}"),
@@ -799,10 +795,7 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
         rows = [i for i in used if i in s.rows_seen]
         sums = [_tf.backing_variable(s.accumulators[i]) for i in dense]
         weight = _tf.backing_variable(s.weight_sum)
-        noise = [] if s.noise_sums is None else [_tf.backing_variable(s.noise_sums)]
-        if noise and s.noise_squares is not None and distribution is not None:
-            # Each replica's squares read with P, to be summed with the rest.
-            noise.append(distribution.extended.call_for_each_replica(window_noise.squares_sums, args=(s,)))
+        noise = window_noise.sums_to_reduce(s, distribution)
         if distribution is None:
             # 4. Apply the window's mean and 5. reset.
             self._apply_mean_and_reset(dense, rows, sums, weight, noise)

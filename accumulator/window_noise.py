@@ -24,22 +24,26 @@ import numpy as np
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import _tf, preconditioning, replicas
-from tfx_gradient_accumulator.accumulator.noise_scale import micro_batch_terms, squared_norm, update_from_windows
+from tfx_gradient_accumulator.accumulator.noise_scale import (
+    WindowMoments, micro_batch_terms, squared_norm, update_from_windows,
+)
 
-# The fields of `noise_sums` (the first only where the window keeps no `noise_squares`).
+# The fields of `noise_sums`: sum_k R^2 |g_k|^2 (only where the window keeps no
+# `noise_squares`), sum_k 1/b_k, K and sum_k b_k.
 SUM_FIELDS = ("micro_sq_norm_sum", "inv_size_sum", "micro_count", "sample_sum")
 
 
-def build(state, local, var_list, preconditioner) -> None:
+def build(state, local, var_list, overwrite, preconditioner) -> None:
     """Makes the window's replica-local sums (the estimates are the window's to make).
 
     Args:
-        state: the window's `WindowState` (its `overwrite_indices` set).
+        state: the window's `WindowState`.
         local: `local(shape, dtype, name)`, the window's maker of replica-local variables.
         var_list: the variables the window is for.
+        overwrite: the indices of its `overwrite_with_gradient` variables (left out).
         preconditioner: the inner optimizer's `Preconditioner`, or None.
     """
-    layout = tuple(i for i in range(len(var_list)) if i not in state.overwrite_indices)
+    layout = tuple(i for i in range(len(var_list)) if i not in overwrite)
     size = sum(int(np.prod(tuple(var_list[i].shape))) for i in layout)
     if preconditioner is not None and size:
         state.preconditioner, state.noise_layout = preconditioner, layout
@@ -78,6 +82,18 @@ def add_micro_batch(state, grads, indices, weight, samples=None) -> None:
         _tf.backing_variable(state.noise_squares).assign_add(tf.where(size > 0.0, squares, 0.0), read_value=False)
     terms = micro_batch_terms(size, replicas.replicas_in_sync(), norms)
     _tf.backing_variable(state.noise_sums).assign_add(terms, read_value=False)
+
+
+def sums_to_reduce(state, distribution) -> list:
+    """What the close sums over the replicas of the noise scale (none kept: nothing):
+    `noise_sums`, and under a strategy with `noise_squares` each replica's
+    `squares_sums`, read with P where the squares lie (cross-replica context)."""
+    if state.noise_sums is None:
+        return []
+    sums = [_tf.backing_variable(state.noise_sums)]
+    if state.noise_squares is not None and distribution is not None:
+        sums.append(distribution.extended.call_for_each_replica(squares_sums, args=(state,)))
+    return sums
 
 
 def squares_sums(state, scale_squared=None) -> tf.Tensor:
@@ -182,10 +198,11 @@ def from_version_0_3(state, variables, values) -> list | None:
         return None
     old = [np.asarray(v) for v in values[first:first + old_count]]
     # 0.3's order: the four sums, the raw estimate, then the preconditioned sum and estimate.
-    sums, raw = old[:4], old[4:4 + len(_ESTIMATE_0_3)]
-    parts = [raw] + ([old[10:]] if preconditioned else [])
-    if any(v.shape != () for v in old[:4] + old[9:10] + [p for part in parts for p in part[:4]]) or any(
-            part[4].shape != (8,) for part in parts):
+    raw_end = len(_SUMS_0_3) + len(_ESTIMATE_0_3)
+    sums, scalars = old[:len(_SUMS_0_3)], old[:len(_SUMS_0_3)] + old[raw_end:raw_end + 1]
+    parts = [old[len(_SUMS_0_3):raw_end]] + ([old[raw_end + 1:]] if preconditioned else [])
+    if any(v.shape != () for v in scalars + [p for part in parts for p in part[:-1]]) or any(
+            part[-1].shape != (len(WindowMoments.FIELDS),) for part in parts):
         return None
     new = []
     if state.noise_squares is not None:
