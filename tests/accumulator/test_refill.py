@@ -1,7 +1,10 @@
-"""The close's refill of the window's buffers (`_tf.fill_one_after_another`): in place,
-one kernel a buffer, where a traced step runs kernel by kernel; `Empty` and an
-assignment eagerly and under XLA. Either way every element gets the value, a
-non-finite sum included, and the buffer keeps its shape (a one-row stand-in too)."""
+"""The close's division and refill of the window's buffers, where they lie.
+
+The refill (`_tf.fill_one_after_another`): in place, one kernel a buffer, where a
+traced step runs kernel by kernel; `Empty` and an assignment eagerly and under XLA.
+Either way every element gets the value, a non-finite sum included, and the buffer
+keeps its shape (a one-row stand-in too). The division (`_tf.divide_in_place`): one
+kernel that writes the buffer, bitwise the quotient, everywhere."""
 
 import numpy as np
 import pytest
@@ -50,3 +53,29 @@ def test_the_count_is_added_on_the_variable_in_one_kernel():
     assert "ReadVariableOp" not in [op.type for op in graph.get_operations()]
     tf.function(lambda: _tf.assign_add_after(count, 1, after=[signal]))()
     assert int(count.numpy()) == 3
+
+
+@pytest.mark.parametrize("how", ["traced", "xla", "eager"])
+def test_the_division_writes_each_buffer_bitwise_the_quotient(how):
+    buffers = _buffers() + [tf.Variable(np.float32(7.0))]
+    expected = [b.numpy() / np.asarray(3.0, b.dtype.as_numpy_dtype) for b in buffers]
+    expected[-1] = np.float32(7.0) / np.float32(3.0)
+    summed = tf.constant([1.0, 2.0, 3.0])       # the divisor as the close has it: a tensor
+
+    def divide():
+        return _tf.divide_in_place(buffers, tf.reduce_sum(summed) / 2.0)
+
+    means = divide() if how == "eager" else tf.function(divide, jit_compile=how == "xla")()
+    for buffer, mean, value in zip(buffers, means, expected):
+        np.testing.assert_array_equal(buffer.numpy(), value)
+        np.testing.assert_array_equal(np.asarray(mean), value)
+
+
+def test_traced_division_is_one_kernel_a_buffer_without_a_temporary():
+    buffers = _buffers()
+    graph = tf.function(lambda: _tf.divide_in_place(buffers, tf.constant(2.0))).get_concrete_function().graph
+    ops = [op.type for op in graph.get_operations()]
+    assert ops.count("ResourceScatterDiv") == 3
+    assert "RealDiv" not in ops and "AssignVariableOp" not in ops
+    tensor = tf.constant([4.0, 6.0])
+    assert np.asarray(_tf.divide_in_place([tensor], 2.0)[0]).tolist() == [2.0, 3.0]
