@@ -89,10 +89,12 @@ def divide_in_place(totals, divisor):
     copy of every variable at once, next to the buffers, while the inner
     optimizer runs; `v.assign(v / d)` makes one temporary of `v`'s size and
     runs three kernels (read, divide, assign) where this runs two (divide,
-    read). Totals that are already tensors (the all-reduced sums under a
-    strategy) are divided as tensors; TensorFlow reuses a tensor's buffer for
-    the quotient when nothing else holds it. A scalar total, which has no rows,
-    is divided and assigned.
+    read). Under XLA the division is `v.assign(v / d)`: XLA places the result
+    itself, and an elementwise division fuses where a scatter would not. A
+    scalar total, which has no rows, is divided and assigned too. Totals that
+    are already tensors (the all-reduced sums under a strategy) are divided as
+    tensors; TensorFlow reuses a tensor's buffer for the quotient when nothing
+    else holds it.
     """
     means = []
     for total in totals:
@@ -101,7 +103,7 @@ def divide_in_place(totals, divisor):
             continue
         variable = backing_variable(total)
         divisor_here = tf.cast(divisor, variable.dtype)
-        if variable.shape.rank:
+        if variable.shape.rank and not seam.in_xla_context():
             rows = variable.shape[0] if variable.shape[0] is not None else tf.shape(variable)[0]
             tf.raw_ops.ResourceScatterDiv(resource=variable.handle, indices=tf.range(rows), updates=divisor_here)
             means.append(variable.read_value())
