@@ -13,6 +13,9 @@ README.md, src/, the three folders) and leaves `tests/` out on purpose (MANIFEST
 tests need the checkout (docs/, benchmarks/, constraints/, the Makefile), so they run from
 a clone, not from the sdist."""
 
+import pathlib
+import re
+
 from setuptools import find_packages, setup
 
 PACKAGE = "tfx_gradient_accumulator"
@@ -29,9 +32,14 @@ PACKAGES = [PACKAGE] + [f"{PACKAGE}.{folder}" + (f".{sub}" if sub else "")
 OLDEST_KERAS_3 = (3, 8)
 KERAS = "keras>=2.15," + ",".join(f"!=3.{minor}.*" for minor in range(OLDEST_KERAS_3[1])) + ",<3.16"
 
+# The version is written once, as the library's `__version__`; the distribution reads it there.
+VERSION = re.search(r'^__version__ = "([^"]+)"$',
+                    (pathlib.Path(__file__).parent / "accumulator" / "__init__.py").read_text(encoding="utf-8"),
+                    re.M).group(1)
+
 setup(
     name="tfx-gradient-accumulator",
-    version="0.4.0",
+    version=VERSION,
     description=(
         "Exact gradient accumulation for TensorFlow 2 / Keras 3 and Keras 2, "
         "packaged as a TFX Trainer component."

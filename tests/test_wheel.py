@@ -15,6 +15,7 @@ holds no link and no tests (on purpose, setup.py says why), and builds the same 
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tarfile
@@ -84,6 +85,9 @@ def test_the_wheel_holds_one_package_with_every_module(wheel):
                 for package in INSTALLED for path in (ROOT / package).rglob("*.py")}
     assert expected - set(names) == set()
     assert "tfx_gradient_accumulator/__init__.py" in names
+    # One version: the distribution's is the library's `__version__` (setup.py reads it).
+    written = re.search(r'^__version__ = "([^"]+)"$', (ROOT / "accumulator" / "__init__.py").read_text(), re.M)
+    assert wheel.name.startswith(f"tfx_gradient_accumulator-{written.group(1)}-")
 
 
 def test_the_wheels_files_are_the_checkouts_files(wheel):
