@@ -82,35 +82,32 @@ def divide_in_place(totals, divisor):
     """The window's means: each of `totals` divided by `divisor`.
 
     A total held in a local buffer (a `tf.Variable`: no strategy) is divided
-    where it lies, by one kernel that writes the buffer itself
-    (`ResourceScatterDiv` over all its rows, the divisor broadcast: IEEE
-    division, bitwise `total / divisor`), and the mean handed back is a read of
-    the buffer. Dividing into fresh tensors would hold a second gradient-sized
-    copy of every variable at once, next to the buffers, while the inner
-    optimizer runs; `v.assign(v / d)` makes one temporary of `v`'s size and
-    runs three kernels (read, divide, assign) where this runs two (divide,
-    read). Under XLA the division is `v.assign(v / d)`: XLA places the result
-    itself, and an elementwise division fuses where a scatter would not. A
-    scalar total, which has no rows, is divided and assigned too. Totals that
-    are already tensors (the all-reduced sums under a strategy) are divided as
-    tensors; TensorFlow reuses a tensor's buffer for the quotient when nothing
-    else holds it.
+    where it lies, and its new value is returned: dividing into fresh tensors
+    would hold a second gradient-sized copy of every variable at once, next
+    to the buffers, while the inner optimizer runs. TensorFlow has no in-place
+    scaling of a dense variable (`v.assign(v / d)` makes one temporary of
+    `v`'s size), so the divisions run one after another: at most one such
+    temporary exists at a time, the largest variable's. Totals that are
+    already tensors (the all-reduced sums under a strategy) are divided as
+    tensors; TensorFlow reuses a tensor's buffer for the quotient when
+    nothing else holds it.
+
+    The quotient handed back is the tensor assigned, not a second read of the
+    variable: a resource variable's assignment adopts the tensor's buffer
+    (copy-on-write: whoever writes to the variable next copies it first), so
+    the buffer and the mean are one allocation, and the close runs one kernel a
+    variable fewer.
     """
-    means = []
+    means, previous = [], []
     for total in totals:
-        if not isinstance(total, tf.Variable):
-            means.append(total / tf.cast(divisor, total.dtype))
-            continue
-        variable = backing_variable(total)
-        divisor_here = tf.cast(divisor, variable.dtype)
-        if variable.shape.rank and not seam.in_xla_context():
-            rows = variable.shape[0] if variable.shape[0] is not None else tf.shape(variable)[0]
-            tf.raw_ops.ResourceScatterDiv(resource=variable.handle, indices=tf.range(rows), updates=divisor_here)
-            means.append(variable.read_value())
-        else:
-            quotient = variable / divisor_here
-            variable.assign(quotient, read_value=False)
+        if isinstance(total, tf.Variable):
+            with tf.control_dependencies(previous):
+                quotient = total / tf.cast(divisor, total.dtype)
+                op = total.assign(quotient, read_value=False)
+            previous = [op] if op is not None else []
             means.append(quotient)
+        else:
+            means.append(total / tf.cast(divisor, total.dtype))
     return means
 
 

@@ -837,7 +837,7 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
         for i, total in zip(dense, sums):
             if i in s.overwrite_indices:
                 grads[i] = tf.cast(replicas.maximum_over_replicas(total), s.variables[i].dtype)
-        # Where the sums lie in local buffers: no second copy (see _tf.divide_in_place).
+        # In place where the sums lie in local buffers: no second copy (see _tf.divide_in_place).
         means = _tf.divide_in_place([total for _, total in summed], weight_sum)
         for (i, _), mean in zip(summed, means):
             grads[i] = tf.cast(mean, s.variables[i].dtype)

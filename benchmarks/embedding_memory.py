@@ -51,6 +51,7 @@ def measure(contender, accum):
     """One contender in this process: per-micro-step peaks and held bytes, in MiB."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ["KERAS_BACKEND"] = "tensorflow"
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")      # the CPU allocator's statistics (measure.py)
     import numpy as np
     import tensorflow as tf
     tf.config.threading.set_inter_op_parallelism_threads(1)

@@ -27,8 +27,8 @@ launches. This part counts them on the CPU, where the count is the same on every
 * **Goals** (per model, N and XLA setting): a non-closing step of ours <= Keras' built-in;
   a closing step <= Keras' built-in + the exact sparse update's own kernels (those of the
   closing step under a `window_rows` name scope or of a sparse update's op types,
-  `ResourceScatter*` but `ResourceScatterDiv`, the dense buffers' in-place division,
-  `ResourceSparse*`, `Unique*`, `UnsortedSegment*`, `ResourceGather`; under XLA, its scatter, gather and sort thunks); the noise scale's steps <= 1.25 x ours
+  `ResourceScatter*`, `ResourceSparse*`, `Unique*`, `UnsortedSegment*`, `ResourceGather`;
+  under XLA, its scatter, gather and sort thunks); the noise scale's steps <= 1.25 x ours
   without it.
 
 Writes docs/benchmarks/cpu/kernel_count.json and kernel_count.md (generated: never edit).
@@ -59,7 +59,7 @@ MODELS = {"dense": "MLP 16-64-64-64-4 (4 Dense layers, 8 variables)",
 MICRO_BATCH = 8
 NOISE_FACTOR = 1.25
 # Op types of a sparse optimizer update and of exact rows: what the closing goal allows beyond Keras'.
-SPARSE_OPS = re.compile(r"^(ResourceScatter(?!Div)\w*|ResourceSparse\w*|Unique\w*|UnsortedSegment\w*|ResourceGather)$")
+SPARSE_OPS = re.compile(r"^(ResourceScatter\w*|ResourceSparse\w*|Unique\w*|UnsortedSegment\w*|ResourceGather)$")
 # Kernels that launch nothing on a GPU: a variable's read (a reference) and assignment (a
 # buffer swap), an allocation, the input pipeline's host-side hand-over.
 NO_LAUNCH = frozenset({"ReadVariableOp", "AssignVariableOp", "Empty", "IteratorGetNext", "IteratorGetNextAsOptional",
@@ -347,8 +347,7 @@ METHOD = ("each step runs alone under `tf.profiler.experimental` (host tracer le
           "no device launch) and the `tf.data` pipeline's own threads. After two whole windows, N steps are traced: "
           "non-closing = the largest of the first N - 1, closing = the N-th (the tape loop's: its micro-step and "
           "its apply). Sparse (closing): kernels under `window_rows` name scopes or of a sparse update's op types "
-          "(`ResourceScatter*` but `ResourceScatterDiv`, the dense buffers' division in place, `ResourceSparse*`, "
-          "`Unique*`, `UnsortedSegment*`, `ResourceGather`; under XLA its "
+          "(`ResourceScatter*`, `ResourceSparse*`, `Unique*`, `UnsortedSegment*`, `ResourceGather`; under XLA its "
           "scatter, gather and sort thunks). Under XLA: the executor's kernels around the cluster, the XLA thunks "
           "XLA:CPU's runtime executed inside it, and the cluster's runs.")
 

@@ -345,9 +345,9 @@ def _memory_notes(runs, overs, close_cost):
             " Only a closing micro-step runs the inner optimizer, and Adam's update makes temporaries of a "
             "variable's size (its moment updates, `m * lr`, `sqrt(v)`; here up to twice the 64 MB kernel); "
             "the other micro-steps add each gradient into its buffer as the backward pass produces it. The "
-            "window's means take no memory of their own: each buffer is divided where it lies, by one kernel "
-            "that writes it (`accumulator/_tf.py: divide_in_place`), so the division allocates nothing, "
-            "and the buffers are refilled with zeros the same way. "
+            "window's means take no memory of their own: the buffers are divided in place, one variable "
+            "after another (`accumulator/_tf.py: divide_in_place`), so the division costs at most the "
+            "largest variable's bytes for a moment, and the buffers are refilled with zeros the same way. "
             "So the accumulator's peak is its buffers (1×) above plain b's, less what plain b's peak holds "
             "that the accumulator's does not (plain b's gradients, all alive at its update).")
         if "plain_b" in runs:
