@@ -216,7 +216,7 @@ def _setup_requirements():
     original = setuptools.setup
     setuptools.setup = lambda **kwargs: captured.update(kwargs)
     try:
-        exec(compile(source, "setup.py", "exec"), {"__name__": "setup_probe"})
+        exec(compile(source, "setup.py", "exec"), {"__name__": "setup_probe", "__file__": str(ROOT / "setup.py")})
     finally:
         setuptools.setup = original
     return captured
