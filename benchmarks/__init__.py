@@ -1,6 +1,15 @@
 """`make bench`: see benchmarks/run.py."""
 
+import os
 import subprocess
+
+
+def allocator_statistics_on():
+    """Call before TensorFlow is imported, in a process that reads memory figures
+    (`tf.config.experimental.get_memory_info`): TensorFlow's CPU allocator keeps those
+    statistics only under oneDNN's allocator, which it turns on by default on AVX-512
+    CPUs alone (elsewhere `reset_memory_stats` fails)."""
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 
 def accelerator_facts():

@@ -30,6 +30,8 @@ import statistics
 import subprocess
 import sys
 
+from benchmarks import allocator_statistics_on
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, DIM, IDS, MICRO = 262_144, 64, 32, 64
 CONTENDERS = ("plain_b", "accumulator", "accumulator_merged", "keras_builtin", "large_batch")
@@ -51,7 +53,7 @@ def measure(contender, accum):
     """One contender in this process: per-micro-step peaks and held bytes, in MiB."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ["KERAS_BACKEND"] = "tensorflow"
-    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")      # the CPU allocator's statistics (measure.py)
+    allocator_statistics_on()
     import numpy as np
     import tensorflow as tf
     tf.config.threading.set_inter_op_parallelism_threads(1)

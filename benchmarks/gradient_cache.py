@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks import stats
+from benchmarks import allocator_statistics_on, stats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ("memory", "time", "quality")
@@ -150,7 +150,7 @@ def _fresh_tf():
     overlap, and so the peak, changes from process to process."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ["KERAS_BACKEND"] = "tensorflow"
-    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")      # the CPU allocator's statistics (measure.py)
+    allocator_statistics_on()
     import tensorflow as tf
     tf.config.threading.set_inter_op_parallelism_threads(1)
     import keras

@@ -15,9 +15,10 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ["KERAS_BACKEND"] = "tensorflow"
-# TensorFlow's CPU allocator keeps statistics (get_memory_info, the memory figures) only
-# under oneDNN's allocator, which TensorFlow turns on by default on AVX-512 CPUs alone.
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+
+from benchmarks import allocator_statistics_on  # noqa: E402
+
+allocator_statistics_on()
 
 from absl import app, flags  # noqa: E402
 

@@ -27,8 +27,7 @@ def test_counts_are_positive_and_a_closing_step_runs_more_kernels(results):
         assert closing["kernels"] == sum(closing["by_op"].values()) and 0 < closing["launching"] < closing["kernels"]
         assert non_closing["by_op"].get("MatMul", 0) >= 4
         assert non_closing["xla_runs"] == 0
-        # The MLP has no sparse gradient: nothing is credited to a sparse update (the
-        # dense buffers' division in place, a ResourceScatterDiv, is not one).
+        # The MLP has no sparse gradient: nothing is credited to a sparse update.
         assert closing["sparse"] == 0
 
 

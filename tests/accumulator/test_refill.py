@@ -75,15 +75,15 @@ def test_the_division_writes_each_buffer_bitwise_the_quotient(how):
 def test_traced_division_assigns_each_quotient_one_after_another_and_scatters_nothing():
     buffers = _buffers()
     graph = tf.function(lambda: _tf.divide_in_place(buffers, tf.constant(2.0))).get_concrete_function().graph
-    ops = {op.name: op for op in graph.get_operations()}
-    assigns = [op for op in ops.values() if op.type == "AssignVariableOp"]
-    assert len(assigns) == 3 and sum(op.type == "RealDiv" for op in ops.values()) == 3
+    ops = graph.get_operations()
+    assigns = [op for op in ops if op.type == "AssignVariableOp"]
+    assert len(assigns) == 3 and sum(op.type == "RealDiv" for op in ops) == 3
     # Chained: each division waits on the assignment before it, so one temporary at a time.
-    divisions = [op for op in ops.values() if op.type in ("ReadVariableOp", "RealDiv")]
+    divisions = [op for op in ops if op.type in ("ReadVariableOp", "RealDiv")]
     waited_on = [a for a in assigns if any(a in op.control_inputs for op in divisions)]
     assert len(waited_on) == 2      # the second division waits on the first assignment, the third on the second
     # A scatter on a dense buffer (ResourceScatterDiv, which would divide in one kernel)
     # turns the variable copy-on-read: every later read of it copies the whole buffer.
-    assert not any(op.type.startswith("ResourceScatter") for op in ops.values())
+    assert not any(op.type.startswith("ResourceScatter") for op in ops)
     tensor = tf.constant([4.0, 6.0])
     assert np.asarray(_tf.divide_in_place([tensor], 2.0)[0]).tolist() == [2.0, 3.0]
