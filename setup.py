@@ -49,14 +49,29 @@ setup(
     package_dir=PACKAGE_DIR,
     packages=PACKAGES,
     python_requires=">=3.9,<3.14",
-    install_requires=["tensorflow>=2.15,<2.22", KERAS],
+    # No TensorFlow here: an extra chooses which one, so that an install holds exactly one.
+    # `tensorflow` and `tensorflow-cpu` are two distributions of one import package; a
+    # requirement on `tensorflow` beside a user's `tensorflow-cpu` installed both, the second
+    # overwriting the first's files. Without an extra, the package takes the TensorFlow
+    # already installed (or `tfx`'s); importing it with none names these extras.
+    install_requires=[KERAS],
     extras_require={
-        # Keras 2 on TF >= 2.16 (TF 2.15's tf.keras is Keras 2 already).
+        # One TensorFlow each, all 2.15 to 2.21 (the range `make test` runs). tensorflow-cpu
+        # has wheels for x86-64 only (Linux, Windows; macOS up to 2.16): elsewhere (Apple
+        # silicon, Linux aarch64) `[cpu]` takes `tensorflow`, the one build there.
+        "tensorflow": ["tensorflow>=2.15,<2.22"],
+        "cpu": ['tensorflow-cpu>=2.15,<2.22; platform_machine == "x86_64" or platform_machine == "AMD64"',
+                'tensorflow>=2.15,<2.22; platform_machine != "x86_64" and platform_machine != "AMD64"'],
+        "and-cuda": ["tensorflow[and-cuda]>=2.15,<2.22"],
+        # Keras 2 on TF >= 2.16 (TF 2.15's tf.keras is Keras 2 already). tf_keras itself asks
+        # for the full `tensorflow` of its own minor version: beside `[cpu]`, install it
+        # `--no-deps` (docs/install.md).
         "keras2": ["tf_keras>=2.16,<2.22"],
         # accumulator.tuning: accumulation as KerasTuner hyperparameters. KerasTuner
         # imports TensorBoard, which TensorFlow >= 2.21 no longer installs.
         "tuning": ["keras-tuner>=1.4", "tensorboard"],
-        # The TFX 1.16 stack; install with constraints/tfx-1.16.txt (see README).
+        # The TFX 1.16 stack; install with constraints/tfx-1.16.txt (see README). TFX brings
+        # its own TensorFlow (`tensorflow` 2.16): no TensorFlow extra beside this one.
         "tfx": ["tfx==1.16.0", "kfp-pipeline-spec==0.7.0", "scikit-learn"],
         "test": ["pytest>=7", "pytest-timeout", "portpicker"],
         "bench": ["matplotlib"],

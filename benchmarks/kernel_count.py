@@ -67,6 +67,11 @@ NO_LAUNCH = frozenset({"ReadVariableOp", "AssignVariableOp", "Empty", "IteratorG
 # XLA thunks of a sparse update (HLO scatter, gather, and sort: XLA's unique).
 _SPARSE_THUNK = re.compile(r"^(scatter|gather|sort)")
 _KERNEL = re.compile(r"^([^:\s]+):([A-Z_][A-Za-z0-9_]*)$")
+# The names oneDNN gives the ops it takes over (`_MklMatMul`, `_MklNativeFusedMatMul`, ...), and
+# Grappler's fusions (`_FusedMatMul`): the op a kernel computes is the name without them. oneDNN is
+# on by default on CPUs with AVX-512 (and with TF_ENABLE_ONEDNN_OPTS=1 on any x86 CPU).
+_RENAMED = re.compile(r"^_(?:Mkl(?:Native)?(?:Fused)?|Fused)(?=[A-Z])")
+_ONEDNN = re.compile(r"^_Mkl")
 # One event per compiled cluster run (XLA:CPU's executable; the launch ops of older runtimes).
 _XLA_RUN = re.compile(r"(Executable::Execute|XlaLaunch|_XlaRun)")
 # Events without ':' that are the runtime's own, not an XLA thunk.
@@ -125,6 +130,33 @@ def count_events(space):
     return kernels, sparse, xla, thunks
 
 
+def op_family(op):
+    """The op a kernel named `op` computes, without oneDNN's and Grappler's renaming:
+    `_MklMatMul`, `_MklNativeFusedMatMul` and `_FusedMatMul` are `MatMul`."""
+    return _RENAMED.sub("", op)
+
+
+def by_family(by_op):
+    """Kernels by op type, summed over the names one op runs under (`op_family`)."""
+    families = {}
+    for op, n in by_op.items():
+        families[op_family(op)] = families.get(op_family(op), 0) + n
+    return families
+
+
+def cpu():
+    """The kind of CPU the counts come from: oneDNN renames and fuses ops where it is on, so
+    the counts of two kinds of CPU differ (the goals compare counts from one run)."""
+    flags_line = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags_line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+            "avx512": " avx512f" in flags_line, "onednn_setting": os.environ.get("TF_ENABLE_ONEDNN_OPTS")}
+
+
 def traced(run):
     """Runs `run()` under the profiler: {"kernels", "launching", "by_op", "sparse", "xla_runs", "xla_thunks"}."""
     import tensorflow as tf
@@ -144,7 +176,7 @@ def traced(run):
         shutil.rmtree(folder, ignore_errors=True)
     by_op, sparse, xla, thunks = count_events(space)
     return {"kernels": sum(by_op.values()), "launching": sum(n for op, n in by_op.items() if op not in NO_LAUNCH),
-            "by_op": by_op, "sparse": sparse, "xla_runs": xla, "xla_thunks": thunks}
+            "by_op": by_op, "by_family": by_family(by_op), "sparse": sparse, "xla_runs": xla, "xla_thunks": thunks}
 
 
 # ------------------------------------------------------------------ contenders
@@ -292,6 +324,7 @@ def markdown(results):
              "Explained in [the benchmarks page](../../benchmarks.md#kernels-per-step).", "",
              f"{results['date']}, TensorFlow {results['versions']['tensorflow']}, Keras {results['versions']['keras']}, "
              f"micro-batch b = {results['micro_batch']}.", "",
+             cpu_line(results.get("cpu")), "",
              "**Method.** " + results["method"], "",
              "Models: " + "; ".join(f"`{k}`: {v}" for k, v in MODELS.items()) + ".", "",
              "## Goals", "",
@@ -341,6 +374,19 @@ def markdown(results):
     return "\n".join(lines)
 
 
+def cpu_line(machine):
+    """Which kind of CPU counted, and which op names it counts under."""
+    if not machine:
+        return "Counted on a CPU not recorded (before the kind of CPU was noted)."
+    onednn = ("oneDNN on (its kernels counted under the names it runs them, `_MklMatMul`, "
+              "`_MklNativeFusedMatMul`, ...: it fuses some ops, so its counts are lower than without it)"
+              if machine["onednn"] else "oneDNN off (TensorFlow's own kernels: `MatMul`, `BiasAdd`, ...)")
+    return (f"**CPU.** {machine['processor']} ({machine['machine']}, AVX-512 "
+            f"{'yes' if machine['avx512'] else 'no'}), {onednn}. TensorFlow turns oneDNN on by default on CPUs "
+            "with AVX-512; `TF_ENABLE_ONEDNN_OPTS=0` or `1` sets it. Every goal compares counts from one run, "
+            "on one CPU.")
+
+
 METHOD = ("each step runs alone under `tf.profiler.experimental` (host tracer level 2); the executor's events "
           "named `node:OpType` are counted, one per kernel executed. Level 2 leaves out the kernels TensorFlow marks "
           "inexpensive (`Const`, `Identity`, `Reshape`, `Shape`, a `cond`'s `Switch`/`Merge`: run inline on the host, "
@@ -369,7 +415,9 @@ def run(models, accums, xla_settings, contenders):
                     cells.append(cell)
                     print(json.dumps({k: (v if not isinstance(v, dict) else v["kernels"]) for k, v in cell.items()}),
                           flush=True)
-    return {"date": datetime.date.today().isoformat(), "method": METHOD, "micro_batch": MICRO_BATCH,
+    ran = [op for c in cells for step in ("non_closing", "closing") for op in c.get(step, {}).get("by_op", {})]
+    machine = dict(cpu(), onednn=any(_ONEDNN.match(op) for op in ran))
+    return {"date": datetime.date.today().isoformat(), "method": METHOD, "micro_batch": MICRO_BATCH, "cpu": machine,
             "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
                          "python": platform.python_version()},
             "cells": cells, "goals": goals(cells)}

@@ -1,15 +1,33 @@
 """`benchmarks/kernel_count.py` (a part of `make bench`): kernels counted from real profiler traces of a tiny model."""
 
 import json
+import os
+import platform
+import subprocess
+import sys
 
 import pytest
 
 from benchmarks import kernel_count, parts
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_COUNT = ("import json, sys; from benchmarks import kernel_count; "
+          "json.dump(kernel_count.run(['dense'], [2], ['off'], ['keras_builtin', 'accumulator']), sys.stdout)")
 
-@pytest.fixture(scope="module")
-def results():
-    return kernel_count.run(["dense"], [2], ["off"], ["keras_builtin", "accumulator"])
+
+# Both kinds of CPU on any x86 machine: oneDNN (on by default where the CPU has AVX-512)
+# renames and fuses the kernels; TF_ENABLE_ONEDNN_OPTS, read when TensorFlow loads, sets it,
+# so each count runs in a process of its own.
+@pytest.fixture(scope="module", params=["0", "1"], ids=["onednn-off", "onednn-on"])
+def results(request):
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS=request.param, KERAS_BACKEND="tensorflow")
+    out = subprocess.run([sys.executable, "-c", _COUNT], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert found["cpu"]["onednn"] == (request.param == "1")
+    return found
 
 
 def test_it_is_a_part_of_make_bench():
@@ -25,10 +43,27 @@ def test_counts_are_positive_and_a_closing_step_runs_more_kernels(results):
         assert non_closing["kernels"] > 0 and closing["kernels"] > non_closing["kernels"]
         # The count is the sum of the kernels by op type, and the step's backward pass is in it.
         assert closing["kernels"] == sum(closing["by_op"].values()) and 0 < closing["launching"] < closing["kernels"]
-        assert non_closing["by_op"].get("MatMul", 0) >= 4
+        # Four Dense layers' products, whatever the CPU names them (oneDNN: `_MklMatMul`, fused).
+        assert non_closing["by_family"].get("MatMul", 0) >= 4
         assert non_closing["xla_runs"] == 0
         # The MLP has no sparse gradient: nothing is credited to a sparse update.
         assert closing["sparse"] == 0
+
+
+def test_op_names_are_counted_as_the_op_they_compute():
+    assert [kernel_count.op_family(op) for op in ("MatMul", "_MklMatMul", "_MklNativeFusedMatMul", "_FusedMatMul",
+                                                   "_MklFusedBatchMatMulV2", "_Retval", "AddV2")] == [
+        "MatMul", "MatMul", "MatMul", "MatMul", "BatchMatMulV2", "_Retval", "AddV2"]
+    assert kernel_count.by_family({"MatMul": 2, "_MklMatMul": 3, "BiasAdd": 1}) == {"MatMul": 5, "BiasAdd": 1}
+
+
+def test_the_report_names_the_kind_of_cpu_it_ran_on(results):
+    machine = results["cpu"]
+    ran = {op for c in results["cells"] for op in c["non_closing"]["by_op"]}
+    # oneDNN is on exactly where its kernels ran, and the page says so.
+    assert machine["onednn"] == any(op.startswith("_Mkl") for op in ran)
+    assert ("oneDNN on" if machine["onednn"] else "oneDNN off") in kernel_count.markdown(results)
+    assert "AVX-512 " + ("yes" if machine["avx512"] else "no") in kernel_count.markdown(results)
 
 
 def test_the_report_has_its_goals_and_tables(results, tmp_path):

@@ -15,6 +15,7 @@ holds no link and no tests (on purpose, setup.py says why), and builds the same 
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tarfile
@@ -168,3 +169,183 @@ def test_the_retrieval_demo_runs_from_the_wheel_outside_the_repository(site, tmp
                   f"--output_dir={tmp_path / 'work'}", "--train_updates=4", "--max_trials=0", timeout=840)
     assert out.returncode == 0, out.stderr[-5000:]
     assert '"optimizer_updates": 4' in out.stdout and "held-out recall@10" in out.stdout, out.stdout[-3000:]
+
+
+# One TensorFlow: the wheel's metadata names none outside an extra, and each TensorFlow
+# extra names exactly one distribution, on every platform TensorFlow ships wheels for.
+
+TENSORFLOWS = {"tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tensorflow-intel", "tensorflow-macos",
+               "tensorflow-aarch64", "tensorflow-cpu-aws", "tf-nightly", "tf-nightly-cpu"}
+CHOOSING = {"tensorflow": "tensorflow", "cpu": "tensorflow-cpu", "and-cuda": "tensorflow"}
+PLATFORMS = {   # (sys_platform, platform_system, platform_machine): where each has wheels
+    "linux-x86_64": ("linux", "Linux", "x86_64"), "windows": ("win32", "Windows", "AMD64"),
+    "macos-arm64": ("darwin", "Darwin", "arm64"), "linux-aarch64": ("linux", "Linux", "aarch64"),
+    "macos-x86_64": ("darwin", "Darwin", "x86_64")}
+
+
+def _metadata(wheel):
+    import email.parser
+
+    archive = zipfile.ZipFile(wheel)
+    [name] = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+    return email.parser.Parser().parsestr(archive.read(name).decode())
+
+
+def _requirements(wheel):
+    from packaging.requirements import Requirement
+
+    return [Requirement(line) for line in _metadata(wheel).get_all("Requires-Dist")]
+
+
+def _chosen(requirements, extra, platform, python="3.11"):
+    """The requirements an install with `extra` ("" for none) takes on `platform`."""
+    from packaging.markers import default_environment
+
+    sys_platform, system, machine = PLATFORMS[platform]
+    environment = dict(default_environment(), sys_platform=sys_platform, platform_system=system,
+                       platform_machine=machine, python_version=python, python_full_version=f"{python}.0",
+                       extra=extra)
+    return [r for r in requirements if r.marker is None or r.marker.evaluate(environment)]
+
+
+def _name(requirement):
+    from packaging.utils import canonicalize_name
+
+    return canonicalize_name(requirement.name)
+
+
+def test_no_tensorflow_outside_an_extra(wheel):
+    """`pip install tfx-gradient-accumulator tensorflow-cpu` must not bring `tensorflow` too."""
+    requirements = _requirements(wheel)
+    assert {_name(r) for r in requirements} & TENSORFLOWS, "no extra names TensorFlow"
+    for platform in PLATFORMS:
+        bare = {_name(r) for r in _chosen(requirements, "", platform)}
+        assert not bare & TENSORFLOWS, (platform, bare)
+        assert "keras" in bare, (platform, bare)
+
+
+def test_each_tensorflow_extra_names_exactly_one_tensorflow_on_every_platform(wheel):
+    from packaging.specifiers import SpecifierSet
+
+    requirements = _requirements(wheel)
+    assert set(CHOOSING) <= set(_metadata(wheel).get_all("Provides-Extra"))
+    ranges = set()
+    for extra, expected in CHOOSING.items():
+        for platform in PLATFORMS:
+            for python in ("3.9", "3.13"):
+                tensorflows = [r for r in _chosen(requirements, extra, platform, python) if _name(r) in TENSORFLOWS]
+                assert len(tensorflows) == 1, (extra, platform, python, [str(r) for r in tensorflows])
+                [tensorflow] = tensorflows
+                ranges.add(str(tensorflow.specifier))
+                # tensorflow-cpu has x86-64 wheels only: elsewhere `[cpu]` takes the one build there.
+                x86 = PLATFORMS[platform][2] in ("x86_64", "AMD64")
+                assert _name(tensorflow) == (expected if x86 or extra != "cpu" else "tensorflow"), (extra, platform)
+                assert tensorflow.extras == ({"and-cuda"} if extra == "and-cuda" else set()), (extra, tensorflow)
+    # One range for all three, the range make test runs (test_seam.py checks the pins against it).
+    [specifier] = ranges
+    assert {"2.15.0", "2.21.0"} <= set(SpecifierSet(specifier).filter(["2.14.1", "2.15.0", "2.21.0", "2.22.0"]))
+    assert not {"2.14.1", "2.22.0"} & set(SpecifierSet(specifier).filter(["2.14.1", "2.22.0"]))
+
+
+def test_the_other_extras_bring_no_tensorflow_of_their_own(wheel):
+    """Only `tfx` does, through TFX (its own `tensorflow`), and no TensorFlow extra goes with it."""
+    requirements = _requirements(wheel)
+    bare = {str(r) for r in _chosen(requirements, "", "linux-x86_64")}
+    for extra in set(_metadata(wheel).get_all("Provides-Extra")) - set(CHOOSING):
+        added = [r for r in _chosen(requirements, extra, "linux-x86_64") if str(r) not in bare]
+        assert added, extra
+        assert not {_name(r) for r in added} & TENSORFLOWS, (extra, [str(r) for r in added])
+
+
+def test_keras_asks_for_no_tensorflow_tf_keras_and_tfx_for_the_full_one():
+    """What the install docs say of the other requirements, read from the installed distributions:
+    Keras 3 (the one requirement) brings no TensorFlow; tf_keras (the `keras2` extra) and TFX
+    (the `tfx` extra) ask for the full `tensorflow`, hence the docs' `--no-deps` beside tensorflow-cpu."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    def tensorflows(distribution):
+        found = [Requirement(line) for line in metadata.requires(distribution) or []]
+        return {_name(r) for r in found if r.marker is None} & TENSORFLOWS
+
+    assert tensorflows("keras") == set()
+    assert tensorflows("tf_keras") == {"tensorflow"}
+    assert tensorflows("tfx") == {"tensorflow"}
+    install = (ROOT / "docs" / "install.md").read_text()
+    assert re.search(r"pip install --no-deps .tf_keras", install), "docs/install.md: tf_keras beside tensorflow-cpu"
+
+
+def _stub_wheel(folder, name, version, requires=(), extras=()):
+    """A wheel of metadata only, for pip's resolver (which reads nothing else with --dry-run)."""
+    stem = f"{name.replace('-', '_')}-{version}"
+    lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+    lines += [f"Provides-Extra: {extra}" for extra in extras] + [f"Requires-Dist: {r}" for r in requires]
+    with zipfile.ZipFile(folder / f"{stem}-py3-none-any.whl", "w") as archive:
+        archive.writestr(f"{stem}.dist-info/METADATA", "\n".join(lines) + "\n")
+        archive.writestr(f"{stem}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: stub\nRoot-Is-Purelib: true\n"
+                                                     "Tag: py3-none-any\n")
+        archive.writestr(f"{stem}.dist-info/RECORD", "")
+
+
+@pytest.fixture(scope="module")
+def index(wheel, tmp_path_factory):
+    """A folder of wheels pip resolves from offline: ours, and stand-ins for TensorFlow's
+    distributions (tf_keras with its installed version's real TensorFlow requirement)."""
+    from importlib import metadata
+
+    folder = tmp_path_factory.mktemp("index")
+    (folder / wheel.name).write_bytes(wheel.read_bytes())
+    tensorflow = metadata.version("tensorflow")
+    _stub_wheel(folder, "tensorflow", tensorflow, ['nvidia-cudnn-cu12; extra == "and-cuda"'], extras=["and-cuda"])
+    _stub_wheel(folder, "tensorflow-cpu", tensorflow)
+    _stub_wheel(folder, "nvidia-cudnn-cu12", "9.3.0.75")
+    _stub_wheel(folder, "keras", metadata.version("keras"))
+    _stub_wheel(folder, "tf-keras", metadata.version("tf_keras"), metadata.requires("tf_keras"))
+    return folder
+
+
+def _resolve(index, tmp_path, *requirements):
+    """What `pip install` would install (pip's own resolver, --dry-run, this folder only)."""
+    report = tmp_path / "report.json"
+    subprocess.run([sys.executable, "-m", "pip", "--isolated", "install", "--dry-run", "--ignore-installed",
+                    "--no-index", "--find-links", str(index), "--report", str(report), "-q", *requirements],
+                   check=True, capture_output=True, text=True, timeout=300)
+    import json
+    return {item["metadata"]["name"] for item in json.loads(report.read_text())["install"]}
+
+
+@pytest.mark.parametrize("requirements, tensorflows", [
+    (["tfx-gradient-accumulator", "tensorflow-cpu"], {"tensorflow-cpu"}),   # the user's own, beside the package
+    (["tfx-gradient-accumulator[cpu]"], {"tensorflow-cpu"}),
+    (["tfx-gradient-accumulator[and-cuda]"], {"tensorflow"}),
+    (["tfx-gradient-accumulator[tensorflow]"], {"tensorflow"}),
+    (["tfx-gradient-accumulator"], set()),
+    (["tfx-gradient-accumulator[tensorflow,keras2]"], {"tensorflow"}),
+    # tf_keras asks for the full `tensorflow`: why the docs install it --no-deps beside tensorflow-cpu.
+    (["tfx-gradient-accumulator[cpu,keras2]"], {"tensorflow-cpu", "tensorflow"}),
+])
+def test_pip_installs_exactly_the_tensorflow_asked_for(index, tmp_path, requirements, tensorflows):
+    installed = _resolve(index, tmp_path, *requirements)
+    assert "tfx-gradient-accumulator" in installed and "keras" in installed, installed
+    assert installed & TENSORFLOWS == tensorflows, installed
+    assert ("nvidia-cudnn-cu12" in installed) == ("[and-cuda]" in requirements[0]), installed
+    assert ("tf-keras" in installed) == ("keras2" in requirements[0]), installed
+
+
+def test_importing_without_tensorflow_names_the_extras(site, tmp_path):
+    """An environment with no TensorFlow at all (`-S`: no site-packages, only the wheel's folder):
+    a clear ImportError naming the extras, raised before anything imports Keras."""
+    code = ("import sys\n"
+            "try:\n"
+            "    import tfx_gradient_accumulator\n"
+            "except ImportError as error:\n"
+            "    print(type(error).__name__, error.name, 'keras' in sys.modules)\n"
+            "    print(error)\n")
+    out = _python(site, tmp_path, "-S", "-c", code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    kind, message = out.stdout.strip().split("\n", 1)
+    assert kind == "ImportError tensorflow False", out.stdout
+    extras = set(re.findall(r'"tfx-gradient-accumulator\[([\w-]+)\]"', message))
+    assert extras == set(CHOOSING), message
+    assert "2.15 to 2.21" in message and "tensorflow-cpu" in message, message

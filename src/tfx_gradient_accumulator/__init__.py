@@ -13,7 +13,22 @@ Everything the distribution installs lives under this one package, so a project'
   (`python -m tfx_gradient_accumulator.pipelines.run_local`).
 """
 
-from tfx_gradient_accumulator import accumulator as _library
+import importlib.util as _importlib_util
+
+# The distribution requires no TensorFlow (an extra, or the user, chooses which one: setup.py
+# says why), so an environment may hold none: say so here, before Keras or the library fail
+# on `import tensorflow` deep inside. `find_spec` imports nothing.
+if _importlib_util.find_spec("tensorflow") is None:
+    raise ImportError(
+        "tfx_gradient_accumulator needs TensorFlow 2.15 to 2.21, and none is installed. Install exactly one, "
+        "for example with the package's extras: "
+        'pip install "tfx-gradient-accumulator[cpu]" (tensorflow-cpu), '
+        'pip install "tfx-gradient-accumulator[and-cuda]" (tensorflow with CUDA on Linux), '
+        'pip install "tfx-gradient-accumulator[tensorflow]"; '
+        "or pip install tensorflow-cpu (or tensorflow) beside it.",
+        name="tensorflow")
+
+from tfx_gradient_accumulator import accumulator as _library  # noqa: E402
 from tfx_gradient_accumulator.accumulator import __all__, __version__  # noqa: F401
 
 

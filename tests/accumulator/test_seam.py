@@ -227,6 +227,8 @@ def test_setup_declares_the_range_make_test_runs():
 
     setup = _setup_requirements()
     requirements = {Requirement(r).name: Requirement(r).specifier for r in setup["install_requires"]}
+    # TensorFlow's range is the `tensorflow` extra's (the extras that choose one share it: test_wheel.py).
+    requirements["tensorflow"] = Requirement(setup["extras_require"]["tensorflow"][0]).specifier
     pins = {}
     for name in ("oldest", "tf-latest", "keras2-tf215", "keras2-latest", "tfx-1.16"):
         text = (ROOT / "constraints" / f"{name}.txt").read_text()
