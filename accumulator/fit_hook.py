@@ -1,14 +1,16 @@
 """What `keras.Model.fit` does first for a model compiled with a `GradientAccumulator`.
 
 `before_fit` (called by the `fit` hook of `accumulator.hooks`, for Keras 3 and Keras 2)
-refuses set-ups that would train wrong, ties `AccumBatchNormalization` layers to the
+refuses set-ups that would train wrong, warns where the batch size would make windows
+other than the effective batch `find_micro_batch` set the window for
+(`micro_batch.warn_of_windows_off_the_effective_batch`), ties `AccumBatchNormalization` layers to the
 optimizer, and puts the window callback first, so the window closes before any other
 callback reads the weights. Models compiled with any other optimizer are left alone.
 """
 
 import keras
 
-from tfx_gradient_accumulator.accumulator import flavours, row_room, weighting
+from tfx_gradient_accumulator.accumulator import flavours, micro_batch, row_room, weighting
 from tfx_gradient_accumulator.accumulator.replicas import NO_MERGE_CALL_MESSAGE
 from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation, auto_rule_of
 from tfx_gradient_accumulator.accumulator.callbacks import EpochWindows
@@ -38,6 +40,8 @@ def before_fit(model, callbacks, fit_arguments=None):
     if getattr(model, "jit_compile", False) is True and not flavours.is_keras2_object(model):
         row_room.make_room_before_fit(model, optimizer, fit_arguments or {})
     _refuse_a_summed_loss_for_the_noise_scale(model, optimizer)
+    if not flavours.is_keras2_object(model):
+        micro_batch.warn_of_windows_off_the_effective_batch(model, fit_arguments or {})
     return with_epoch_windows(model, callbacks, fit_arguments)
 
 

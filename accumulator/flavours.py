@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import sys
 from types import ModuleType
 from typing import Any, Optional
@@ -108,7 +109,25 @@ class OneNameForBothKeras(type):
       package its arguments belong to, or None (then calling it makes the front itself).
 
     A user's subclass of a front is a plain class: no dispatch, plain `isinstance`.
+
+    `inspect.signature(Class)`, and so `help(Class)` and the API reference, show the
+    class's own `__init__` parameters (`__signature__` below), not the `(*args,
+    **kwargs)` of the dispatching `__call__`.
     """
+
+    @property
+    def __signature__(cls) -> Optional[inspect.Signature]:
+        """The parameters a call takes: the class's `__init__` less `self`.
+
+        A property of the metaclass, so the classes have it and their instances (a
+        `GradientCache` model is callable) keep their own `__call__`'s signature.
+        None where `__init__` has none to read; `inspect` then falls back to its own.
+        """
+        try:
+            init = inspect.signature(cls.__init__)
+        except (TypeError, ValueError):
+            return None
+        return init.replace(parameters=list(init.parameters.values())[1:])
 
     def __call__(cls, *args, **kwargs):
         if "_keras_of_arguments" in vars(cls):

@@ -2,7 +2,8 @@
 
 Models compiled with any optimizer other than a `GradientAccumulator` train exactly as
 without the library. The changes: (1) at import, `install()` wraps `Model.fit` and
-`Model.compute_loss` of each installed Keras, Keras 3's `compile` (a mixed_float16
+`Model.compute_loss` of each installed Keras, Keras 3's `Model.get_weights`, `save` and
+`save_weights` (a custom loop's open window is told of first), Keras 3's `compile` (a mixed_float16
 model's loss scaling goes inside the accumulator), and two Keras 3 functions that stop `fit`
 under `MultiWorkerMirroredStrategy` (`uninstall()` restores them; `ACCUMULATOR_KERAS_HOOKS=0`
 skips them); (2) while `accumulating_compile` is open, `Model.compile` wraps optimizers,
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import fit_hook, flavours, seam, weighting
+from tfx_gradient_accumulator.accumulator import fit_hook, flavours, loop_notes, seam, weighting
 from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
 
 if TYPE_CHECKING:
@@ -34,7 +35,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HOOKS_ENV = "ACCUMULATOR_KERAS_HOOKS"
-HOOKS = ("fit", "compute_loss", "compile", "symbolic_build", "scalar_logs", "keras2_fit", "keras2_compute_loss")
+HOOKS = ("fit", "compute_loss", "compile", "symbolic_build", "scalar_logs", "get_weights", "save", "save_weights",
+         "keras2_fit", "keras2_compute_loss", "keras2_get_weights", "keras2_save", "keras2_save_weights")
 
 # What restores each function `install()` replaced, by label.
 _restorers = {}
@@ -60,8 +62,13 @@ def install(hooks: Iterable[str] = HOOKS) -> list[str]:
     * `"symbolic_build"`, `"scalar_logs"`: the two Keras functions that stop `fit`
       under `MultiWorkerMirroredStrategy` (keras-team/keras#20585); each is a no-op
       under any other strategy.
-    * `"keras2_fit"`, `"keras2_compute_loss"`: where Keras 2 is installed (`tf_keras`,
-      or TF 2.15's `keras`), its `Model.fit` and `Model.compute_loss`, the same way.
+    * `"get_weights"`, `"save"`, `"save_weights"`: `keras.Model`'s. Before reading the
+      weights they ask `loop_notes.note_model_read`, which warns once per optimizer
+      whose custom loop left a window open over the model's variables (its
+      micro-batches are not in what is read); they change nothing else.
+    * `"keras2_fit"`, `"keras2_compute_loss"`, `"keras2_get_weights"`, `"keras2_save"`,
+      `"keras2_save_weights"`: where Keras 2 is installed (`tf_keras`, or TF 2.15's
+      `keras`), its `Model`'s, the same way.
 
     A hook whose Keras or function is absent here is skipped.
 
@@ -118,6 +125,9 @@ def _targets():
             "fit": (keras.Model, "fit", _make_fit),
             "compute_loss": (keras.Model, "compute_loss", _make_compute_loss),
             "compile": (_compile_owner(), "compile", _make_compile),
+            "get_weights": (keras.Model, "get_weights", functools.partial(_make_model_read, saving=False)),
+            "save": (keras.Model, "save", functools.partial(_make_model_read, saving=True)),
+            "save_weights": (keras.Model, "save_weights", functools.partial(_make_model_read, saving=True)),
         })
         targets.update(seam.multiworker_fixes())
     keras2 = flavours.keras2_module()
@@ -125,6 +135,9 @@ def _targets():
         targets.update({
             "keras2_fit": (keras2.Model, "fit", _make_fit),
             "keras2_compute_loss": (keras2.Model, "compute_loss", _make_compute_loss),
+            "keras2_get_weights": (keras2.Model, "get_weights", functools.partial(_make_model_read, saving=False)),
+            "keras2_save": (keras2.Model, "save", functools.partial(_make_model_read, saving=True)),
+            "keras2_save_weights": (keras2.Model, "save_weights", functools.partial(_make_model_read, saving=True)),
         })
     return targets
 
@@ -154,6 +167,17 @@ def _make_compute_loss(original):
         return original(self, x, y, y_pred, sample_weight, *args, **kwargs)
 
     return compute_loss
+
+
+def _make_model_read(original, saving):
+    """A `Model` method that reads the weights (`get_weights`; `save`, `save_weights`: `saving`),
+    told first of a custom loop's open window over them (`loop_notes.note_model_read`)."""
+    @functools.wraps(original)
+    def read(self, *args, **kwargs):
+        loop_notes.note_model_read(self, saving)
+        return original(self, *args, **kwargs)
+
+    return read
 
 
 def _compile_owner():

@@ -7,8 +7,14 @@ whole step. So the accumulator holds the `LossScaleOptimizer` inside (`compile`'
 own one is moved there: `take_loss_scaling_from`, called by the "compile" hook),
 scales each micro-batch's loss by S / N (`scale_loss`), and hands the window's mean,
 at scale S, to it, as NaN where the large batch's float16 gradient would have
-overflowed (`_beyond_float16_as_non_finite`). A mixin of `GradientAccumulator`: it
-reads the window's state and `loss_scale_optimizer`, both the accumulator's.
+overflowed (`_beyond_float16_as_non_finite`: only in the variables of layers the
+compiled model says compute in float16; elsewhere, as in Keras' own, only a non-finite
+gradient skips). A mixin of `GradientAccumulator`: it reads the window's state and
+`loss_scale_optimizer`, both the accumulator's.
+
+Where it differs from Keras' `LossScaleOptimizer` used alone (Keras' own tests run
+through it: tests/accumulator/test_keras_loss_scale_suite.py): `scale_loss` gives S / N,
+not S, and `get_config` is the accumulator's, holding the LossScaleOptimizer's whole.
 """
 
 from __future__ import annotations
@@ -30,14 +36,19 @@ class WindowLossScaling:
 
         Each micro-batch's float16 gradient is a share of the large batch's; their sum,
         in float32, can pass float16's range where the large batch's own float16 sum
-        rounds to inf (from 65520 on). Variables of layers that compute in float32
-        (known from the model `compile` was called on: `take_loss_scaling_from`), and
-        maxima (`overwrite_with_gradient`), are not checked."""
+        rounds to inf (from 65520 on). Only the variables of layers that compute in
+        float16 are checked, known from the model `compile` was called on
+        (`take_loss_scaling_from`). Without a compiled model nothing says which
+        gradients were float16's: then, as Keras' `LossScaleOptimizer` does, only a
+        non-finite gradient skips (a finite float32 gradient past 65504 is applied).
+        Maxima (`overwrite_with_gradient`) are not checked."""
         s, layers = self._state, getattr(self, "_float16_layers", None)
-        checked = None if layers is None else {id(v) for layer in layers for v in layer.trainable_weights}
+        if layers is None:
+            return grads
+        checked = {id(v) for layer in layers for v in layer.trainable_weights}
         values = [g.values if isinstance(g, tf.IndexedSlices) else g
                   for i, (g, v) in enumerate(zip(grads, variables))
-                  if g is not None and i not in s.overwrite_indices and (checked is None or id(v) in checked)]
+                  if g is not None and i not in s.overwrite_indices and id(v) in checked]
         if not values:
             return grads
         # NaN and inf fail the comparison too: the LossScaleOptimizer skips those anyway.
@@ -48,6 +59,34 @@ class WindowLossScaling:
 
         return [g if g is None else tf.IndexedSlices(checked_value(g.values), g.indices, g.dense_shape)
                 if isinstance(g, tf.IndexedSlices) else checked_value(g) for g in grads]
+
+    # Keras' `LossScaleOptimizer` settings and scale, read through the accumulator that
+    # holds one (code written for `LossScaleOptimizer(inner)` keeps working once it is
+    # wrapped); AttributeError without one, as on any other optimizer.
+    @property
+    def initial_scale(self) -> float:
+        """The `LossScaleOptimizer`'s initial loss scale S (its `initial_scale`)."""
+        return self._held_loss_scale_optimizer("initial_scale").initial_scale
+
+    @property
+    def dynamic_growth_steps(self) -> int:
+        """The `LossScaleOptimizer`'s `dynamic_growth_steps`: updates (windows) between
+        doublings of the scale."""
+        return self._held_loss_scale_optimizer("dynamic_growth_steps").dynamic_growth_steps
+
+    @property
+    def dynamic_scale(self):
+        """The `LossScaleOptimizer`'s current scale S, a variable (made when it is built).
+        Each micro-batch's loss is scaled by S / accum_steps: `scale_loss`."""
+        return self._held_loss_scale_optimizer("dynamic_scale").dynamic_scale
+
+    def _held_loss_scale_optimizer(self, name):
+        """The `LossScaleOptimizer` inside; AttributeError naming `name` without one."""
+        held = getattr(self, "loss_scale_optimizer", None)
+        if held is None:
+            raise AttributeError(f"{type(self).__name__} has no `{name}`: it holds no LossScaleOptimizer "
+                                 "(wrap one: GradientAccumulator(keras.optimizers.LossScaleOptimizer(inner), N)).")
+        return held
 
     def _window_gradient_scale(self):
         """The loss scale the window's mean carries (None without a LossScaleOptimizer)."""
@@ -107,10 +146,10 @@ class WindowLossScaling:
         Args:
             wrapper: the `LossScaleOptimizer` around this accumulator (then unused).
             float16_layers: the layers that compute in float16 (the large batch's
-                gradients of their variables are float16); None: all variables count
-                as theirs. A window whose mean at the loss scale is beyond float16's
-                range in any of them is skipped, as the large batch's float16 gradient
-                would overflow there.
+                gradients of their variables are float16). A window whose mean at the
+                loss scale is beyond float16's range in any of them is skipped, as the
+                large batch's float16 gradient would overflow there. None: not known
+                (only a non-finite gradient skips, as in Keras' own).
 
         Returns:
             Whether the scaling is inside now: already (a `LossScaleOptimizer` given or

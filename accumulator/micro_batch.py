@@ -16,7 +16,11 @@ weights, so the split can be left to the device:
 2. **Margin.** The micro-batch taken is at most `(1 - headroom)` times the largest that
    fit (`headroom=0.1` by default), then balanced: N = ceil(E / b), and b = ceil(E / N),
    the smallest micro-batch with the same N (same number of steps, less memory, even
-   micro-batches). Why a margin: the probe measures one step on fresh memory and on the
+   micro-batches). The search goes on above E, up to E / (1 - headroom): where that step
+   fits, E fits with the same margin and is taken whole (N = 1, b = E: no split, no
+   accumulation); where E fits but not with the margin, E is split (N = 2 at least), as
+   any micro-batch that close to the limit would be. `headroom=0` takes E whole wherever
+   its step fits. Why a margin: the probe measures one step on fresh memory and on the
    sample's shapes. Training runs many steps, and the allocator's fragmentation grows
    with them (TensorFlow's BFC allocator: a few percent), evaluation and callbacks hold
    buffers of their own, and data whose shapes vary (sequences padded per batch) can
@@ -33,6 +37,10 @@ weights, so the split can be left to the device:
 
 4. **On a cluster**, each worker probes a copy of the model on its own device and every
    worker takes the smallest micro-batch any of them found (`micro_batch_workers`).
+5. **What was found stays on the optimizer** (`found_micro_batch`, a plain attribute, not
+   saved): `fit(x, y, batch_size=b)` on the model warns, once, when b * N is not E
+   (`warn_of_windows_off_the_effective_batch`, from `accumulator.fit_hook`): a window of N
+   micro-batches of b would train another effective batch, without an error.
 
 A step that runs out of memory leaves the process usable: the allocation is refused
 before anything is written, and the variables are put back anyway.
@@ -44,7 +52,9 @@ import dataclasses
 import gc
 import logging
 import math
-from typing import Any, Callable, List, Optional, Tuple
+import warnings
+import weakref
+from typing import Any, Callable, List, Mapping, Optional, Tuple
 
 import keras
 import numpy as np
@@ -60,7 +70,13 @@ DEFAULT_HEADROOM = 0.1
 # GPUs raises InternalError with the status text).
 _OUT_OF_MEMORY_TEXTS = ("RESOURCE_EXHAUSTED", "out of memory", "OOM when allocating")
 
-__all__ = ["DEFAULT_HEADROOM", "MicroBatchFit", "find_micro_batch"]
+# The optimizer's attribute that holds what `find_micro_batch` found for it.
+FOUND_ATTRIBUTE = "found_micro_batch"
+# Keras' `fit` batch size for arrays given neither `batch_size` nor `steps_per_epoch`.
+_KERAS_DEFAULT_BATCH_SIZE = 32
+
+__all__ = ["DEFAULT_HEADROOM", "FOUND_ATTRIBUTE", "MicroBatchFit", "find_micro_batch",
+           "warn_of_windows_off_the_effective_batch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +106,11 @@ class MicroBatchFit:
         last batch). So one window is one batch of `dataset`, whatever E is. (`fit(x, y,
         batch_size=micro_batch)` does the same only when `micro_batch * accum_steps` is E.)
 
+        Its cardinality (the micro-batches of one pass) is known where `dataset`'s is and the
+        sizes of its batches can be told without reading it (`_micro_batch_count`), so that
+        `fit` knows its steps (no "Your input ran out of data" after each epoch); unknown
+        otherwise, as `flat_map` leaves it.
+
         Args:
             dataset: a `tf.data.Dataset` whose elements are batches of E samples.
 
@@ -102,7 +123,11 @@ class MicroBatchFit:
             element = element[0] if len(element) == 1 else element
             return tf.data.Dataset.from_tensor_slices(element).batch(micro_batch)
 
-        return dataset.flat_map(cut)
+        micro_batches = dataset.flat_map(cut)
+        count = _micro_batch_count(dataset, micro_batch)
+        if count is None:
+            return micro_batches
+        return micro_batches.apply(tf.data.experimental.assert_cardinality(count))
 
     def __str__(self) -> str:
         tried = ", ".join(f"{b} {'fits' if ok else 'OOM'}" for b, ok in self.probes)
@@ -133,8 +158,11 @@ def find_micro_batch(model: keras.Model, x: Any, y: Any = None, *, effective_bat
         effective_batch_size: E, the samples per update the run trains with.
         sample_weight: optional per-sample weights for `x`.
         headroom: the share of the largest micro-batch that fit left unused, in [0, 1):
-            the margin for fragmentation and for data larger than the sample.
-        max_micro_batch: None, or the largest micro-batch to try (E at most).
+            the margin for fragmentation and for data larger than the sample. E is taken
+            whole (N = 1) where a step of E / (1 - headroom) samples fits (the search goes
+            that far above E); `headroom=0`: wherever a step of E fits.
+        max_micro_batch: None, or the largest micro-batch to try (below
+            E / (1 - headroom), E is never taken whole with its margin).
         uniform: False (the default): N = ceil(E / b), the window's last micro-batch
             shorter when b does not divide E (train through `MicroBatchFit.micro_batches`).
             True: b divides E (and the strategy's replicas divide b), so that
@@ -143,7 +171,9 @@ def find_micro_batch(model: keras.Model, x: Any, y: Any = None, *, effective_bat
             50 x 20, not 84 x 12).
 
     Returns:
-        A `MicroBatchFit`: `micro_batch`, `accum_steps`, `largest_fitting` and the `probes`.
+        A `MicroBatchFit`: `micro_batch`, `accum_steps`, `largest_fitting` and the `probes`;
+        also kept on the optimizer (`found_micro_batch`), so that `fit` at a `batch_size`
+        whose windows are not E warns.
 
     Raises:
         TypeError, ValueError: a bad option, a model that is not built or not compiled
@@ -160,7 +190,8 @@ def find_micro_batch(model: keras.Model, x: Any, y: Any = None, *, effective_bat
     if uniform:
         _refuse_indivisible(effective_batch_size, replicas)
     sample = _sample_of(x, y, sample_weight)
-    limit = min(effective_batch_size, max_micro_batch or effective_batch_size)
+    whole = smallest_taken_whole(effective_batch_size, headroom)
+    limit = min(whole, max_micro_batch or whole)
     workers = micro_batch_workers.workers_of(strategy)
     probed, probed_optimizer = model, optimizer
     if workers > 1:     # each worker probes a copy on its first device: b is per device there
@@ -184,8 +215,25 @@ def find_micro_batch(model: keras.Model, x: Any, y: Any = None, *, effective_bat
     micro_batch, accum_steps = split(effective_batch_size, largest, headroom, uniform, replicas)
     optimizer.set_accum_steps(accum_steps)
     found = MicroBatchFit(micro_batch, accum_steps, effective_batch_size, largest, tuple(probes))
+    setattr(optimizer, FOUND_ATTRIBUTE, found)
     logger.info("find_micro_batch: %s.", found)
     return found
+
+
+def smallest_taken_whole(effective_batch_size: int, headroom: float = DEFAULT_HEADROOM) -> int:
+    """The smallest largest-fitting micro-batch with which `split` takes E whole (N = 1):
+    about E / (1 - headroom), the end of the search; E itself with `headroom=0`."""
+    whole = math.ceil(effective_batch_size / (1.0 - headroom))
+    while whole > effective_batch_size and _safe(whole - 1, headroom) >= effective_batch_size:
+        whole -= 1
+    while _safe(whole, headroom) < effective_batch_size:
+        whole += 1
+    return whole
+
+
+def _safe(largest_fitting, headroom):
+    """The largest micro-batch the margin allows: `(1 - headroom) * largest_fitting`, 1 at least."""
+    return max(1, math.floor(largest_fitting * (1.0 - headroom) + 1e-9))
 
 
 def split(effective_batch_size: int, largest_fitting: int, headroom: float = DEFAULT_HEADROOM,
@@ -194,14 +242,16 @@ def split(effective_batch_size: int, largest_fitting: int, headroom: float = DEF
 
     b at most `(1 - headroom) * largest_fitting` (1 at least), N = ceil(E / b), and then
     b = ceil(E / N): the smallest micro-batch with that N, so that the micro-batches are
-    even and the last one is short by less than N samples. With `uniform`, the smallest
-    N from there on that divides E into micro-batches that `replicas` divides: b * N = E,
+    even and the last one is short by less than N samples. So E is taken whole, (E, 1),
+    when `(1 - headroom) * largest_fitting` reaches E (`smallest_taken_whole`), and split
+    when it does not, even where E itself fit: the margin holds for every b. With
+    `uniform`, the smallest N from there on that divides E into micro-batches that `replicas` divides: b * N = E,
     for pipelines that batch at one size.
 
     Raises:
         ValueError: `uniform` and E is not a multiple of `replicas`.
     """
-    safe = max(1, math.floor(largest_fitting * (1.0 - headroom) + 1e-9))
+    safe = _safe(largest_fitting, headroom)
     accum_steps = -(-effective_batch_size // min(safe, effective_batch_size))
     if not uniform:
         return -(-effective_batch_size // accum_steps), accum_steps
@@ -209,6 +259,100 @@ def split(effective_batch_size: int, largest_fitting: int, headroom: float = DEF
     while effective_batch_size % accum_steps or (effective_batch_size // accum_steps) % replicas:
         accum_steps += 1
     return effective_batch_size // accum_steps, accum_steps
+
+
+def warn_of_windows_off_the_effective_batch(model: keras.Model, fit_arguments: Mapping[str, Any]) -> None:
+    """Warns, once per optimizer, split found and batch size, when `fit` would train windows that are not
+    the effective batch `find_micro_batch` set the window for.
+
+    `find_micro_batch` set N for E; `fit(x, y, batch_size=b)` (or a dataset whose batches
+    show the size b in their shapes) then trains windows of b * N samples, which is E only
+    where b * N is E: with a non-uniform split (38 x 8 for 300) the update would be of 304
+    samples, with no error. Said before any step, logged and by `warnings.warn`. Nothing is
+    said where the batch size cannot be seen (a dataset of unknown batch dimension, such as
+    `MicroBatchFit.micro_batches`' own, a generator), or where N is no longer the one found
+    (a schedule, or the out-of-memory recovery, changed it).
+
+    Args:
+        model: the model `fit` is called on.
+        fit_arguments: `{name: value}` of the `fit` call, as given.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    found = getattr(optimizer, FOUND_ATTRIBUTE, None)
+    if not isinstance(found, MicroBatchFit) or getattr(optimizer, "accum_steps", None) != found.accum_steps:
+        return
+    batch_size = _batch_size_of_fit(fit_arguments)
+    if batch_size is None or batch_size * found.accum_steps == found.effective_batch_size:
+        return
+    warned, said = _WARNED.setdefault(optimizer, set()), (found.effective_batch_size, found.accum_steps, batch_size)
+    if said in warned:
+        return
+    warned.add(said)
+    message = (
+        f"fit at batch_size={batch_size} trains windows of {batch_size} x {found.accum_steps} = "
+        f"{batch_size * found.accum_steps} samples, not the effective batch {found.effective_batch_size} that "
+        f"find_micro_batch set accum_steps={found.accum_steps} for (micro-batch {found.micro_batch}). Train "
+        f"from a dataset batched at {found.effective_batch_size} through `found.micro_batches(dataset)` (each "
+        f"batch cut into its {found.accum_steps} micro-batches), or call find_micro_batch(..., uniform=True), "
+        f"whose micro-batch divides {found.effective_batch_size}, and fit at batch_size=found.micro_batch.")
+    logger.warning("%s", message)
+    warnings.warn(message, UserWarning, stacklevel=4)
+
+
+# {optimizer: the (E, N, b) already warned of}: once each.
+_WARNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _batch_size_of_fit(fit_arguments):
+    """The batch size `fit` will read, where it can be seen before reading: `batch_size` for
+    arrays (Keras' 32 without it or `steps_per_epoch`), the batch dimension every component
+    of a `tf.data.Dataset` states in its shape (`batch(b, drop_remainder=True)`); else None."""
+    x = fit_arguments.get("x")
+    if x is None:
+        return None
+    if isinstance(x, tf.data.Dataset):
+        return _static_batch_size(x)
+    if not all(hasattr(leaf, "shape") for leaf in tf.nest.flatten(x)):   # a generator, a PyDataset, ...
+        return None
+    batch_size = fit_arguments.get("batch_size")
+    if batch_size is None:
+        return None if fit_arguments.get("steps_per_epoch") else _KERAS_DEFAULT_BATCH_SIZE
+    return batch_size if isinstance(batch_size, int) and not isinstance(batch_size, bool) else None
+
+
+def _static_batch_size(dataset):
+    """The batch dimension all of `dataset`'s components state in their shapes, or None."""
+    sizes = set()
+    for spec in tf.nest.flatten(dataset.element_spec):
+        shape = getattr(spec, "shape", None)
+        if shape is None or shape.rank is None or shape.rank == 0:
+            return None
+        sizes.add(shape[0])
+    return sizes.pop() if len(sizes) == 1 and None not in sizes else None
+
+
+def _micro_batch_count(dataset, micro_batch):
+    """The micro-batches `MicroBatchFit.micro_batches` cuts from one pass over `dataset`,
+    where that is known without reading it: its cardinality known, and the sizes of its
+    batches from their shapes (all full) or from the `batch` that made them
+    (`seam.batches_made_by`: the samples it batched, reached through transformations that
+    keep each batch as it is); None otherwise (then the count stays unknown)."""
+    batches = int(dataset.cardinality())
+    if batches < 0:       # unknown, or infinite (`fit` needs `steps_per_epoch` then anyway)
+        return None
+    full = _static_batch_size(dataset)
+    if full is not None:
+        return batches * -(-full // micro_batch)
+    made = seam.batches_made_by(dataset)
+    if made is None:
+        return None
+    batch_size, drop_remainder, samples = made
+    full_batches, last = divmod(samples, batch_size)
+    if drop_remainder:
+        last = 0
+    if batches != full_batches + (last > 0):
+        return None
+    return full_batches * -(-batch_size // micro_batch) + -(-last // micro_batch)
 
 
 def _refuse_indivisible(effective_batch_size, replicas):
@@ -316,6 +460,7 @@ class _StatePutBack:
                             + list(self._model.metrics_variables))
         self._components = [c for v in variables for c in _tf.local_components(v, strategy)]
         self._values = [c.numpy() for c in self._components]
+        self._rows = [rows for rows in self._optimizer.window_rows if rows is not None]
         self._random = seam.random_state()
         # Every probe closes its window: the step measured includes the inner update.
         self._optimizer.set_accum_steps(1)
@@ -326,12 +471,11 @@ class _StatePutBack:
             # A static shape fully known is the shape held (no shape op to run then).
             static = component.shape
             held = tuple(static) if static.is_fully_defined() else _tf.runtime_shape(component)
-            if held == value.shape:
-                component.assign(value, read_value=False)
-            else:
-                # A window's one-row stand-in that the probe's first gradient filled stays
-                # filled, emptied: zeros, to which the first step adds what it would have put.
-                component.assign(tf.zeros_like(component), read_value=False)
+            component.assign(value if held == value.shape else _grown(value, held), read_value=False)
+        for rows in self._rows:
+            # A probe that ran out of memory may have grown one of a variable's row buffers
+            # and not the other (a step stops part-way): both get the same rows again.
+            rows.even_out(self._model.distribute_strategy)
         self._model.reset_metrics()   # metrics the probe built; `fit` resets them anyway
         # Between probes the kernel cache stays: clearing it (as putting back TensorFlow's
         # seed does) would instantiate the step's function again at every probe.
@@ -341,6 +485,18 @@ class _StatePutBack:
         self(last=True)
         self._optimizer.set_accum_steps(self._accum_steps)
         return False
+
+
+def _grown(value, held):
+    """`value` in the `held` shape of a buffer the probe grew: its rows, then zero rows.
+
+    A window's one-row stand-in that the probe's first gradient filled stays filled (the
+    traced step writes the full shape), emptied: zeros, to which the first step adds what
+    it would have put; grown row buffers keep the rows they held, in their first rows.
+    """
+    if value.ndim != len(held) or not value.ndim or value.shape[1:] != held[1:] or value.shape[0] > held[0]:
+        return np.zeros(held, value.dtype)
+    return np.concatenate([value, np.zeros((held[0] - value.shape[0],) + held[1:], value.dtype)])
 
 
 def _unique(variables):

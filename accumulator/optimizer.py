@@ -14,7 +14,7 @@ import logging
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import _tf, flavours, refusals, seam
+from tfx_gradient_accumulator.accumulator import _tf, custom_loop, flavours, refusals, seam
 from tfx_gradient_accumulator.accumulator.forwarding import InnerOptimizerForwarding
 from tfx_gradient_accumulator.accumulator.loss_scaling import WindowLossScaling
 from tfx_gradient_accumulator.accumulator.options import (  # noqa: F401  (validators re-exported: the public names)
@@ -55,8 +55,8 @@ def _resolve_optimizer(optimizer):
 
 
 @keras.saving.register_keras_serializable(package="accumulator")
-class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, AccumulationWindow, keras.optimizers.Optimizer,
-                          metaclass=flavours.OneNameForBothKeras):
+class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, AccumulationWindow, custom_loop.CustomLoopData,
+                          keras.optimizers.Optimizer, metaclass=flavours.OneNameForBothKeras):
     """Accumulates gradients over `accum_steps` micro-batches, then updates once.
 
     Wrap any Keras 3 optimizer; training then follows the run with a batch
@@ -87,10 +87,15 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
     the large batch's gradient would be, so it makes Keras' own large-batch
     update: Keras 3 applies repeated rows one by one (Adam's second moment gets
     g1^2 + g2^2 for a row looked up twice). The window's memory for them grows
-    with the ids looked up, not with the vocabulary. XLA (`jit_compile=True`)
-    cannot compile buffers that change size: there a sparse gradient needs
-    `merge_duplicate_rows=True` (summed per index, densely), and is refused
-    with a message otherwise.
+    with the ids looked up, not with the vocabulary. Under XLA (`jit_compile=True`,
+    Keras' default on one GPU) the rows are kept too, with no option to set: XLA
+    compiles only buffers of a fixed size, so their room (one micro-batch's rows
+    times the window) is made before the step compiles, from `fit`'s first batch
+    or from a step traced with static shapes (`accumulator.row_room`). Refused
+    with a message naming the ways out: a step traced for any batch size (no
+    count to make the room from), and a later micro-batch with more rows than
+    the room (longer sequences), reported at the next point on the host (an
+    epoch's end, `close_partial_window`).
 
     Mixed precision (`mixed_float16`): compile as usual. Where Keras' `compile`
     would put its `LossScaleOptimizer` around the accumulator
@@ -398,7 +403,8 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
             grads: the micro-batch's gradients (`None` entries are left out).
             trainable_variables: their variables; None: those the optimizer was built with.
             micro_batch_weight: the denominator of its loss. Leave it `None` in `fit`
-                (found from the compiled loss and the batch) and in loops whose
+                (found from the compiled loss and the batch), in a loop over
+                `micro_batches(data)` (each micro-batch's samples) and in loops whose
                 micro-batches weigh the same (weight 1); pass the sample count,
                 summed sample weight or unmasked-step count otherwise.
 
@@ -424,7 +430,8 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
         if not self.built:
             self.build(trainable_variables)
             self.built = True
-        self._apply_micro_batch(grads, trainable_variables, micro_batch_weight)
+        # None: the weight `micro_batches` wrote, where the loop runs in it (`accumulator.custom_loop`).
+        self._apply_micro_batch(grads, trainable_variables, custom_loop.weight_for(self, micro_batch_weight))
 
     # ------------------------------------------------------------ serializing
     def get_config(self) -> dict:

@@ -17,7 +17,8 @@ step raises `ResourceExhaustedError` in the middle of the run. Here the run goes
    update's memory does not depend on b anyway). Even: the update did not begin (the
    window is redone) or finished (the next window is trained).
 2. **The switch.** The open window is dropped (`close_partial_window("drop")`), the
-   micro-batch halves: N' = 2N micro-batches of b' = ceil(E / 2N), and the window is fed
+   micro-batch halves: b' = ceil(E / 2N), in N' = ceil(E / b') micro-batches (2N, or fewer
+   where 2N micro-batches of b' hold more than E), and the window is fed
    again from its first sample, its batch of E kept aside while it trains. `fit` is called
    again from the epoch it stopped in. Each switch is logged (the
    `tfx_gradient_accumulator` logger, at WARNING) and returned.
@@ -43,7 +44,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator.micro_batch import MicroBatchFit, is_out_of_memory
+from tfx_gradient_accumulator.accumulator.micro_batch import MicroBatchFit, is_out_of_memory, split
 from tfx_gradient_accumulator.accumulator.validation import integer_at_least
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class MicroBatchSwitch:
         update: the updates made before it (the optimizer's `iterations`): the first
             update trained at the new micro-batch is this index, counted from 0.
         micro_batch: b', the micro-batch from here on.
-        accum_steps: N', the micro-batches per update from here on (2N).
+        accum_steps: N', the micro-batches per update from here on (ceil(E / b'): 2N at most).
         previous_micro_batch: b before the switch.
         previous_accum_steps: N before the switch.
         dropped: the micro-batches the dropped window held (`close_partial_window`'s count;
@@ -113,7 +114,7 @@ def fit_with_out_of_memory_recovery(model: keras.Model, dataset: tf.data.Dataset
     an out-of-memory error in a training step, with the weights of the run without it.
 
     On a `ResourceExhaustedError` in a training step, the open window is dropped, the
-    micro-batch halves (N doubles, so E stays), and the window is trained again from its
+    micro-batch halves (N about doubles, so E stays), and the window is trained again from its
     first sample; the weights and the inner optimizer's state are those the last update
     left (see the module's docstring for why, and for the one case that stops the run).
     Every epoch's logs go to one `History`; the user's callbacks see a new `fit` after each
@@ -201,8 +202,10 @@ def _switch(model, current, halves, tracker, err):
             f"of 1 sample (update {int(optimizer.iterations.numpy())}, epoch {tracker.epoch}): the data there "
             "needs more memory than the device has for one sample. The weights are those of the last "
             f"update, the open window dropped. Original error: {err.message}")
-    accum_steps = 2 * current.accum_steps
-    micro_batch = -(-current.effective_batch_size // accum_steps)
+    # b' = ceil(E / 2N), and N' = ceil(E / b') of them make E: 2N of b' can hold more than E
+    # (E = 20, N = 4: b' = 3, and 7 micro-batches, not 8, which would never close a window).
+    micro_batch, accum_steps = split(current.effective_batch_size,
+                                     -(-current.effective_batch_size // (2 * current.accum_steps)), headroom=0.0)
     optimizer.set_accum_steps(accum_steps)
     update = int(optimizer.iterations.numpy())
     switch = MicroBatchSwitch(update, micro_batch, accum_steps, current.micro_batch, current.accum_steps,

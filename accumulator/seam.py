@@ -14,6 +14,8 @@ DEVELOPERS.md, "Design notes by module". Also the optimizers' second moments tha
 The window's buffers that change size state the shape they hold (`reports_held_shape`):
 a subclass of their class overrides `shape` and TensorFlow's `_restore_from_tensors`,
 reading the declared `_shape` and Keras 3's `_value` (`test_window_shapes.py` checks them).
+tf.data's `_input_dataset`, `_batch_size` and `_drop_remainder` (instance attributes of
+its datasets) tell the batches a dataset hands on without reading it (`batches_made_by`).
 Importing it changes nothing; it imports only `accumulator.flavours`. Run-time changes to
 Keras are `accumulator.hooks`.
 """
@@ -504,3 +506,39 @@ def _make_reduce_per_replica(original):
         return tf.nest.map_structure(reduce_one, values)
 
     return reduce_per_replica
+
+
+# tf.data's transformations that hand on each element of their input as it is, one for one
+# (the order may change): between a `batch` and the dataset, the batches stay its batches.
+_BATCH_KEEPING_DATASETS = ("_PrefetchDataset", "_OptionsDataset", "_ShuffleDataset", "CacheDataset",
+                           "_TakeDataset", "_SkipDataset", "_RepeatDataset", "_AssertCardinalityDataset")
+_BATCHING_DATASETS = ("_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset")
+
+
+def batches_made_by(dataset):
+    """`(batch_size, drop_remainder, samples)` of the `batch` (or `padded_batch`) whose
+    batches `dataset` hands on, where that is known without reading it: the `batch` reached
+    through transformations that keep every batch and their number (`_BATCH_KEEPING_DATASETS`,
+    each of the same cardinality as its input: a `take` or `repeat` that changes it stops
+    the walk), its size and `drop_remainder` constants, and the samples it batched a known
+    count; else None. Reads tf.data's `_input_dataset`, `_batch_size`, `_drop_remainder`
+    (the same in TF 2.16 to 2.21; `test_micro_batch.py` counts through them)."""
+    node = dataset
+    while type(node).__name__ in _BATCH_KEEPING_DATASETS:
+        source = getattr(node, "_input_dataset", None)
+        if not isinstance(source, tf.data.Dataset) or int(node.cardinality()) != int(source.cardinality()):
+            return None
+        node = source
+    if type(node).__name__ not in _BATCHING_DATASETS:
+        return None
+    source, batch_size, drop_remainder = (getattr(node, name, None)
+                                          for name in ("_input_dataset", "_batch_size", "_drop_remainder"))
+    if not isinstance(source, tf.data.Dataset) or batch_size is None or drop_remainder is None:
+        return None
+    batch_size, drop_remainder = tf.get_static_value(batch_size), tf.get_static_value(drop_remainder)
+    if batch_size is None or drop_remainder is None:
+        return None
+    samples = int(source.cardinality())
+    if samples < 0 or int(batch_size) < 1:
+        return None
+    return int(batch_size), bool(drop_remainder), samples

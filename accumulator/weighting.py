@@ -3,7 +3,9 @@
 A micro-batch weighs its loss's denominator (its element count, unmasked steps or summed
 sample weight), or 1 with a loss reduced by "sum" (`SUMMED_LOSS`). In `fit`, `note_batch`
 (from the `compute_loss` hook) reads it from the compiled loss and hands it to the
-optimizer; a custom loop passes `micro_batch_weight`.
+optimizer; a custom loop passes `micro_batch_weight`, or iterates its data with
+`optimizer.micro_batches(data)`, which writes each micro-batch's sample count where the
+step reads it (`accumulator.custom_loop`).
 """
 
 import functools

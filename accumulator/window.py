@@ -555,7 +555,7 @@ class AccumulationWindow(WindowReadings, window_saving.WindowSaving):
         s = self._state
         window_rows.refuse_overflowed_room(s)
         held = int(s.micro_step.numpy())
-        if held == 0 or mode == "carry":
+        if mode == "carry" or (held == 0 and mode == "apply"):   # "drop" also empties a failed step's writes
             return held
         # Layers pooling statistics per window (AccumBatchNormalization) close theirs too.
         for layer in s.listeners:

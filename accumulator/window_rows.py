@@ -115,6 +115,14 @@ class WindowRows:
         capacity = tf.shape(backing_variable(self.indices), out_type=tf.int64)[0]
         self.count.assign(tf.where(count > capacity, count, tf.zeros([], tf.int64)))
 
+    def even_out(self, strategy):
+        """Outside any step: the values and the ids get the same rows (the shorter
+        buffer padded with zero rows), as a step that runs to its end leaves them; one
+        stopped part-way (out of memory) can leave the values grown and the ids not."""
+        with tf.init_scope():
+            rows = max(runtime_shape(c)[0] for b in (self.values, self.indices) for c in local_components(b, strategy))
+        _make_room(self.values, self.indices, int(rows), strategy)
+
     def mean(self, variable, weight_sum, count=None, merge=False):
         """The window's rows, from every replica, divided by `weight_sum`, for `variable`.
 
@@ -262,6 +270,12 @@ def append_rows(values, indices, count, grad, weight):
     buffers have room; buffers too small are replaced by ones holding exactly the
     rows so far, so they grow during the first window and then stay the size of
     the largest window. Memory follows the ids looked up, not the vocabulary.
+
+    The writes run one after another: the values (which wait for the backward pass),
+    then the ids (known from the forward pass on), then the count. A step that fails
+    part-way (out of memory) leaves at most values that the count does not cover, never
+    ids without their values nor a count past the rows written; the room is the smaller
+    of the two buffers', so buffers of unequal sizes are regrown, not overrun.
     """
     values, indices, count = backing_variable(values), backing_variable(indices), backing_variable(count)
     new_values = tf.cast(grad.values, values.dtype) * tf.cast(weight, values.dtype)
@@ -270,18 +284,28 @@ def append_rows(values, indices, count, grad, weight):
     end = start + tf.shape(new_indices, out_type=tf.int64)[0]
 
     def grow():
-        values.assign(tf.concat([values[:start], new_values], 0), read_value=False)
-        indices.assign(tf.concat([indices[:start], new_indices], 0), read_value=False)
+        grown = values.assign(tf.concat([values[:start], new_values], 0), read_value=False)
+        with tf.control_dependencies([grown]):
+            grown = indices.assign(tf.concat([indices[:start], new_indices], 0), read_value=False)
+        with tf.control_dependencies([grown]):
+            count.assign(end, read_value=False)
 
     def write():
-        for buffer, new in ((values, new_values), (indices, new_indices)):
-            tf.raw_ops.ResourceStridedSliceAssign(
-                ref=buffer.handle, begin=tf.reshape(start, [1]), end=tf.reshape(end, [1]),
-                strides=tf.ones([1], tf.int64), value=new)
+        written = _write_rows(values, start, end, new_values)
+        with tf.control_dependencies([written]):
+            written = _write_rows(indices, start, end, new_indices)
+        with tf.control_dependencies([written]):
+            count.assign(end, read_value=False)
 
-    capacity = tf.shape(indices, out_type=tf.int64)[0]
+    capacity = tf.minimum(tf.shape(values, out_type=tf.int64)[0], tf.shape(indices, out_type=tf.int64)[0])
     tf.cond(end > capacity, grow, write)
-    count.assign(end, read_value=False)
+
+
+def _write_rows(buffer, start, end, rows):
+    """`buffer[start:end] = rows`, in the buffer's own memory (one kernel)."""
+    return tf.raw_ops.ResourceStridedSliceAssign(
+        ref=buffer.handle, begin=tf.reshape(start, [1]), end=tf.reshape(end, [1]),
+        strides=tf.ones([1], tf.int64), value=rows)
 
 
 def append_rows_in_room(values, indices, count, grad, weight):
@@ -334,11 +358,12 @@ def add_rows_in_place(values, indices, count, grad, weight, strategy):
             message="a lookup made once per batch looked up a different number of ids "
                     "in two micro-batches of one window")
     total = tf.where(held > 0, values[:n] + new_values, new_values)
-    for buffer, new in ((values, total), (indices, new_indices)):
-        tf.raw_ops.ResourceStridedSliceAssign(
-            ref=buffer.handle, begin=tf.zeros([1], tf.int64), end=tf.reshape(n, [1]),
-            strides=tf.ones([1], tf.int64), value=new)
-    count.assign(n, read_value=False)
+    # One after another, as `append_rows`: no count over rows a failed step did not write.
+    written = _write_rows(values, tf.zeros([], tf.int64), n, total)
+    with tf.control_dependencies([written]):
+        written = _write_rows(indices, tf.zeros([], tf.int64), n, new_indices)
+    with tf.control_dependencies([written]):
+        count.assign(n, read_value=False)
 
 
 def _make_room(values, indices, rows, strategy):

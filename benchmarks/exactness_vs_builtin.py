@@ -2,7 +2,7 @@
 
 The models, data and optimizers of the exactness tests (32 updates, micro-batch 8,
 accum 4; `tests/test_bench_exactness.py` checks that the optimizers here are the
-tests' own). Run from the repository's root, after `pip install .`:
+tests' own). Run from the repository's root, after `pip install '.[cpu]'`:
 `python -m benchmarks.exactness_vs_builtin` (it needs no test tools).
 """
 

@@ -29,11 +29,12 @@ WITHIN_NOISE = {
 REASONS = {
     "memory_params": ("the peak is at the window-closing micro-steps (see the memory table), where the inner "
                       "optimizer's update runs next to the window buffers (1×)"),
-    "acc_vs_plain_b": ("per micro-step the accumulator adds a weighted add into a parameter-sized buffer per "
-                       "variable (dense, also for the embedding's sparse gradient), per window the mean and the "
-                       "reset; see the overhead section for its fixed cost"),
+    "acc_vs_plain_b": ("per micro-step the accumulator adds each gradient, weighted, into the window (a "
+                       "parameter-sized buffer per dense variable, the looked-up rows of a sparse one), per window "
+                       "the mean and the reset; see the overhead section for its fixed cost"),
     "acc_vs_builtin": ("both keep buffers; the accumulator also weighs each micro-batch by its samples and "
-                       "densifies sparse gradients"),
+                       "keeps every micro-batch's sparse rows for the window's one update (Keras 3's large-batch "
+                       "update of repeated rows)"),
     "acc_loop_vs_seeds": ("the hand-written loop adds the raw gradients; the accumulator also multiplies by the "
                           "micro-batch weight and branches on the window (one `cond` per micro-step)"),
     "noise_scale": "one squared norm of the gradients per micro-step and the window's norm at the close",

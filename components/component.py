@@ -144,9 +144,8 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             averages over windows (default 0.99, about 100 windows).
         merge_duplicate_rows: sum each looked-up row's gradients in a window
             before the optimizer sees them (`GradientAccumulator(
-            merge_duplicate_rows=True)`: the densified gradient, which XLA
-            compiles) instead of Keras' own large-batch update (the default,
-            which needs `jit_compile=False` for embedding models on a GPU).
+            merge_duplicate_rows=True)`: the densified gradient) instead of
+            Keras' own large-batch update (the default, under XLA too).
         gradient_cache: for losses that couple the batch (in-batch negatives,
             contrastive), where accumulating micro-batch gradients would be wrong
             (each micro-batch would have only its own negatives). The run_fn wraps

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 
 import numpy as np
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import _tf, callbacks, flavours, refusals, replicas
+from tfx_gradient_accumulator.accumulator import _tf, callbacks, custom_loop, flavours, refusals, replicas
 from tfx_gradient_accumulator.accumulator.forwarding import InnerOptimizerForwarding
 from tfx_gradient_accumulator.accumulator.options import DEFAULT_SMOOTHING, WindowOptions, refuse_unknown_arguments
 from tfx_gradient_accumulator.accumulator.window import AccumulationWindow, refuse_nested_accumulation
@@ -56,7 +57,7 @@ def _resolve_optimizer(optimizer):
 
 
 @_register
-class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, _Optimizer):
+class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, custom_loop.CustomLoopData, _Optimizer):
     """Accumulates gradients over `accum_steps` micro-batches, then updates once (Keras 2).
 
     ```python
@@ -244,7 +245,8 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, _Optimiz
             )
         with tf.init_scope():
             self.build(variables)
-        self._apply_micro_batch(grads, variables, micro_batch_weight)
+        # None: the weight `micro_batches` wrote, where the loop runs in it (`accumulator.custom_loop`).
+        self._apply_micro_batch(grads, variables, custom_loop.weight_for(self, micro_batch_weight))
         return self.iterations
 
     def apply(self, grads, trainable_variables=None, micro_batch_weight=None):
@@ -348,6 +350,11 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, _Optimiz
         if values is None:      # Keras' warning, nothing loaded
             return super().load_own_variables({key: np.asarray(store[key]) for key in store.keys()})
         super().load_own_variables({str(i): value for i, value in enumerate(values)})
+
+
+# `help()` and `inspect.signature` read a class's own `__new__` (the dispatch above)
+# before its `__init__`: show `__init__`'s parameters.
+GradientAccumulator.__new__.__signature__ = inspect.signature(GradientAccumulator.__init__)
 
 
 @_register

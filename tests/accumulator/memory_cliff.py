@@ -2,13 +2,14 @@
 
 `MemoryCliff(cliff)` builds, from its input, a tensor of b^2 floats for a batch of
 b < cliff samples (kilobytes) and of 2^40 floats (4 TiB) from b = cliff on: more than any
-machine has, so TensorFlow refuses the allocation at once with a real
-`ResourceExhaustedError`, before anything is written (on CPU too), and the process trains
-on. The tensor is filled with sum(x), and what is added to the input is its maximum minus
-sum(x): exactly 0.0 for finite data, so the model computes exactly what it computes without
-the layer (`x + 0.0` is `x`). Grappler cannot see that zero: a tensor multiplied by the
-constant 0.0 is folded away with the allocation behind it (TF 2.16), and a fill of constants
-of static shape is folded into another error. The layer has no weights and draws nothing: `mlp(cliff=None)` is the same model, with the same
+machine has, so TensorFlow refuses the allocation with a real `ResourceExhaustedError`,
+before anything is written (on CPU too), and the process trains on. Where the allocator
+retries first (oneDNN's on a CPU, TensorFlow's BFC allocator on a GPU) the error comes
+after about 10 s; with TF_ENABLE_ONEDNN_OPTS=0 on a CPU, at once. The tensor is filled
+with sum(x), and what is added to the input is its maximum minus sum(x): exactly 0.0 for
+finite data, so the model computes exactly what it computes without the layer (`x + 0.0`
+is `x`). Grappler cannot see that zero: a tensor multiplied by the constant 0.0 is folded
+away with the allocation behind it (TF 2.16), and a fill of constants of static shape is folded into another error. The layer has no weights and draws nothing: `mlp(cliff=None)` is the same model, with the same
 initial weights, for the reference run at the large batch.
 
 Tests of the micro-batch probe, of the Trainer's option and of mid-run recovery use it.
@@ -155,3 +156,40 @@ class SizeCliff(keras.layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "budget": self.budget}
+
+
+def _longest_ids(ids):
+    """The longest sequence of a batch of token ids padded with 0: its nonzero ids."""
+    return tf.reduce_max(tf.reduce_sum(tf.cast(tf.not_equal(ids, 0), tf.int64), axis=1))
+
+
+class TokenCliff(keras.layers.Layer):
+    """`[embedded, ids] -> embedded`, the identity on the embedded tokens, whose step needs
+    4 TiB once the micro-batch's samples times its longest sequence (nonzero ids) reach
+    `budget`: tokens per step, the cliff of a text model padded per batch. It comes after
+    the lookup, whose gradient's ids exist before the forward pass ends (the rows' id
+    buffer can be written in a step that then runs out). No cliff with `budget=None`
+    (the same math: the reference at the large batch)."""
+
+    def __init__(self, budget=None, **kwargs):
+        super().__init__(**kwargs)
+        self.budget = None if budget is None else int(budget)
+
+    def call(self, inputs):
+        embedded, ids = inputs
+        cost = tf.shape(ids, out_type=tf.int64)[0] * _longest_ids(ids)
+        return _plus_zero_after(embedded, cost if self.budget is None else _elements(cost < self.budget, cost))
+
+    def get_config(self):
+        return {**super().get_config(), "budget": self.budget}
+
+
+def embedding_model(budget=None, vocabulary=50, dimension=16, seed=0):
+    """Token ids padded per batch with 0 -> a plain `Embedding` (its gradient: rows of a
+    lookup per sample) -> a `TokenCliff(budget)` -> mean over time -> Dense(8, tanh) ->
+    Dense(1)."""
+    keras.utils.set_random_seed(seed)
+    ids = keras.Input((None,), dtype="int32")
+    embedded = keras.layers.Embedding(vocabulary, dimension)(ids)
+    hidden = keras.layers.GlobalAveragePooling1D()(TokenCliff(budget)([embedded, ids]))
+    return keras.Model(ids, keras.layers.Dense(1)(keras.layers.Dense(8, activation="tanh")(hidden)))

@@ -98,7 +98,7 @@ ROOMS = {
                     "preconditioning",
                     "lr_scaling", "distribute", "contrastive"),
     "mechanics": ("_tf", "replicas", "lookups", "across_replicas", "cache_passes"),
-    "window": ("loop_notes", "window_rows", "window_saving", "window_noise", "window", "weighting", "forwarding"),
+    "window": ("loop_notes", "custom_loop", "window_rows", "window_saving", "window_noise", "window", "weighting", "forwarding"),
     "schedules": ("callbacks", "auto_batch"),
     "optimizers": ("loss_scaling", "optimizer", "keras2", "keras2.optimizer", "keras2.gradient_cache", "keras2.task_cache",
                    "gradient_cache", "batch_norm"),

@@ -1,4 +1,5 @@
-"""Custom loops that drift from the large batch are told so, once; `fit` and the documented loop are not (issue 47, item 3)."""
+"""Custom loops that drift from the large batch are told so, once; `fit` and the documented loop are not (issue 47,
+item 3); `micro_batches` weighs each micro-batch (issue 58, item 2: the fresh-process patterns are `test_custom_loops.py`)."""
 
 import numpy as np
 import pytest
@@ -105,7 +106,7 @@ def test_fit_on_uneven_batches_and_its_mid_window_saves_say_nothing_of_the_kind(
     assert UNEVEN not in caplog.text and OPEN not in caplog.text
 
 
-def test_a_step_traced_for_any_size_shows_no_size_and_says_nothing():
+def test_a_step_traced_for_any_size_shows_no_size_and_is_told_so_once(caplog):
     notes = loop_notes.LoopNotes()
 
     @tf.function(input_signature=[tf.TensorSpec((None, 8))])
@@ -113,6 +114,64 @@ def test_a_step_traced_for_any_size_shows_no_size_and_says_nothing():
         notes.note_step(None, None, summed=False)
         return x
 
+    with caplog.at_level("WARNING", logger=LOGGER), pytest.warns(loop_notes.CustomLoopWarning, match="of any size"):
+        step(tf.zeros((8, 8)))
+        step(tf.zeros((4, 8)))
+    assert notes.unweighted_sizes == set() and notes.warned == {"any size"}
+    assert caplog.text.count("of any size") == 1                    # traced once, said once
+
+
+def test_a_step_traced_for_any_size_with_a_weight_says_nothing():
+    notes = loop_notes.LoopNotes()
+
+    @tf.function(input_signature=[tf.TensorSpec((None, 8))])
+    def step(x):
+        notes.note_step(tf.cast(tf.shape(x)[0], tf.float32), None, summed=False)
+        return x
+
     step(tf.zeros((8, 8)))
-    step(tf.zeros((4, 8)))
-    assert notes.unweighted_sizes == set() and not notes.warned
+    assert not notes.warned
+
+
+def test_micro_batches_refuses_what_it_cannot_weigh_before_any_step():
+    optimizer = GradientAccumulator(keras.optimizers.SGD(0.1), accum_steps=4)
+    with pytest.raises(TypeError, match="`data` must be iterable"):
+        optimizer.micro_batches(3)
+
+    @tf.function
+    def inside():
+        optimizer.micro_batches([np.zeros((2, 8))])
+
+    with pytest.raises(RuntimeError, match="call it outside tf.function"):
+        inside()
+    with pytest.raises(TypeError, match="leading \\(batch\\) dimension"):
+        next(optimizer.micro_batches([(1.0, 2.0)]))
+
+
+def test_micro_batches_weighs_each_by_its_samples_unless_the_step_says_otherwise():
+    """An explicit `micro_batch_weight` wins over the helper's; outside the helper a step weighs 1."""
+    x, y = _data(92)
+    model = _model()
+    optimizer = GradientAccumulator(keras.optimizers.SGD(0.1), accum_steps=4)
+    loss_fn = keras.losses.MeanSquaredError()
+    seen = []
+
+    def micro_step(xb, yb, weight=None):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables), micro_batch_weight=weight)
+        seen.append(float(optimizer._state.loop_notes.weight.numpy()))
+
+    batches = [(x[s:s + 8], y[s:s + 8]) for s in range(0, 92, 8)]
+    for xb, yb in optimizer.micro_batches(batches):
+        micro_step(xb, yb)
+    assert seen == [8.0] * 11 + [4.0] and optimizer.held_micro_batches == 0
+    assert float(optimizer._state.loop_notes.weight.numpy()) == -1.0   # outside: no weight
+    for ours, theirs in zip(model.get_weights(), _large_batch(92).get_weights()):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    # A weight of 1 each given explicitly: the helper's is not used, and the last window drifts.
+    model, optimizer = _model(), GradientAccumulator(keras.optimizers.SGD(0.1), accum_steps=4)
+    for xb, yb in optimizer.micro_batches(batches):
+        micro_step(xb, yb, weight=1.0)
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), _large_batch(92).get_weights())) > 1e-4

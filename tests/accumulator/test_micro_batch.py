@@ -1,7 +1,9 @@
 """`find_micro_batch`: the largest micro-batch that trains, found with real out-of-memory
 errors (`memory_cliff`), the training left as it was, and the split of E exact."""
 
+import logging
 import random
+import warnings
 
 import keras
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import GradientAccumulator, find_micro_batch, seam
-from tfx_gradient_accumulator.accumulator.micro_batch import split
+from tfx_gradient_accumulator.accumulator.micro_batch import MicroBatchFit, smallest_taken_whole, split
 from tests import fork_server
 from tests.accumulator import memory_cliff
 from tests.accumulator import reference as ref
@@ -106,7 +108,8 @@ def test_an_open_window_is_refused():
     with pytest.raises(ValueError, match="window is open"):
         find_micro_batch(model, x, y, effective_batch_size=64)
     model.optimizer.close_partial_window()
-    assert find_micro_batch(model, x, y, effective_batch_size=8).largest_fitting == 8
+    found = find_micro_batch(model, x, y, effective_batch_size=8)   # probed up to 8 / 0.9: E whole
+    assert (found.largest_fitting, found.micro_batch, found.accum_steps) == (9, 8, 1)
 
 
 @pytest.mark.parametrize("effective_batch_size", [   # 256 apart (52 s): 250 splits unevenly, the harder case
@@ -117,13 +120,118 @@ def test_training_at_the_found_split_is_keras_large_batch(effective_batch_size):
     found = find_micro_batch(model, x[:16], y[:16], effective_batch_size=effective_batch_size)
     assert found.largest_fitting == CLIFF - 1 and found.accum_steps == 8
     data = found.micro_batches(tf.data.Dataset.from_tensor_slices((x, y)).batch(effective_batch_size))
-    model.fit(data, epochs=2, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(data, epochs=2, verbose=0)
+    # Its count known (8 + 8 + 1 micro-batches an epoch for 250): `fit` knows its steps, and
+    # says nothing of input that ran out (test_the_micro_batches_count_is_known_... shows it would).
+    assert not [w for w in caught if "ran out of data" in str(w.message)]
 
     reference = memory_cliff.mlp(cliff=None)
     reference.compile(keras.optimizers.Adam(1e-2), "mse")
     reference.fit(x, y, batch_size=effective_batch_size, epochs=2, shuffle=False, verbose=0)
     assert ref.max_abs_diff(model.get_weights(), reference.get_weights()) <= 1e-5
     assert int(model.optimizer.iterations.numpy()) == 2 * -(-512 // effective_batch_size)   # short last too
+
+
+def test_the_effective_batch_is_taken_whole_where_it_fits_with_the_margin():
+    x, y = ref.regression_data(512)
+    # The cliff far above E = 64: the search goes on to 64 / 0.9 = 72, which fits: N = 1, b = E.
+    model = _compiled(cliff=100)
+    found = find_micro_batch(model, x[:16], y[:16], effective_batch_size=64)
+    assert [b for b, _ in found.probes] == [1, 2, 4, 8, 16, 32, 64, 72]
+    assert (found.micro_batch, found.accum_steps, found.largest_fitting) == (64, 1, 72)
+    assert model.optimizer.accum_steps == 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=found.micro_batch, epochs=2, shuffle=False, verbose=0)
+    assert not [w for w in caught if "effective batch" in str(w.message)]     # 64 x 1 is E
+    reference = memory_cliff.mlp(cliff=None)
+    reference.compile(keras.optimizers.Adam(1e-2), "mse")
+    reference.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    assert ref.max_abs_diff(model.get_weights(), reference.get_weights()) <= 1e-5
+    assert int(model.optimizer.iterations.numpy()) == 16
+
+    # The cliff between E and E / 0.9: E fits, but not with its margin: split, as any b that
+    # close to the limit (69 fits: at most 62, N = 2, 32 each).
+    model = _compiled(cliff=70)
+    found = find_micro_batch(model, x[:16], y[:16], effective_batch_size=64)
+    assert found.probes[-4:] == ((72, False), (68, True), (70, False), (69, True))
+    assert (found.micro_batch, found.accum_steps, found.largest_fitting) == (32, 2, 69)
+    # headroom=0: E whole wherever its step fits (the search stops at E).
+    found = find_micro_batch(model, x[:16], y[:16], effective_batch_size=64, headroom=0.0)
+    assert (found.micro_batch, found.accum_steps, found.largest_fitting) == (64, 1, 64)
+    assert [b for b, _ in found.probes][-1] == 64
+
+
+def test_split_takes_the_effective_batch_whole_where_it_fits_with_the_margin():
+    assert smallest_taken_whole(300) == 334
+    assert split(300, 334) == (300, 1) and split(300, 333) == (150, 2)
+    assert split(300, 300) == (150, 2)            # E fit, but without its margin
+    assert smallest_taken_whole(300, 0.0) == 300 and split(300, 300, 0.0) == (300, 1)
+    for e in range(1, 80):
+        for headroom in (0.0, 0.1, 0.25, 0.5, 0.9):
+            whole = smallest_taken_whole(e, headroom)
+            assert split(e, whole, headroom) == split(e, whole, headroom, uniform=True) == (e, 1)
+            assert whole == 1 or split(e, whole - 1, headroom)[1] > 1, (e, headroom)
+
+
+def test_fit_at_a_batch_size_whose_windows_are_not_the_effective_batch_warns_once(caplog):
+    """The guide's case: the cliff at 48, E = 300: 38 x 8, so `fit(batch_size=38)` would
+    train windows of 304. Told; not for the uniform split (30 x 10), whose b x N is E."""
+    x, y = ref.regression_data(80)
+    model = _compiled(cliff=48)
+
+    def fit_warnings(data, **kwargs):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(data, epochs=1, verbose=0, shuffle=False, **kwargs)
+        return [str(w.message) for w in caught if "effective batch" in str(w.message)]
+
+    # `max_micro_batch=47`, the largest below the cliff: the same split, in 7 probes rather than 12.
+    found = find_micro_batch(model, x[:32], y[:32], effective_batch_size=300, uniform=True, max_micro_batch=47)
+    assert (found.micro_batch, found.accum_steps) == (30, 10)
+    assert fit_warnings(x[:60], y=y[:60], batch_size=30) == []
+
+    found = find_micro_batch(model, x[:32], y[:32], effective_batch_size=300, max_micro_batch=47)
+    assert (found.micro_batch, found.accum_steps) == (38, 8) and model.optimizer.found_micro_batch is found
+    with caplog.at_level(logging.WARNING):
+        said = fit_warnings(x[:76], y=y[:76], batch_size=38)
+    assert len(said) == 1 and said[0] in caplog.text
+    assert "batch_size=38 trains windows of 38 x 8 = 304 samples, not the effective batch 300" in said[0]
+    assert "found.micro_batches(dataset)" in said[0] and "uniform=True" in said[0]
+    assert fit_warnings(x[:76], y=y[:76], batch_size=38) == []          # once
+    # Keras' 32 without a batch size; a dataset whose batches state their size in their shapes.
+    assert "32 x 8 = 256" in " ".join(fit_warnings(x[:64], y=y[:64]))
+    samples = tf.data.Dataset.from_tensor_slices((x, y))
+    assert "20 x 8 = 160" in " ".join(fit_warnings(samples.batch(20, drop_remainder=True)))
+    # Batches of a size their shapes do not state, and the found micro-batches: nothing said.
+    assert fit_warnings(samples.batch(24)) == []
+    assert fit_warnings(found.micro_batches(samples.batch(300))) == []
+
+
+def test_the_micro_batches_count_is_known_where_the_batches_can_be_told():
+    found = MicroBatchFit(32, 8, 250, 39, ())
+    x, y = ref.regression_data(512)
+    samples = tf.data.Dataset.from_tensor_slices((x, y))
+    # 512 in batches of 250: 8 + 8 micro-batches, and 1 for the last 12 samples.
+    for data, count in [(samples.batch(250), 17), (samples.batch(250, drop_remainder=True), 16),
+                        (samples.shuffle(64, seed=1).batch(250).prefetch(2).cache(), 17),
+                        (samples.padded_batch(250, drop_remainder=False), 17), (samples.take(500).batch(250), 16),
+                        (samples.batch(250, drop_remainder=True).map(lambda a, b: (a, b)), 16)]:
+        cut = found.micro_batches(data)
+        assert int(cut.cardinality()) == count == sum(1 for _ in cut)
+    # Not told without reading: a map after a batch that does not state its size, a take or repeat.
+    unknown = [samples.batch(250).map(lambda a, b: (a, b)), samples.batch(250).take(2), samples.batch(250).repeat(),
+               samples.filter(lambda a, b: True).batch(250)]
+    assert [int(found.micro_batches(data).cardinality()) for data in unknown] == [tf.data.UNKNOWN_CARDINALITY] * 4
+
+    # What a count unknown costs: Keras says the input ran out of data after each epoch.
+    model = _compiled(cliff=None, accum_steps=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(found.micro_batches(unknown[0]), epochs=2, verbose=0)
+    assert len([w for w in caught if "ran out of data" in str(w.message)]) == 2
 
 
 def test_split_keeps_headroom_and_evens_the_micro_batches():

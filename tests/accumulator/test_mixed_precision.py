@@ -218,3 +218,100 @@ def test_windows_first_overflow_at_the_large_batchs_scale(mixed_policy, target, 
     found = _first_skipped_exponent(accumulated, start, optimizer.loss_scale_optimizer, x, y, 8, exponents)
     assert expected is not None and expected > exponents[0]
     assert found == expected
+
+
+# --------------------- the explicit LossScaleOptimizer and Keras' own (Keras' own tests of it
+# run through the accumulator: test_keras_loss_scale_suite.py)
+def _scaled_loop(model, optimizer, x, y, batch_size, scale_loss):
+    """A custom loop: each batch's mean squared error scaled by `scale_loss`, then `apply`."""
+    for start in range(0, len(x), batch_size):
+        with tf.GradientTape() as tape:
+            prediction = model(x[start:start + batch_size], training=True)
+            loss = tf.reduce_mean(keras.losses.mean_squared_error(y[start:start + batch_size], prediction))
+            scaled = scale_loss(loss)
+        optimizer.apply(tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
+
+
+def test_a_custom_loop_scaling_with_the_accumulators_scale_loss_follows_keras_large_batch():
+    # S / N per micro-batch is what makes the window's sum carry S; the inner optimizer's S is N times off.
+    x, y = ref.regression_data(8 * 4 * 4)
+    lso = lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0 ** 8)
+    large, large_optimizer = ref.mlp(), lso()
+    _scaled_loop(large, large_optimizer, x, y, 32, large_optimizer.scale_loss)
+    accumulated, optimizer = ref.mlp(), GradientAccumulator(lso(), 4)
+    _scaled_loop(accumulated, optimizer, x, y, 8, optimizer.scale_loss)
+    at_inner_scale, wrong = ref.mlp(), GradientAccumulator(lso(), 4)
+    _scaled_loop(at_inner_scale, wrong, x, y, 8, wrong.loss_scale_optimizer.scale_loss)
+
+    assert int(optimizer.iterations.numpy()) == int(large_optimizer.inner_optimizer.iterations.numpy()) == 4
+    diff = ref.max_abs_diff(accumulated.get_weights(), large.get_weights())
+    assert diff <= 1e-6
+    assert ref.max_abs_diff(at_inner_scale.get_weights(), large.get_weights()) > 1e3 * max(diff, 1e-7)
+
+
+def test_without_a_compiled_model_a_finite_window_beyond_float16s_range_is_applied_as_keras_applies_it():
+    # Nothing says which gradients were float16's: as Keras' LossScaleOptimizer, only a non-finite one skips.
+    step = np.array([1.0, 6.0, 7.0, 2.0], "float32") * 2.0 ** 15        # finite, up to 229376 > 65504
+    own_variable, own = keras.Variable([1.0, 2.0, 3.0, 4.0]), keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.5))
+    own.apply([tf.constant(step)], [own_variable])
+    variable = keras.Variable([1.0, 2.0, 3.0, 4.0])
+    optimizer = GradientAccumulator(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.5)), 2)
+    for _ in range(2):
+        optimizer.apply([tf.constant(step / 2)], [variable])         # each micro-batch's share (S / 2)
+
+    np.testing.assert_array_equal(variable.numpy(), own_variable.numpy())
+    np.testing.assert_allclose(variable.numpy(), [0.5, -1.0, -0.5, 3.0])
+    assert int(optimizer.iterations.numpy()) == 1
+    assert float(optimizer.dynamic_scale.numpy()) == float(own.dynamic_scale.numpy()) == 2.0 ** 15
+
+
+def test_a_compiled_model_checks_float16s_range_in_its_float16_layers_only(mixed_policy):
+    # The large batch's float16 layers' gradients overflow past 65504; a float32 layer's are applied.
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1, dtype="float32")])
+    optimizer = GradientAccumulator(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1e-9),
+                                                                        initial_scale=1.0), 2)
+    model.compile(optimizer=optimizer, loss="mse", auto_scale_loss=False)
+    variables = model.trainable_variables
+    optimizer.build(variables)
+
+    def window(index):      # a window whose mean is 2**17 in one element of variables[index]
+        grads = [np.zeros(v.shape, "float32") for v in variables]
+        grads[index].flat[0] = 2.0 ** 17 / 2
+        for _ in range(2):
+            optimizer.apply([tf.constant(g) for g in grads], variables)
+
+    window(2)                                                        # the float32 layer's kernel
+    assert int(optimizer.iterations.numpy()) == 1 and float(optimizer.dynamic_scale.numpy()) == 1.0
+    window(0)                                                        # the float16 layer's kernel
+    assert int(optimizer.iterations.numpy()) == 1 and float(optimizer.dynamic_scale.numpy()) == 0.5
+
+
+@pytest.mark.skipif(not hasattr(keras.optimizers, "MultiOptimizer"),
+                    reason="keras.optimizers.MultiOptimizer is new in Keras 3.15")
+def test_a_multi_optimizer_inside_the_loss_scaling_follows_the_large_batch(mixed_policy):
+    def multi():     # Adam for the kernels, SGD for the rest
+        return keras.optimizers.MultiOptimizer(keras.optimizers.OptimizerMap(
+            default_optimizer=keras.optimizers.SGD(0.2, momentum=0.9),
+            optimizer_map={".*kernel.*": keras.optimizers.Adam(1e-2)}))
+
+    x, y = ref.regression_data(8 * 4 * 8)
+    large = ref.mlp()
+    large.compile(optimizer=multi(), loss="mse")                     # Keras' LossScaleOptimizer around it
+    large.fit(x, y, batch_size=32, shuffle=False, verbose=0)
+    accumulated, optimizer = ref.mlp(), GradientAccumulator(multi(), 4)
+    accumulated.compile(optimizer=optimizer, loss="mse")             # taken inside the accumulator
+    accumulated.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    explicit = ref.mlp()
+    explicit.compile(optimizer=GradientAccumulator(keras.optimizers.LossScaleOptimizer(multi()), 4), loss="mse",
+                     auto_scale_loss=False)
+    explicit.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    unaccumulated = ref.mlp()
+    unaccumulated.compile(optimizer=multi(), loss="mse")
+    unaccumulated.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+
+    assert isinstance(optimizer.loss_scale_optimizer.inner_optimizer, keras.optimizers.MultiOptimizer)
+    assert ref.max_abs_diff(explicit.get_weights(), accumulated.get_weights()) == 0.0
+    diff = ref.max_abs_diff(accumulated.get_weights(), large.get_weights())
+    assert diff <= 3e-3
+    assert ref.max_abs_diff(unaccumulated.get_weights(), large.get_weights()) > 100 * diff

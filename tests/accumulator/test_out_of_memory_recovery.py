@@ -77,7 +77,8 @@ def test_sequences_that_grow_halve_the_micro_batch_and_land_on_keras_large_batch
     rows = _rows(GROWING, ascending)
     model = _compiled()
     x, y = _first_batch(rows)
-    found = find_micro_batch(model, x.numpy()[:16], y.numpy()[:16], effective_batch_size=E)
+    # `max_micro_batch=E`: the search stops at E (36 x 4 fits too, which would take E whole).
+    found = find_micro_batch(model, x.numpy()[:16], y.numpy()[:16], effective_batch_size=E, max_micro_batch=E)
     # The early data (4 steps): 32 x 4 = 128 fits; 10% headroom: 16 x 2.
     assert (found.largest_fitting, found.micro_batch, found.accum_steps) == (32, 16, 2)
     with caplog.at_level(logging.WARNING, logger="tfx_gradient_accumulator"):
@@ -106,7 +107,7 @@ def test_two_switches_in_one_window_feed_it_once():
     rows = _rows([4, 4, 24, 24])           # 16 x 24 and 8 x 24 run out in batch 2; 4 x 24 fits
     model = _compiled()
     x, y = _first_batch(rows)
-    found = find_micro_batch(model, x.numpy()[:16], y.numpy()[:16], effective_batch_size=E)
+    found = find_micro_batch(model, x.numpy()[:16], y.numpy()[:16], effective_batch_size=E, max_micro_batch=E)
     run = fit_with_out_of_memory_recovery(model, _dataset(rows), found, epochs=2, verbose=0)
     assert [(s.update, s.micro_batch, s.accum_steps, s.dropped) for s in run.switches] == [(2, 8, 4, 0), (2, 4, 8, 3)]
     delta = ref.max_abs_diff(model.get_weights(), _keras_large_batch(rows, epochs=2).get_weights())
@@ -121,7 +122,7 @@ def test_an_error_in_the_backward_pass_of_the_closing_micro_step_leaves_the_weig
     model = memory_cliff.backward_sequence_model(BUDGET, FEATURES)
     model.compile(GradientAccumulator(keras.optimizers.Adam(1e-2), schedulable=True), "mse")
     x, y = _first_batch(rows)
-    found = find_micro_batch(model, x.numpy()[:16], y.numpy()[:16], effective_batch_size=E)
+    found = find_micro_batch(model, x.numpy()[:16], y.numpy()[:16], effective_batch_size=E, max_micro_batch=E)
     assert (found.micro_batch, found.accum_steps) == (16, 2)
     run = fit_with_out_of_memory_recovery(model, _dataset(rows), found, epochs=2, verbose=0)
     # The window counted the failed micro-step too (its count waits on the forward pass):

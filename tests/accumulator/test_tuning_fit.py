@@ -66,8 +66,8 @@ def test_a_search_over_the_effective_batch_alone_trains_each_trial_exactly(tmp_p
     trials = list(tuner.oracle.trials.values())
     assert sorted(t.status for t in trials) == ["COMPLETED", "COMPLETED"]
     assert all(t.hyperparameters.values["accum_steps"] == "fit" for t in trials)
-    # 16 fits whole (the headroom takes it to 8 x 2); 64 is above the cliff: 16 x 4.
-    assert {e: n for e, (_, n, _) in hypermodel.trained.items()} == {16: 2, 64: 4}
+    # 16 fits whole, with its headroom (18 fits): 16 x 1; 64 is above the cliff: 16 x 4.
+    assert {e: n for e, (_, n, _) in hypermodel.trained.items()} == {16: 1, 64: 4}
     for effective, (weights, _, updates) in hypermodel.trained.items():
         assert updates == UPDATES
         assert ref.max_abs_diff(weights, _large_batch(x, y, effective)) <= 1e-5
