@@ -274,8 +274,10 @@ def append_rows(values, indices, count, grad, weight):
     The writes run one after another: the values (which wait for the backward pass),
     then the ids (known from the forward pass on), then the count. A step that fails
     part-way (out of memory) leaves at most values that the count does not cover, never
-    ids without their values nor a count past the rows written; the room is the smaller
-    of the two buffers', so buffers of unequal sizes are regrown, not overrun.
+    ids without their values nor a count past the rows written. So the values' buffer is
+    never shorter than the ids' (a grow writes the values first; `_make_room` and
+    `even_out` make them equal), and the ids' buffer is the room: where the values' is
+    longer, a grow cuts it back, a write stays inside it.
     """
     values, indices, count = backing_variable(values), backing_variable(indices), backing_variable(count)
     new_values = tf.cast(grad.values, values.dtype) * tf.cast(weight, values.dtype)
@@ -297,7 +299,7 @@ def append_rows(values, indices, count, grad, weight):
         with tf.control_dependencies([written]):
             count.assign(end, read_value=False)
 
-    capacity = tf.minimum(tf.shape(values, out_type=tf.int64)[0], tf.shape(indices, out_type=tf.int64)[0])
+    capacity = tf.shape(indices, out_type=tf.int64)[0]
     tf.cond(end > capacity, grow, write)
 
 
