@@ -85,6 +85,15 @@ def _along_rows(real, like):
     return tf.reshape(real, [-1] + [1] * max(rank - 1, 0))
 
 
+def _row_mask(real, output):
+    """`real` as a Keras mask of `output`: one per element of its loss, the output's shape
+    without its last axis (a sequence's steps; one per row for (rows,) and (rows, k))."""
+    rank = output.shape.rank
+    if rank is None or rank <= 2:
+        return real
+    return tf.broadcast_to(tf.reshape(real, [-1] + [1] * (rank - 2)), tf.shape(output)[:-1])
+
+
 def _masked(y_pred, real):
     """`y_pred` with its filled-up rows masked out (each output's own mask kept)."""
     for output in tf.nest.flatten(y_pred):
@@ -92,7 +101,7 @@ def _masked(y_pred, real):
             continue
         mask = seam.keras_mask(output)
         if mask is None:
-            mask = real
+            mask = _row_mask(real, output)
         else:
             mask = tf.logical_and(tf.cast(mask, tf.bool), tf.cast(_along_rows(tf.cast(real, tf.float32), mask),
                                                                  tf.bool))

@@ -295,7 +295,8 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
         self._updater.build(var_list)
         _check_supports_distribution(self)
         super().build(var_list)
-        if self.micro_batch_size is not None and not getattr(seam.train_step_owner().train_step, "accumulator_hook", False):
+        hooked = getattr(seam.train_step_owner().train_step, "accumulator_hook", False)
+        if self.micro_batch_size is not None and not hooked:
             logger.warning(
                 "accumulator's Keras hooks are not installed: `fit` trains each batch whole, not in "
                 "micro-batches of %d (micro_batch_size).", self.micro_batch_size)

@@ -24,12 +24,12 @@ def _weights(model):
 
 
 def _pair(make_model, make_optimizer, x, y, batch_size=E, micro_batch_size=B, epochs=2, loss="mse",
-          jit_compile=False, **fit_kwargs):
+          jit_compile=False, metrics=None, **fit_kwargs):
     """(the large batch's model, the micro-batched one), both trained by `fit`."""
     models = []
     for optimizer in (make_optimizer(), GradientAccumulator(make_optimizer(), micro_batch_size=micro_batch_size)):
         model = make_model()
-        model.compile(optimizer=optimizer, loss=loss, jit_compile=jit_compile)
+        model.compile(optimizer=optimizer, loss=loss, jit_compile=jit_compile, metrics=metrics)
         model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **fit_kwargs)
         models.append(model)
     return models
@@ -47,6 +47,7 @@ def _assert_exact(large, micro):
 def test_an_mlp_with_adam_schedule_and_clipnorm_trains_like_the_batch_of_e(jit_compile):
     x, y = ref.regression_data(SAMPLES)
     large, micro = _pair(ref.mlp, _adam, x, y, jit_compile=jit_compile)
+    assert micro.jit_compile is jit_compile
     _assert_exact(large, micro)
     # Keras counts updates: 3 batches an epoch, 2 epochs.
     assert int(micro.optimizer.iterations.numpy()) == int(large.optimizer.iterations.numpy()) == 6
@@ -72,6 +73,39 @@ def test_sample_weights_and_a_summed_loss():
     summed = keras.losses.MeanSquaredError(reduction="sum")
     large, micro = _pair(ref.mlp, lambda: keras.optimizers.SGD(1e-3), x, y, loss=summed, sample_weight=weights)
     _assert_exact(large, micro)
+
+
+def test_weight_decay_ema_and_a_global_clipnorm_act_once_an_update():
+    x, y = ref.regression_data(SAMPLES)
+
+    def adamw():
+        return keras.optimizers.AdamW(2e-2, weight_decay=0.1, global_clipnorm=0.05, use_ema=True,
+                                      ema_overwrite_frequency=2)
+
+    large, micro = _pair(ref.mlp, adamw, x, y, epochs=1)
+    _assert_exact(large, micro)
+
+
+def _sequence_model(mask_zero):
+    # A loss per token; with mask_zero, outputs that carry a mask: the padding's mask joins it.
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((ref.TOKENS,), dtype="int32"),
+                             keras.layers.Embedding(ref.VOCAB, 8, mask_zero=mask_zero),
+                             keras.layers.Dense(5)])
+
+
+@pytest.mark.parametrize("mask_zero", [False, True], ids=["unmasked", "masked"])
+def test_a_loss_per_token_with_and_without_a_mask_of_its_own(mask_zero):
+    x, _ = ref.token_data(30)
+    x[:, 7:] = np.where(np.arange(30)[:, None] % 3 == 0, 0, x[:, 7:])     # some sequences end early
+    y = np.random.RandomState(2).randint(0, 5, size=x.shape).astype("int32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    large, micro = _pair(lambda: _sequence_model(mask_zero), _adam, x, y, batch_size=16, micro_batch_size=5, epochs=1,
+                         loss=loss, metrics=["sparse_categorical_accuracy"])
+    gap = ref.max_abs_diff(_weights(large), _weights(micro))
+    assert gap < TOLERANCE, gap
+    for name, values in large.history.history.items():
+        np.testing.assert_allclose(micro.history.history[name], values, rtol=1e-5, err_msg=name)
 
 
 def test_a_per_token_embedding_keeps_the_large_batchs_rows():
@@ -149,3 +183,19 @@ def test_what_this_slice_does_not_take_is_refused_before_training():
     model.compile(GradientAccumulator(keras.optimizers.Adam(), micro_batch_size=4), "mse")
     with pytest.raises(NotImplementedError, match="defines its own `train_step`"):
         model.fit(x, y, batch_size=8, verbose=0)
+
+
+def test_the_micro_batches_are_a_loop_in_one_traced_step(monkeypatch):
+    # 2 epochs of batches 20, 20, 10: 20 micro-batches trained, the micro-step traced
+    # twice per batch shape (its gradients' kinds, then the loop's body), never per micro-batch.
+    from tfx_gradient_accumulator.accumulator import fit_micro_batches
+
+    traced = []
+    original = fit_micro_batches._micro_step
+    monkeypatch.setattr(fit_micro_batches, "_micro_step", lambda *a, **k: traced.append(1) or original(*a, **k))
+    x, y = ref.regression_data(SAMPLES)
+    model = ref.mlp()
+    model.compile(GradientAccumulator(_adam(), micro_batch_size=B), "mse")
+    model.fit(x, y, batch_size=E, epochs=2, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 6
+    assert 2 <= len(traced) <= 4, len(traced)
