@@ -20,6 +20,9 @@ gradient (`tf.IndexedSlices`, an `Embedding`'s) keeps each micro-batch's rows, s
 by its weight, in a `TensorArray`, concatenated after the loop: the large batch's
 gradient with its repeated rows, as Keras applies it (the padding's rows are zeros).
 
+Metrics are updated per micro-batch: Keras releases that apply an output's mask to the
+unweighted `metrics=` only with sample weights (3.8) count the padding there.
+
 This slice: Keras 3, one device, no loss scaling, Keras' own `train_step`
 (`refuse_unsupported` says so before `fit` trains).
 """
