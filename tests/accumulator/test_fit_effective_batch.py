@@ -33,8 +33,9 @@ def _metrics_honour_a_mask_alone():
 
 
 def _compare_histories(large, micro):
-    """The logged loss always; the metrics where Keras keeps the padding out of them."""
-    names = list(large) if _metrics_honour_a_mask_alone() else ["loss"]
+    """The logged loss and weighted metrics always; unweighted ones where Keras keeps the
+    padding out of them."""
+    names = list(large) if _metrics_honour_a_mask_alone() else ["loss"] + [n for n in large if "weighted" in n]
     for name in names:
         np.testing.assert_allclose(micro[name], large[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
@@ -79,9 +80,10 @@ def test_the_logged_loss_and_metrics_are_the_large_batchs():
     histories = []
     for optimizer in (_adam(), GradientAccumulator(_adam(), micro_batch_size=B)):
         model = ref.mlp()
-        model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
+        model.compile(optimizer=optimizer, loss="mse", metrics=["mae"],
+                      weighted_metrics=[keras.metrics.MeanAbsoluteError(name="weighted_mae")])
         histories.append(model.fit(x, y, batch_size=E, epochs=2, shuffle=False, verbose=0).history)
-    assert set(histories[0]) == {"loss", "mae"}
+    assert set(histories[0]) == {"loss", "mae", "weighted_mae"}
     _compare_histories(histories[0], histories[1])
 
 
@@ -218,3 +220,9 @@ def test_the_micro_batches_are_a_loop_in_one_traced_step(monkeypatch):
     model.fit(x, y, batch_size=E, epochs=2, shuffle=False, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 6
     assert 2 <= len(traced) <= 4, len(traced)
+
+
+def test_a_micro_batch_larger_than_the_batch_is_one_padded_micro_batch():
+    x, y = ref.regression_data(SAMPLES)
+    large, micro = _pair(ref.mlp, _adam, x, y, micro_batch_size=32, epochs=1)
+    _assert_exact(large, micro)
