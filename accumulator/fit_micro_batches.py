@@ -176,6 +176,7 @@ def _loop(step, kinds, count):
     return dict(zip(dense_at, dense)), dict(zip(sparse_at, zip(values, indices))), loss_sum, weight_sum
 
 
+@tf.autograph.experimental.do_not_convert
 def train_step(model, data):
     """Keras' `train_step` for a model whose optimizer has `micro_batch_size`: one update
     from the batch, trained in micro-batches (the module's docstring)."""
