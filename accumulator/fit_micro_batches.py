@@ -18,7 +18,9 @@ are the real rows' (a zero sample weight alone would not do: "sum_over_batch_siz
 counts zero-weighted elements). Dense gradients sum in loop variables; a sparse
 gradient (`tf.IndexedSlices`, an `Embedding`'s) keeps each micro-batch's rows, scaled
 by its weight, in a `TensorArray`, concatenated after the loop: the large batch's
-gradient with its repeated rows, as Keras applies it (the padding's rows are zeros).
+gradient with its repeated rows, as Keras applies it (the padding's rows are zeros); a
+table looked up once per batch (a position table's `arange`, `accumulator.lookups`) has
+its rows summed over the micro-batches, as the large batch has them once.
 
 Metrics are updated per micro-batch: Keras releases that apply an output's mask to the
 unweighted `metrics=` only with sample weights (3.8) count the padding there.
@@ -32,7 +34,7 @@ import functools
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import seam, weighting
+from tfx_gradient_accumulator.accumulator import _tf, lookups, seam, weighting
 from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
 
 
@@ -134,6 +136,7 @@ def _micro_step(model, variables, batch, index, size, count, summed):
         y_pred = _masked(seam.call_for_training(model, x), real)
         loss = seam.training_loss(model, x, y, y_pred, sample_weight)
     grads = tape.gradient(loss, variables)
+    lookups.note_batch_size(size, _tf.current_graph())     # tells a table looked up once per batch
     weight = tf.constant(1.0)
     if not summed:
         denominator = weighting.loss_denominator(model, x, y, y_pred, sample_weight)
@@ -144,36 +147,63 @@ def _micro_step(model, variables, batch, index, size, count, summed):
 
 
 def _gradient_kinds(step):
-    """Each gradient as a traced micro-step makes it (None, a tensor, `tf.IndexedSlices`):
-    traced once in a scratch function, never run, so the loop's variables can be made."""
-    traced = tf.function(lambda: step(0)[0], autograph=False).get_concrete_function()
-    return list(traced.structured_outputs)
+    """Each gradient as a traced micro-step makes it (None, a tensor, `tf.IndexedSlices`),
+    and the positions of those whose rows are a table looked up once per batch (of a static
+    row count): traced once in a scratch function, never run, so the loop's variables can
+    be made."""
+    once = []
+
+    def scratch():
+        grads = step(0)[0]
+        once.extend(k for k, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)
+                    and g.values.shape.is_fully_defined()
+                    and lookups.kind_of_rows(g.indices) == lookups.ONCE_PER_BATCH)
+        return grads
+
+    traced = tf.function(scratch, autograph=False).get_concrete_function()
+    return list(traced.structured_outputs), once
 
 
-def _loop(step, kinds, count):
-    """The micro-batches in a `tf.while_loop`: (dense sums, sparse rows, loss sum, weight sum)."""
+def _loop(step, kinds, once, count):
+    """The micro-batches in a `tf.while_loop`: (dense sums, sparse rows, loss sum, weight sum).
+    Rows looked up once per batch (`once`) are summed, as the large batch has them once; other
+    rows are kept, one array per gradient, concatenated."""
     dense_at = [k for k, kind in enumerate(kinds) if kind is not None and not isinstance(kind, tf.IndexedSlices)]
-    sparse_at = [k for k, kind in enumerate(kinds) if isinstance(kind, tf.IndexedSlices)]
+    dense_at += once
+    sparse_at = [k for k, kind in enumerate(kinds) if isinstance(kind, tf.IndexedSlices) and k not in once]
     micro_batches = (count + step.keywords["size"] - 1) // step.keywords["size"]
 
     def arrays(attribute):
         return [tf.TensorArray(getattr(kinds[k], attribute).dtype, size=micro_batches,
                                element_shape=getattr(kinds[k], attribute).shape) for k in sparse_at]
 
-    def body(index, loss_sum, weight_sum, dense, values, indices):
+    def summed(grad):
+        return grad.values if isinstance(grad, tf.IndexedSlices) else grad
+
+    def body(index, loss_sum, weight_sum, dense, values, indices, once_indices):
         grads, loss, weight = step(index=index)
-        dense = [total + tf.cast(weight, total.dtype) * grads[k] for total, k in zip(dense, dense_at)]
+        dense = [total + tf.cast(weight, total.dtype) * summed(grads[k]) for total, k in zip(dense, dense_at)]
+        once_indices = [grads[k].indices for k in once]
         values = [array.write(index, grads[k].values * tf.cast(weight, grads[k].values.dtype))
                   for array, k in zip(values, sparse_at)]
         indices = [array.write(index, grads[k].indices) for array, k in zip(indices, sparse_at)]
-        return index + 1, loss_sum + weight * loss, weight_sum + weight, dense, values, indices
+        return index + 1, loss_sum + weight * loss, weight_sum + weight, dense, values, indices, once_indices
 
-    start = (tf.constant(0), tf.constant(0.0), tf.constant(0.0),
-             [tf.zeros(step.args[1][k].shape, kinds[k].dtype) for k in dense_at], arrays("values"), arrays("indices"))
-    _, loss_sum, weight_sum, dense, values, indices = tf.while_loop(
+    def zeros(k):
+        if k in once:
+            return tf.zeros(kinds[k].values.shape, kinds[k].values.dtype)
+        return tf.zeros(step.args[1][k].shape, kinds[k].dtype)
+
+    once_ids = [tf.zeros(kinds[k].indices.shape, kinds[k].indices.dtype) for k in once]
+    start = (tf.constant(0), tf.constant(0.0), tf.constant(0.0), [zeros(k) for k in dense_at],
+             arrays("values"), arrays("indices"), once_ids)
+    _, loss_sum, weight_sum, dense, values, indices, once_indices = tf.while_loop(
         lambda index, *_: index < micro_batches, body, start, parallel_iterations=1,
         maximum_iterations=micro_batches)
-    return dict(zip(dense_at, dense)), dict(zip(sparse_at, zip(values, indices))), loss_sum, weight_sum
+    sums = dict(zip(dense_at, dense))
+    rows = {k: (sums.pop(k), ids) for k, ids in zip(once, once_indices)}
+    rows.update({k: (v.concat(), i.concat()) for k, v, i in zip(sparse_at, values, indices)})
+    return sums, rows, loss_sum, weight_sum
 
 
 @tf.autograph.experimental.do_not_convert
@@ -187,18 +217,17 @@ def train_step(model, data):
     summed = _sums_its_samples(model)
     step = functools.partial(_micro_step, model, variables, (x, y, sample_weight),
                              size=model.optimizer.micro_batch_size, count=count, summed=summed)
-    kinds = _gradient_kinds(step)
-    dense, sparse, loss_sum, weight_sum = _loop(step, kinds, count)
+    kinds, once = _gradient_kinds(step)
+    dense, sparse, loss_sum, weight_sum = _loop(step, kinds, once, count)
     divisor = tf.constant(1.0) if summed else weight_sum
     grads = []
     for k, (kind, variable) in enumerate(zip(kinds, variables)):
         if k in dense:
             grads.append(tf.math.divide_no_nan(dense[k], tf.cast(divisor, dense[k].dtype)))
         elif k in sparse:
-            values, indices = sparse[k]
-            rows = values.concat()
+            rows, indices = sparse[k]
             grads.append(tf.IndexedSlices(tf.math.divide_no_nan(rows, tf.cast(divisor, rows.dtype)),
-                                          indices.concat(), tf.shape(variable, out_type=indices.dtype)))
+                                          indices, tf.shape(variable, out_type=indices.dtype)))
         else:
             grads.append(None)
     loss = tf.math.divide_no_nan(loss_sum, divisor)
