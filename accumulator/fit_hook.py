@@ -1,7 +1,8 @@
 """What `keras.Model.fit` does first for a model compiled with a `GradientAccumulator`.
 
 `before_fit` (called by the `fit` hook of `accumulator.hooks`, for Keras 3 and Keras 2)
-refuses set-ups that would train wrong, warns where the batch size would make windows
+refuses set-ups that would train wrong (also those `micro_batch_size` does not take yet:
+`fit_micro_batches.refuse_unsupported`), warns where the batch size would make windows
 other than the effective batch `find_micro_batch` set the window for
 (`micro_batch.warn_of_windows_off_the_effective_batch`), ties `AccumBatchNormalization` layers to the
 optimizer, and puts the window callback first, so the window closes before any other
@@ -10,7 +11,7 @@ callback reads the weights. Models compiled with any other optimizer are left al
 
 import keras
 
-from tfx_gradient_accumulator.accumulator import flavours, micro_batch, row_room, weighting
+from tfx_gradient_accumulator.accumulator import fit_micro_batches, flavours, micro_batch, row_room, weighting
 from tfx_gradient_accumulator.accumulator.replicas import NO_MERGE_CALL_MESSAGE
 from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation, auto_rule_of
 from tfx_gradient_accumulator.accumulator.callbacks import EpochWindows
@@ -32,6 +33,8 @@ def before_fit(model, callbacks, fit_arguments=None):
             "keras.optimizers.LossScaleOptimizer(inner), accum_steps)). An accumulator that "
             "was already built without loss scaling cannot take it: compile a new one."
         )
+    if not flavours.is_keras2_object(model):
+        fit_micro_batches.refuse_unsupported(model)
     if not isinstance(optimizer, AccumulationWindow) or optimizer.is_passthrough:
         return callbacks
     if getattr(model, "jit_compile", False) is True and \

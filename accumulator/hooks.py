@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import fit_hook, flavours, loop_notes, seam, weighting
+from tfx_gradient_accumulator.accumulator import fit_hook, fit_micro_batches, flavours, loop_notes, seam, weighting
 from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 HOOKS_ENV = "ACCUMULATOR_KERAS_HOOKS"
 HOOKS = ("fit", "compute_loss", "compile", "symbolic_build", "scalar_logs", "get_weights", "save", "save_weights",
+         "fit_micro_batches",
          "keras2_fit", "keras2_compute_loss", "keras2_get_weights", "keras2_save", "keras2_save_weights")
 
 # What restores each function `install()` replaced, by label.
@@ -59,6 +60,10 @@ def install(hooks: Iterable[str] = HOOKS) -> list[str]:
       `load_model` still compiles). Under mixed_float16 it puts the
       `LossScaleOptimizer` Keras put around a `GradientAccumulator` inside it
       (`_make_compile` says why); `model.optimizer` stays the accumulator given.
+    * `"fit_micro_batches"`: Keras 3's `train_step` (the TensorFlow trainer's). For a
+      model whose `GradientAccumulator` has `micro_batch_size`, the step of
+      `accumulator.fit_micro_batches` (the batch as one update, trained in
+      micro-batches inside the step); Keras' own step for every other model.
     * `"symbolic_build"`, `"scalar_logs"`: the two Keras functions that stop `fit`
       under `MultiWorkerMirroredStrategy` (keras-team/keras#20585); each is a no-op
       under any other strategy.
@@ -128,6 +133,7 @@ def _targets():
             "get_weights": (keras.Model, "get_weights", functools.partial(_make_model_read, saving=False)),
             "save": (keras.Model, "save", functools.partial(_make_model_read, saving=True)),
             "save_weights": (keras.Model, "save_weights", functools.partial(_make_model_read, saving=True)),
+            "fit_micro_batches": (seam.train_step_owner(), "train_step", _make_train_step),
         })
         targets.update(seam.multiworker_fixes())
     keras2 = flavours.keras2_module()
@@ -167,6 +173,18 @@ def _make_compute_loss(original):
         return original(self, x, y, y_pred, sample_weight, *args, **kwargs)
 
     return compute_loss
+
+
+def _make_train_step(original):
+    """Keras 3's `train_step`, in micro-batches for a model whose optimizer has `micro_batch_size`."""
+    @functools.wraps(original)
+    def train_step(self, data):
+        if fit_micro_batches.micro_batch_size_of(self) is None:
+            return original(self, data)
+        return fit_micro_batches.train_step(self, data)
+
+    train_step.accumulator_hook = True
+    return train_step
 
 
 def _make_model_read(original, saving):

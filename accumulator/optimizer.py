@@ -77,6 +77,23 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
     amax histories) get the window's element-wise maximum, as one large
     batch's amax would be.
 
+    One number, the effective batch: with `micro_batch_size=b` (and no
+    `accum_steps`), `fit`'s batch is the update's batch E and each training
+    step splits it:
+
+    ```python
+    optimizer = GradientAccumulator(keras.optimizers.Adam(1e-3), micro_batch_size=32)
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=128)  # trains like batch_size=128, 32 samples at a time
+    ```
+
+    Each batch `fit` draws is one update, trained as ceil(len / b)
+    micro-batches in a `tf.while_loop` inside one traced step (one XLA
+    program with `jit_compile=True`); the last one is padded to b and its
+    padding masked out of the loss and the metrics, so every shape is static.
+    Keras' steps, `iterations`, callbacks and the progress bar count updates
+    (`accumulator.fit_micro_batches`). Keras 3, one device, float32 for now.
+
     Custom loops call `apply_gradients(zip(grads, vars))` or `apply(grads, vars)`
     once per micro-batch, eagerly or inside `tf.function`. `None` gradients are
     left out of the update.
@@ -178,6 +195,10 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
             equal micro-batches unless told: pass "sum" for a loss that sums
             over its samples (`tf.reduce_sum`), `micro_batch_weight` for a
             mean of unequal ones.
+        micro_batch_size: None (the default), or an int >= 1: `fit`'s batch is the
+            effective batch, split into micro-batches of this many samples inside
+            each training step (see above). Not with `accum_steps` > 1, "auto",
+            `schedulable` or `measure_noise_scale`.
         name: optional name of the wrapper.
         options: a `WindowOptions` holding the options above, instead of them
             (not both); the wrapper's `options` is the one it was built with.
@@ -211,12 +232,14 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
                  measure_noise_scale: bool = False, noise_scale_smoothing: float = DEFAULT_SMOOTHING,
                  merge_duplicate_rows: bool = False, loss_reduction: str = "auto",
                  max_effective_batch_size: int | None = None, lr_scaling: str = "none",
-                 name: str | None = None, options: WindowOptions | None = None, **kwargs):
+                 name: str | None = None, options: WindowOptions | None = None,
+                 micro_batch_size: int | None = None, **kwargs):
         options = WindowOptions.from_arguments(
             options, accum_steps=accum_steps, partial_window=partial_window, schedulable=schedulable,
             measure_noise_scale=measure_noise_scale, noise_scale_smoothing=noise_scale_smoothing,
             merge_duplicate_rows=merge_duplicate_rows, loss_reduction=loss_reduction,
-            max_effective_batch_size=max_effective_batch_size, lr_scaling=lr_scaling)
+            max_effective_batch_size=max_effective_batch_size, lr_scaling=lr_scaling,
+            micro_batch_size=micro_batch_size)
         optimizer = _resolve_optimizer(optimizer)
         for arg_name, default in _BASE_ARG_DEFAULTS.items():
             if arg_name in kwargs and kwargs.pop(arg_name) != default:
@@ -251,6 +274,11 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
             self.inner_optimizer = optimizer
         self._init_window(options)
 
+    @property
+    def micro_batch_size(self) -> int | None:
+        """The samples of each micro-batch `fit`'s step splits its batch into, or None."""
+        return self.options.micro_batch_size
+
     # ------------------------------------------------------------------ state
     def build(self, var_list: list) -> None:
         """Builds the window's buffers and the inner optimizer for `var_list`.
@@ -267,6 +295,11 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
         self._updater.build(var_list)
         _check_supports_distribution(self)
         super().build(var_list)
+        hooked = getattr(seam.train_step_owner().train_step, "accumulator_hook", False)
+        if self.micro_batch_size is not None and not hooked:
+            logger.warning(
+                "accumulator's Keras hooks are not installed: `fit` trains each batch whole, not in "
+                "micro-batches of %d (micro_batch_size).", self.micro_batch_size)
         if not self.is_passthrough and not getattr(keras.Model.fit, "accumulator_hook", False):
             logger.warning(
                 "accumulator's Keras hooks are not installed (ACCUMULATOR_KERAS_HOOKS=0 or "

@@ -41,7 +41,7 @@ __all__ = [
     "refuse_unknown_arguments", "validate_accum_steps", "validate_auto", "validate_bool",
     "validate_loss_reduction", "validate_lr_scaling", "validate_measure_noise_scale",
     "validate_merge_duplicate_rows", "validate_micro_batch_search", "validate_partial_window", "validate_schedule",
-    "validate_schedule_by", "validate_smoothing",
+    "validate_schedule_by", "validate_smoothing", "validate_micro_batch_size",
 ]
 
 
@@ -315,6 +315,30 @@ def validate_micro_batch_search(effective_batch_size: Any, headroom: Any,
     return effective_batch_size, float(headroom), max_micro_batch, validate_bool(uniform, "uniform")
 
 
+def validate_micro_batch_size(micro_batch_size: Any, name: str = "micro_batch_size") -> Optional[int]:
+    """Checks `micro_batch_size`: the samples of each micro-batch `fit` splits its batch into.
+
+    Args:
+        micro_batch_size: None (`fit`'s batch is one micro-batch, or `accum_steps` of them
+            make a window), or an int >= 1. "auto" is not available yet.
+        name: the parameter's name, for the error message.
+
+    Returns:
+        `micro_batch_size` as an int, or None.
+
+    Raises:
+        TypeError: neither None nor an integer (2.5, "auto", True).
+        ValueError: below 1.
+    """
+    if micro_batch_size is None:
+        return None
+    if isinstance(micro_batch_size, str):
+        raise TypeError(f"`{name}` must be None or a positive integer (1, 2, 3, ...); received "
+                        f"{micro_batch_size!r}. (A micro-batch found by the run itself is not "
+                        "available yet: find one with `find_micro_batch`.)")
+    return integer_at_least(micro_batch_size, name)
+
+
 def refuse_unknown_arguments(kwargs: Mapping[str, Any], advice: str = "") -> None:
     """Refuses `GradientAccumulator` arguments it does not know (both Keras).
 
@@ -330,7 +354,7 @@ def refuse_unknown_arguments(kwargs: Mapping[str, Any], advice: str = "") -> Non
             f"GradientAccumulator got unknown arguments: {sorted(kwargs)}. "
             "It takes `optimizer`, `accum_steps`, `partial_window`, `schedulable`, "
             "`measure_noise_scale`, `noise_scale_smoothing`, `merge_duplicate_rows`, `loss_reduction`, "
-            "`max_effective_batch_size`, `lr_scaling` (with accum_steps='auto') and `name`"
+            "`max_effective_batch_size`, `lr_scaling` (with accum_steps='auto'), `micro_batch_size` and `name`"
             + (f"; {advice}" if advice else ".")
         )
 
@@ -376,6 +400,12 @@ class WindowOptions:
             the learning-rate rule as the effective batch grows.
         auto: True when built with accum_steps="auto" (set by it; a copy made
             by `dataclasses.replace` keeps it).
+        micro_batch_size: None, or an int >= 1: `fit`'s batch is the effective
+            batch, one update, trained as ceil(len / micro_batch_size)
+            micro-batches inside one training step (`accumulator.fit_micro_batches`).
+            Not with `accum_steps` > 1, "auto", `schedulable` or
+            `measure_noise_scale` (the window counts micro-batches across steps;
+            here one step holds them all). Keras 3, one device.
 
     Raises:
         TypeError: `accum_steps` is not an integer or "auto".
@@ -394,6 +424,7 @@ class WindowOptions:
     max_effective_batch_size: Optional[int] = None
     lr_scaling: str = "none"
     auto: bool = False
+    micro_batch_size: Optional[int] = None
 
     def __post_init__(self):
         given = AUTO if self._resolved_auto() else self.accum_steps
@@ -409,7 +440,8 @@ class WindowOptions:
                   partial_window=validate_partial_window(self.partial_window),
                   measure_noise_scale=validate_measure_noise_scale(self.measure_noise_scale),
                   noise_scale_smoothing=validate_smoothing(self.noise_scale_smoothing, "noise_scale_smoothing"),
-                  schedulable=bool(self.schedulable))
+                  schedulable=bool(self.schedulable),
+                  micro_batch_size=validate_micro_batch_size(self.micro_batch_size))
         self._check_consistent()
 
     def _resolved_auto(self) -> bool:
@@ -438,10 +470,21 @@ class WindowOptions:
             )
         if self.measure_noise_scale and self.loss_reduction == "sum":
             raise ValueError(SUMMED_NOISE_SCALE_MESSAGE)
+        if self.micro_batch_size is not None and (self.auto or self.accum_steps != 1 or self.schedulable
+                                                  or self.measure_noise_scale):
+            given = "'auto'" if self.auto else self.accum_steps
+            raise ValueError(
+                "`micro_batch_size` and `accum_steps` are two ways to say the same thing: pass one. "
+                f"Received micro_batch_size={self.micro_batch_size} with accum_steps={given}, "
+                f"schedulable={self.schedulable}, measure_noise_scale={self.measure_noise_scale}. With "
+                "`micro_batch_size`, `fit`'s batch is the effective batch and each training step "
+                "splits it; with `accum_steps`, `fit`'s batch is the micro-batch and N steps make a "
+                "window. `micro_batch_size` takes accum_steps=1 and no schedule or noise scale.")
 
     @property
     def is_passthrough(self) -> bool:
-        """`accum_steps=1` without `schedulable`: no buffers, no windows."""
+        """`accum_steps=1` without `schedulable`: no buffers, no windows (also with
+        `micro_batch_size`: `fit`'s step sums the micro-batches, the optimizer updates once)."""
         return self.accum_steps == 1 and not self.schedulable
 
     @property
@@ -457,7 +500,7 @@ class WindowOptions:
             return {"accum_steps": AUTO, **self.auto_settings, "partial_window": self.partial_window,
                     "noise_scale_smoothing": self.noise_scale_smoothing,
                     "merge_duplicate_rows": self.merge_duplicate_rows, "loss_reduction": self.loss_reduction}
-        return {
+        config = {
             "accum_steps": self.accum_steps,
             "partial_window": self.partial_window,
             "schedulable": self.schedulable,
@@ -466,6 +509,9 @@ class WindowOptions:
             "merge_duplicate_rows": self.merge_duplicate_rows,
             "loss_reduction": self.loss_reduction,
         }
+        if self.micro_batch_size is not None:
+            config["micro_batch_size"] = self.micro_batch_size
+        return config
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "WindowOptions":

@@ -3,7 +3,9 @@
 Private names (`PRIVATE_NAMES` says what needs each; `test_seam.py` fails on one used
 elsewhere, or gone from the installed Keras/TF): Keras' `_all_reduce_sum_gradients`,
 `_flatten_layers`, `_loss_tracker`, `_moments`, `_learning_rate`, `_maybe_symbolic_build`,
-`reduce_per_replica`, `get_global_attribute`, `set_global_attribute`; TensorFlow's
+`reduce_per_replica`, `get_global_attribute`, `set_global_attribute`, the TensorFlow
+trainer's `train_step` (its owner), `_compute_loss`, `_call_has_training_arg` and the
+mask of a tensor (`get_keras_mask`, `set_keras_mask`); TensorFlow's
 `strategy_supports_no_merge_call`, `GraphOrParentsInXlaContext`, `_collective_key_base`,
 `_set_global_seed`; Keras 2's `_callable_losses`, `_validate_compile`, and the losses'
 `_allow_sum_over_batch_size` that `_get_reduction` reads. Why each is needed:
@@ -85,6 +87,16 @@ PRIVATE_NAMES = (
                 "MultiWorkerMirroredStrategy fix (keras#20585)", since=(3, 5)),
     PrivateName("keras.src.backend.tensorflow.trainer", "reduce_per_replica",
                 "MultiWorkerMirroredStrategy fix (keras#20585)"),
+    PrivateName("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer.train_step",
+                "micro_batch_size: fit's step split into micro-batches (its owner, where the hook goes)"),
+    PrivateName("keras", "_compute_loss", "micro_batch_size: a micro-batch's loss as Keras' step computes it",
+                on_compiled_model=True),
+    PrivateName("keras.src.backend.common.masking", "set_keras_mask",
+                "micro_batch_size: a padded micro-batch's padding masked out of the loss and the metrics"),
+    PrivateName("keras.src.backend.common.masking", "get_keras_mask",
+                "micro_batch_size: a padded micro-batch's padding masked out of the loss and the metrics"),
+    PrivateName("keras", "_call_has_training_arg", "micro_batch_size: the model called as Keras' step calls it",
+                on_compiled_model=True),
     PrivateName("tensorflow", "distribute.MirroredStrategy._collective_key_base",
                 "AccumulatingTrainer: each MirroredStrategy of a process its own collective keys"),
     PrivateName("tensorflow.python.eager.context", "Context._set_global_seed",
@@ -542,3 +554,35 @@ def batches_made_by(dataset):
     if samples < 0 or int(batch_size) < 1:
         return None
     return int(batch_size), bool(drop_remainder), samples
+
+
+# ------------------------------------------------ fit's step in micro-batches
+def train_step_owner():
+    """The class that defines Keras 3's `Model.train_step` for the TensorFlow backend."""
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    return tf_trainer.TensorFlowTrainer
+
+
+def call_for_training(model, x):
+    """`model(x)` as Keras' own `train_step` calls it."""
+    return model(x, training=True) if model._call_has_training_arg else model(x)
+
+
+def training_loss(model, x, y, y_pred, sample_weight):
+    """The loss as Keras' own `train_step` computes it (`compute_loss`, an override's too)."""
+    return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+
+
+def keras_mask(tensor):
+    """The Keras mask `tensor` carries, or None."""
+    from keras.src.backend.common import masking
+
+    return masking.get_keras_mask(tensor)
+
+
+def set_keras_mask(tensor, mask):
+    """Gives `tensor` the Keras mask `mask` (what a loss and a metric read from `y_pred`)."""
+    from keras.src.backend.common import masking
+
+    masking.set_keras_mask(tensor, mask)

@@ -133,6 +133,9 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, custom_l
             max_effective_batch_size=max_effective_batch_size, lr_scaling=lr_scaling)
         optimizer = _resolve_optimizer(optimizer)
         kwargs.pop("is_legacy_optimizer", None)     # in every Keras 2 optimizer config
+        if kwargs.pop("micro_batch_size", None) is not None or options.micro_batch_size is not None:
+            raise NotImplementedError("`micro_batch_size` (fit's batch split inside each step) is for Keras 3 "
+                                      "for now; with Keras 2, pass `accum_steps` and fit at the micro-batch.")
         refuse_unknown_arguments(kwargs, "set clipping, weight decay and EMA on the inner optimizer.")
         super().__init__(name=name or "GradientAccumulator")
         # The base class's own update counter: unused (`iterations` is the inner

@@ -102,7 +102,7 @@ ROOMS = {
     "schedules": ("callbacks", "auto_batch"),
     "optimizers": ("loss_scaling", "optimizer", "keras2", "keras2.optimizer", "keras2.gradient_cache", "keras2.task_cache",
                    "gradient_cache", "batch_norm"),
-    "training": ("backup", "fit_hook", "hooks", "row_room", "micro_batch_workers", "micro_batch", "out_of_memory"),
+    "training": ("backup", "fit_micro_batches", "fit_hook", "hooks", "row_room", "micro_batch_workers", "micro_batch", "out_of_memory"),
     "entry points": ("autowrap", "tuning", "check_report", "check_arguments", "check_runs", "check_compare",
                      "check_arbiter", "check", ""),
 }
