@@ -7,8 +7,9 @@ from benchmarks import parts, probe_cost
 
 def test_one_real_measurement_on_a_small_model_and_the_report_of_its_repeats(tmp_path):
     measured = probe_cost.measure_once("tiny_cnn", effective=16, updates=2)
-    # 16 fits here: the doubling runs 1, 2, 4, 8, 16; uniform, 10% headroom: b = 8 (14 -> 8 x 2).
-    assert (measured["probe_steps"], measured["micro_batch"], measured["accum_steps"]) == (5, 8, 2)
+    # 16 fits here: the doubling runs 1, 2, 4, 8, 16 and on to 18 = smallest_taken_whole(16), the
+    # end of the search; 18 fits, so with 10% headroom E is taken whole: 16 x 1.
+    assert (measured["probe_steps"], measured["micro_batch"], measured["accum_steps"]) == (6, 16, 1)
     assert measured["probe_seconds"] > 0 and measured["update_seconds"] > 0
     slower = dict(measured, probe_seconds=2 * measured["probe_seconds"])
     summary = probe_cost.summarize([measured, slower, measured])
