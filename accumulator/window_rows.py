@@ -352,8 +352,11 @@ def add_rows_in_place(values, indices, count, grad, weight, strategy):
     if rows is None:
         # Room for the rows: grown (in the graph) when the ids' count is known only at run time.
         def grow():
-            for buffer, new in ((values, new_values), (indices, new_indices)):
-                buffer.assign(tf.concat([buffer[:held], tf.zeros_like(new)[held:]], 0), read_value=False)
+            # The values first, the ids after them (the room is read from the ids): a step
+            # that runs out of memory before its gradient leaves the ids' buffer as it was.
+            grown = values.assign(tf.concat([values[:held], tf.zeros_like(new_values)[held:]], 0), read_value=False)
+            with tf.control_dependencies([grown]):
+                indices.assign(tf.concat([indices[:held], tf.zeros_like(new_indices)[held:]], 0), read_value=False)
         tf.cond(tf.shape(indices, out_type=tf.int64)[0] < n, grow, lambda: None)
         tf.debugging.assert_equal(
             tf.logical_or(tf.equal(held, 0), tf.equal(held, n)), True,

@@ -110,3 +110,82 @@ def test_the_recovery_through_a_cliff_mid_run_lands_on_keras_large_batch(headroo
     print(f"max |dw| against Keras' batch of {e} after {run.switches}: {delta:.3g}")
     assert delta <= 1e-5
     assert int(model.optimizer.iterations.numpy()) == 8
+
+
+def _position_model(budget=None, seed=0):
+    """keras.io's `TokenAndPositionEmbedding` (its position table looked up once per batch,
+    `arange`; its token table once per token) -> a `TokenCliff(budget)` -> mean over time ->
+    Dense(1): the lookup kind whose rows the large batch has once per position."""
+    from tests.accumulator.test_lookups import TokenAndPositionEmbedding
+
+    keras.utils.set_random_seed(seed)
+    ids = keras.Input((None,), dtype="int32")
+    embedded = TokenAndPositionEmbedding(20, VOCABULARY, 8)(ids)
+    hidden = keras.layers.GlobalAveragePooling1D()(memory_cliff.TokenCliff(budget)([embedded, ids]))
+    return keras.Model(ids, keras.layers.Dense(1)(hidden))
+
+
+def _through_the_cliff(make_model, inner, rows, e, **options):
+    """`fit_with_out_of_memory_recovery` from a largest fitting micro-batch of 3 (headroom 0.1),
+    through sequences that grow to 16 ids in the third batch: (the model, its switches)."""
+    model = make_model(BUDGET)
+    model.compile(GradientAccumulator(_inner(inner), schedulable=True, **options), "mse")
+    micro_batch, accum_steps = split(e, 3, 0.1)
+    model.optimizer.set_accum_steps(accum_steps)
+    run = fit_with_out_of_memory_recovery(model, _dataset(rows, e), MicroBatchFit(micro_batch, accum_steps, e, 3, ()),
+                                          epochs=2, verbose=0)
+    return model, run.switches
+
+
+def test_the_recovery_is_exact_on_a_position_table_looked_up_once_per_batch():
+    """Every lookup kind, the position table's too: its rows summed over the window (one row per
+    position, as Keras' large batch has them) across the dropped window and the switch."""
+    e = 10
+    rows = _rows([SHORT, SHORT, 16, 16], e)
+    model, switches = _through_the_cliff(_position_model, "adam", rows, e)
+    assert switches, "the sequences of 16 ids must run out of memory at the found micro-batch"
+    reference = _position_model()
+    reference.compile(_inner("adam"), "mse")
+    reference.fit(_dataset(rows, e), epochs=2, verbose=0, shuffle=False)
+    delta = ref.max_abs_diff(model.get_weights(), reference.get_weights())
+    print(f"max |dw| against Keras' batch of {e} after {switches}: {delta:.3g}")
+    assert delta <= 1e-5
+
+
+@pytest.mark.parametrize("inner", ["sgd", "adam"])
+def test_the_recovery_is_exact_with_merged_rows(inner):
+    """`merge_duplicate_rows=True` sums the window's rows per id before the inner optimizer,
+    so any split of the window gives the same update: the recovery through the cliff lands on
+    the same windows trained at one split without one (and, with SGD, where merging changes
+    nothing, on Keras' own large batch)."""
+    e = 10
+    rows = _rows([SHORT, SHORT, 16, 16], e)
+    model, switches = _through_the_cliff(memory_cliff.embedding_model, inner, rows, e, merge_duplicate_rows=True)
+    assert switches
+    same_windows = memory_cliff.embedding_model(None, VOCABULARY)
+    same_windows.compile(GradientAccumulator(_inner(inner), accum_steps=2, merge_duplicate_rows=True), "mse")
+    same_windows.fit(_dataset(rows, e).unbatch().padded_batch(e // 2), epochs=2, verbose=0, shuffle=False)
+    delta = ref.max_abs_diff(model.get_weights(), same_windows.get_weights())
+    print(f"{inner}: max |dw| against merged windows of 2 x 5 without a cliff: {delta:.3g}")
+    assert delta <= 1e-5
+    if inner == "sgd":
+        reference = _keras_large_batch(inner, _dataset(rows, e), epochs=2)
+        assert ref.max_abs_diff(model.get_weights(), reference.get_weights()) <= 1e-5
+
+
+def test_the_search_is_exact_on_a_position_table_looked_up_once_per_batch():
+    """The search's probes on keras.io's `TokenAndPositionEmbedding` (4 runs out, 3 fits), then
+    training at the split found lands on Keras' `fit(batch_size=E)`."""
+    e = 12
+    x, y = (np.array(a) for a in next(iter(_dataset(_rows([SHORT] * 3, e), e).unbatch().batch(3 * e))))
+    model = _position_model(BUDGET)
+    model.compile(GradientAccumulator(_inner("adam"), schedulable=True), "mse")
+    found = find_micro_batch(model, x[:e], y[:e], effective_batch_size=e, headroom=0.0, uniform=True)
+    assert (found.largest_fitting, found.micro_batch, found.accum_steps) == (3, 3, 4)
+    model.fit(x, y, batch_size=found.micro_batch, epochs=2, verbose=0, shuffle=False)
+    reference = _position_model()
+    reference.compile(_inner("adam"), "mse")
+    reference.fit(x, y, batch_size=e, epochs=2, verbose=0, shuffle=False)
+    delta = ref.max_abs_diff(model.get_weights(), reference.get_weights())
+    print(f"max |dw| against Keras' fit(batch_size={e}) after the search ({found}): {delta:.3g}")
+    assert delta <= 1e-5
