@@ -122,8 +122,11 @@ $(KERAS2_LATEST)/.installed-py$(KERAS2_LATEST_PY): setup.py constraints/keras2-l
 
 # The main job: the digits pipeline, locally on the Beam DirectRunner. Run it
 # again and the cached components are reused.
+# DEMO_ARGS=--micro_batch_size=16 trains the Trainer with the effective batch as fit's batch,
+# each update split into micro-batches of 16 inside the step (or =auto: found by the run).
+DEMO_ARGS ?=
 demo: $(VENV)/.installed
-	$(VENV)/bin/python -m tfx_gradient_accumulator.pipelines.run_local --output_dir=work/digits
+	$(VENV)/bin/python -m tfx_gradient_accumulator.pipelines.run_local --output_dir=work/digits $(DEMO_ARGS)
 
 # The second one: a two-tower retrieval model with in-batch negatives, trained by
 # AccumulatingTrainer(gradient_cache=True) on synthetic clustered interactions; prints

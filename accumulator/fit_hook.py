@@ -2,7 +2,8 @@
 
 `before_fit` (called by the `fit` hook of `accumulator.hooks`, for Keras 3 and Keras 2)
 refuses set-ups that would train wrong (also those `micro_batch_size` does not take yet:
-`fit_micro_batches.refuse_unsupported`), warns where the batch size would make windows
+`fit_micro_batches.refuse_unsupported`, and `fit_auto_micro_batch.refuse_unsupported` for
+`micro_batch_size="auto"`, whose epochs it notes), warns where the batch size would make windows
 other than the effective batch `find_micro_batch` set the window for
 (`micro_batch.warn_of_windows_off_the_effective_batch`), ties `AccumBatchNormalization` layers to the
 optimizer, and puts the window callback first, so the window closes before any other
@@ -11,7 +12,8 @@ callback reads the weights. Models compiled with any other optimizer are left al
 
 import keras
 
-from tfx_gradient_accumulator.accumulator import fit_micro_batches, flavours, micro_batch, row_room, weighting
+from tfx_gradient_accumulator.accumulator import (fit_auto_micro_batch, fit_micro_batches, flavours, micro_batch,
+                                                  row_room, weighting)
 from tfx_gradient_accumulator.accumulator.replicas import NO_MERGE_CALL_MESSAGE
 from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation, auto_rule_of
 from tfx_gradient_accumulator.accumulator.callbacks import EpochWindows
@@ -33,8 +35,14 @@ def before_fit(model, callbacks, fit_arguments=None):
             "keras.optimizers.LossScaleOptimizer(inner), accum_steps)). An accumulator that "
             "was already built without loss scaling cannot take it: compile a new one."
         )
+    fit_auto_micro_batch.refuse_unsupported(model)
     if not flavours.is_keras2_object(model):
         fit_micro_batches.refuse_unsupported(model)
+        callbacks = fit_auto_micro_batch.with_epoch_note(model, callbacks)
+    else:
+        from tfx_gradient_accumulator.accumulator.keras2 import fit_micro_batches as keras2_fit_micro_batches
+
+        keras2_fit_micro_batches.refuse_unsupported(model)
     if not isinstance(optimizer, AccumulationWindow) or optimizer.is_passthrough:
         return callbacks
     if getattr(model, "jit_compile", False) is True and \

@@ -23,10 +23,30 @@ table looked up once per batch (a position table's `arange`, `accumulator.lookup
 its rows summed over the micro-batches, as the large batch has them once.
 
 Metrics are updated per micro-batch: Keras releases that apply an output's mask to the
-unweighted `metrics=` only with sample weights (3.8) count the padding there.
+unweighted `metrics=` only with sample weights (3.8) count the padding there. Each
+output's loss tracker (`<output>_loss`), which Keras' loss weighs by the micro-batch's
+static rows, is weighed again by its real rows (`_weigh_by_real_rows`).
 
-This slice: Keras 3, one device, no loss scaling, Keras' own `train_step`
-(`refuse_unsupported` says so before `fit` trains).
+Replicas (MirroredStrategy, MultiWorkerMirroredStrategy): `micro_batch_size` is global,
+each replica's loop runs micro-batches of b / R of its share (`refuse_unsupported`
+refuses a b the replicas cannot share, and XLA under several replicas). The loop's sums
+and weights are added over the replicas in one all-reduce, per-sample rows gathered in
+replica order (`sum_over_replicas`), and the update is R sum(D_i g_i) / sum(D_i) over
+every replica's micro-batches (Keras divides each replica's mean loss by R): exact where
+the replicas' shares are uneven. The inner optimizer applies it once from cross-replica
+context with its own all-reduce off (`_apply_once`), so clipping sees the global gradient.
+
+Loss scaling (mixed_float16, `compile`'s LossScaleOptimizer taken inside the
+accumulator): each micro-batch's loss scaled by S times its share of the batch's samples
+(each sample's float16 gradient at the large batch's scale), the gradients brought back
+to S, one unscaling and finiteness check by the LossScaleOptimizer; a gradient beyond
+float16's range in a float16 layer is made NaN first (`_float16_overflow_as_nan`), as the
+large batch's float16 gradient would overflow. `merge_duplicate_rows` merges the rows
+after the sums (densely under XLA, which cannot merge rows).
+
+The loop pieces (`micro_batch`, `gradient_kinds`, `micro_batch_loop`,
+`sum_over_replicas`, `update_gradients`) are plain TensorFlow, shared with Keras 2.
+Keras' own `train_step` only: a model's own is refused before `fit` trains.
 """
 
 import functools
@@ -34,7 +54,8 @@ import functools
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import _tf, lookups, seam, weighting
+from tfx_gradient_accumulator.accumulator import _tf, lookups, loss_scaling, replicas, seam, weighting, window_rows
+from tfx_gradient_accumulator.accumulator.replicas import NO_MERGE_CALL_MESSAGE
 from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
 
 
@@ -47,7 +68,8 @@ def micro_batch_size_of(model):
 
 
 def refuse_unsupported(model):
-    """Before `fit` trains: what this first slice of `micro_batch_size` does not do yet."""
+    """Before `fit` trains: what `micro_batch_size` cannot do (without Keras' hooks, a model's
+    own `train_step`, XLA under several replicas) and a micro-batch the replicas cannot share."""
     size = micro_batch_size_of(model)
     if size is None:
         return
@@ -61,19 +83,22 @@ def refuse_unsupported(model):
             f"micro_batch_size={size}: the model defines its own `train_step`, which the accumulator "
             "cannot split into micro-batches. Use `accum_steps` (fit at the micro-batch), or Keras' "
             "own train_step.")
-    if model.distribute_strategy.num_replicas_in_sync > 1 or tf.distribute.has_strategy():
-        raise NotImplementedError(
-            f"micro_batch_size={size} trains on one device for now; under a tf.distribute strategy "
-            "use `accum_steps` (fit at the micro-batch).")
-    if getattr(model.optimizer, "loss_scale_optimizer", None) is not None:
-        raise NotImplementedError(
-            f"micro_batch_size={size} does not take loss scaling (mixed_float16) yet; use "
-            "`accum_steps` (fit at the micro-batch), or float32.")
+    replica_count = model.distribute_strategy.num_replicas_in_sync
+    if isinstance(size, int) and size % replica_count:
+        raise ValueError(
+            f"micro_batch_size={size} is not divisible by the {replica_count} replicas in sync: it is global, "
+            f"as fit's batch_size is, and each replica trains micro-batches of micro_batch_size / "
+            f"{replica_count}. Pass a multiple of {replica_count} "
+            f"(for example {max(replica_count, size - size % replica_count)}).")
+    if replica_count > 1 and getattr(model, "jit_compile", False) is True:
+        raise NotImplementedError(NO_MERGE_CALL_MESSAGE)
 
 
-def _micro_batch(batch, size, count, index):
-    """Micro-batch `index` of `batch` ((x, y, sample_weight) of `count` samples): `size`
-    rows, the last filled up with the batch's first samples; and which rows are real."""
+def micro_batch(batch, size, count, index):
+    """Micro-batch `index` of `batch` (any nest of tensors, None allowed, of `count` rows):
+    `size` rows, the last filled up with the batch's first samples (static shapes, so a
+    loop body and an XLA program keep one shape); and which rows are real (bool, `size`).
+    Plain TensorFlow, for both Keras."""
     positions = tf.range(size) + index * size
     real = positions < count
     rows = tf.math.floormod(positions, count)
@@ -129,13 +154,26 @@ def _sums_its_samples(model):
     return reduction == "sum" or (reduction == "auto" and weighting.summed_loss(model) is not None)
 
 
-def _micro_step(model, variables, batch, index, size, count, summed):
-    """One micro-batch: (its gradients, its loss, its weight), the metrics updated."""
-    (x, y, sample_weight), real = _micro_batch(batch, size, count, index)
+def _micro_step(model, variables, batch, index, size, count, summed, loss_scale=None):
+    """One micro-batch: (its gradients, its loss, its weight), the metrics updated.
+
+    Under loss scaling (`loss_scale`, the scale S of this update) the loss the gradients
+    are taken of is scaled by S times the micro-batch's share of the batch's samples, so
+    each sample's float16 gradient is scaled as in the large batch (S over the batch's
+    samples, not over the micro-batch's); the gradients come back at S."""
+    (x, y, sample_weight), real = micro_batch(batch, size, count, index)
+    trackers = seam.output_loss_trackers(model)
+    before = [tf.identity(tracker.total) for tracker in trackers]
     with tf.GradientTape() as tape:
         y_pred = _masked(seam.call_for_training(model, x), real)
         loss = seam.training_loss(model, x, y, y_pred, sample_weight)
-    grads = tape.gradient(loss, variables)
+        if loss_scale is not None:
+            share = tf.reduce_sum(tf.cast(real, tf.float32)) / tf.cast(count, tf.float32)
+            scaled = tf.cast(loss, tf.float32) * (loss_scale * share)
+    _weigh_by_real_rows(trackers, before, real, loss, count)
+    grads = tape.gradient(loss if loss_scale is None else scaled, variables)
+    if loss_scale is not None:
+        grads = [_times(g, 1.0 / share) for g in grads]
     lookups.note_batch_size(size, _tf.current_graph())     # tells a table looked up once per batch
     weight = tf.constant(1.0)
     if not summed:
@@ -146,11 +184,40 @@ def _micro_step(model, variables, batch, index, size, count, summed):
     return grads, tf.cast(loss, tf.float32), weight
 
 
-def _gradient_kinds(step):
-    """Each gradient as a traced micro-step makes it (None, a tensor, `tf.IndexedSlices`),
-    and the positions of those whose rows are a table looked up once per batch (of a static
-    row count): traced once in a scratch function, never run, so the loop's variables can
-    be made."""
+def _weigh_by_real_rows(trackers, before, real, loss, count):
+    """Each output's loss tracker as the large batch's. Keras' loss adds an output's loss
+    L weighed by its rows' static count, or by 1 where the batch's size is not static (a
+    dataset's, arrays' after a shorter last batch): here the micro-batch's rows b, padding
+    included (`before`: each tracker's total before). Weighed again by its real rows r
+    over the batch's `count` n, times n where n is static: over the micro-batches,
+    sum(r_i L_i) / n is the large batch's L, with the large batch's weight (exact for an
+    output's loss over its rows; with a mask of its own, a mean of its micro-batches')."""
+    if not trackers:
+        return
+    size = tf.cast(tf.size(real), tf.float32)
+    rows = tf.reduce_sum(tf.cast(real, tf.float32))
+    weight = rows if isinstance(count, int) else rows / tf.cast(count, tf.float32)
+    with tf.control_dependencies([loss]):
+        for tracker, total in zip(trackers, before):
+            added = tf.identity(tracker.total) - total
+            tracker.total.assign_add(added * tf.cast(weight / size - 1.0, added.dtype))
+            tracker.count.assign_add(tf.cast(weight - size, tracker.count.dtype))
+
+
+def _times(grad, factor):
+    """`grad` (None, a tensor or `tf.IndexedSlices`) times `factor` (a float32 scalar)."""
+    if grad is None:
+        return None
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices, grad.dense_shape)
+    return grad * tf.cast(factor, grad.dtype)
+
+
+def gradient_kinds(step):
+    """`step(index)` returns (gradients, ...). Each gradient as a traced micro-step makes it
+    (None, a tensor, `tf.IndexedSlices`), and the positions of those whose rows are a table
+    looked up once per batch (of a static row count): traced once in a scratch function,
+    never run, so the loop's variables can be made. Plain TensorFlow, for both Keras."""
     once = []
 
     def scratch():
@@ -164,14 +231,20 @@ def _gradient_kinds(step):
     return list(traced.structured_outputs), once
 
 
-def _loop(step, kinds, once, count):
+def micro_batch_loop(step, kinds, once, count, size, variables):
     """The micro-batches in a `tf.while_loop`: (dense sums, sparse rows, loss sum, weight sum).
+
+    `step(index=i)` trains micro-batch i and returns (gradients, loss, weight); `kinds` and
+    `once` are `gradient_kinds(step)`; `count` the batch's samples (an int or a scalar
+    tensor), `size` the micro-batch's, `variables` those the gradients are of (their
+    shapes make the dense sums). Dense sums are `{position: sum of weight * gradient}`,
+    sparse rows `{position: (weighted rows, ids)}`. Plain TensorFlow, for both Keras.
     Rows looked up once per batch (`once`) are summed, as the large batch has them once; other
     rows are kept, one array per gradient, concatenated."""
     dense_at = [k for k, kind in enumerate(kinds) if kind is not None and not isinstance(kind, tf.IndexedSlices)]
     dense_at += once
     sparse_at = [k for k, kind in enumerate(kinds) if isinstance(kind, tf.IndexedSlices) and k not in once]
-    micro_batches = (count + step.keywords["size"] - 1) // step.keywords["size"]
+    micro_batches = (count + size - 1) // size
 
     def arrays(attribute):
         return [tf.TensorArray(getattr(kinds[k], attribute).dtype, size=micro_batches,
@@ -192,7 +265,7 @@ def _loop(step, kinds, once, count):
     def zeros(k):
         if k in once:
             return tf.zeros(kinds[k].values.shape, kinds[k].values.dtype)
-        return tf.zeros(step.args[1][k].shape, kinds[k].dtype)
+        return tf.zeros(variables[k].shape, kinds[k].dtype)
 
     once_ids = [tf.zeros(kinds[k].indices.shape, kinds[k].indices.dtype) for k in once]
     start = (tf.constant(0), tf.constant(0.0), tf.constant(0.0), [zeros(k) for k in dense_at],
@@ -206,6 +279,85 @@ def _loop(step, kinds, once, count):
     return sums, rows, loss_sum, weight_sum
 
 
+def _replicas():
+    """(the replica context, its replicas) in a replica context of several; (None, 1) else."""
+    if not tf.distribute.has_strategy():
+        return None, 1
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return None, 1
+    return context, context.num_replicas_in_sync
+
+
+def sum_over_replicas(context, sums, once, variables):
+    """The loop's sums (`micro_batch_loop`'s four) over all replicas, in replica context
+    `context` (unchanged for None): dense sums, a table's once-per-batch rows (positions
+    `once`), the loss and weight sums added in one all-reduce; rows per sample gathered in
+    replica order (the large batch's rows: replica r holds the r-th share of the batch).
+    Plain TensorFlow, for both Keras."""
+    if context is None:
+        return sums
+    dense, sparse, loss_sum, weight_sum = sums
+    dense_at, once_at = list(dense), [k for k in once if k in sparse]
+    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, [dense[k] for k in dense_at]
+                                + [sparse[k][0] for k in once_at] + [loss_sum, weight_sum])
+    dense = dict(zip(dense_at, summed[:len(dense_at)]))
+    rows = dict(sparse)
+    rows.update({k: (v, sparse[k][1]) for k, v in zip(once_at, summed[len(dense_at):-2])})
+    per_sample = [k for k in sparse if k not in once_at]
+    if per_sample:
+        gathered = context.all_reduce(tf.distribute.ReduceOp.SUM, [
+            tf.IndexedSlices(*sparse[k], tf.shape(variables[k], out_type=sparse[k][1].dtype))
+            for k in per_sample])
+        rows.update({k: (g.values, g.indices) for k, g in zip(per_sample, gathered)})
+    return dense, rows, summed[-2], summed[-1]
+
+
+def update_gradients(kinds, variables, dense, sparse, factor, merge=False, densify=False):
+    """The update's gradients from the (reduced) sums: each times `factor` (R over the
+    weight sum for a mean loss, R undoing Keras' 1 / R of each replica's loss; 1 for a
+    loss that sums), rows per id summed first with `merge` (`merge_duplicate_rows`), as a
+    dense tensor with `densify` (under XLA, which cannot merge rows: the same update where
+    the rows are merged). Plain TensorFlow."""
+    grads = []
+    for k, (kind, variable) in enumerate(zip(kinds, variables)):
+        if k in dense:
+            grads.append(dense[k] * tf.cast(factor, dense[k].dtype))
+        elif k in sparse:
+            rows, indices = sparse[k]
+            slices = tf.IndexedSlices(rows * tf.cast(factor, rows.dtype), indices,
+                                      tf.shape(variable, out_type=indices.dtype))
+            if merge and densify:
+                slices = tf.math.unsorted_segment_sum(slices.values, slices.indices, tf.shape(variable)[0])
+            elif merge:
+                slices = window_rows.merge_duplicate_rows(slices)
+            grads.append(slices)
+        else:
+            grads.append(None)
+    return grads
+
+
+def _float16_overflow_as_nan(optimizer, grads, variables):
+    """`grads` (the update's mean at the loss scale S), NaN throughout where a variable of a
+    float16 layer has one beyond float16's range: the large batch's float16 gradient there
+    is that sum, and would be inf; the LossScaleOptimizer then skips the update and lowers
+    the scale, as for the large batch (`loss_scaling.WindowLossScaling` does it for a window)."""
+    layers = getattr(optimizer, "_float16_layers", None)
+    checked = {id(v) for layer in layers or () for v in layer.trainable_weights}
+    values = [g.values if isinstance(g, tf.IndexedSlices) else g
+              for g, v in zip(grads, variables) if g is not None and id(v) in checked]
+    if not values:
+        return grads
+    in_range = tf.reduce_all(tf.stack([tf.reduce_all(tf.abs(v) < loss_scaling.FLOAT16_OVERFLOW) for v in values]))
+    return [None if g is None else _times(g, tf.where(in_range, 1.0, float("nan"))) for g in grads]
+
+
+def _loss_scale(optimizer):
+    """The loss scale S of this update (a float32 scalar), or None without loss scaling."""
+    held = getattr(optimizer, "loss_scale_optimizer", None)
+    return None if held is None else tf.cast(held.scale_loss(1.0), tf.float32)
+
+
 @tf.autograph.experimental.do_not_convert
 def train_step(model, data):
     """Keras' `train_step` for a model whose optimizer has `micro_batch_size`: one update
@@ -213,24 +365,38 @@ def train_step(model, data):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     first = next(t for t in tf.nest.flatten(x) if t is not None)
     count = first.shape[0] if first.shape[0] is not None else tf.shape(first)[0]
-    variables = list(model.trainable_variables)
-    summed = _sums_its_samples(model)
+    optimizer, variables = model.optimizer, list(model.trainable_variables)
+    context, replica_count = _replicas()
+    size, summed = optimizer.micro_batch_size // replica_count, _sums_its_samples(model)
+    loss_scale = _loss_scale(optimizer)
     step = functools.partial(_micro_step, model, variables, (x, y, sample_weight),
-                             size=model.optimizer.micro_batch_size, count=count, summed=summed)
-    kinds, once = _gradient_kinds(step)
-    dense, sparse, loss_sum, weight_sum = _loop(step, kinds, once, count)
-    divisor = tf.constant(1.0) if summed else weight_sum
-    grads = []
-    for k, (kind, variable) in enumerate(zip(kinds, variables)):
-        if k in dense:
-            grads.append(tf.math.divide_no_nan(dense[k], tf.cast(divisor, dense[k].dtype)))
-        elif k in sparse:
-            rows, indices = sparse[k]
-            grads.append(tf.IndexedSlices(tf.math.divide_no_nan(rows, tf.cast(divisor, rows.dtype)),
-                                          indices, tf.shape(variable, out_type=indices.dtype)))
-        else:
-            grads.append(None)
-    loss = tf.math.divide_no_nan(loss_sum, divisor)
-    seam.loss_tracker(model).update_state(loss, sample_weight=count)
-    model.optimizer.apply_gradients(zip(grads, variables))
+                             size=size, count=count, summed=summed, loss_scale=loss_scale)
+    kinds, once = gradient_kinds(step)
+    dense, sparse, loss_sum, weight_sum = sum_over_replicas(
+        context, micro_batch_loop(step, kinds, once, count, size, variables), once, variables)
+    # Keras scales a mean loss by 1 / R in each replica's `Loss.__call__` (not a sum): R undoes it.
+    factor = tf.constant(1.0) if summed else tf.math.divide_no_nan(tf.constant(float(replica_count)), weight_sum)
+    grads = update_gradients(kinds, variables, dense, sparse, factor, merge=optimizer.merge_duplicate_rows,
+                             densify=seam.in_xla_context())
+    if loss_scale is not None:
+        grads = _float16_overflow_as_nan(optimizer, grads, variables)
+    seam.loss_tracker(model).update_state(loss_sum * factor, sample_weight=count)
+    _apply_once(optimizer, context, grads, variables)
     return model.get_metrics_result()
+
+
+def _apply_once(optimizer, context, grads, variables):
+    """The inner optimizer's one update with the reduced `grads`. Under several replicas
+    from cross-replica context (a `merge_call`), each replica applying the global gradient
+    with the inner optimizer's own all-reduce switched off (as the window's close does):
+    clipping then acts on the large batch's gradient, not on each replica's share."""
+    if context is None:
+        optimizer.apply_gradients(zip(grads, variables))
+        return
+    given = [(g, v) for g, v in zip(grads, variables) if g is not None]
+
+    def in_each(reduced):
+        optimizer.apply_gradients(zip(reduced, [v for _, v in given]))
+
+    context.merge_call(lambda distribution, reduced: replicas.in_each_replica(
+        distribution, optimizer._updates_without_reduction, in_each, reduced), args=([g for g, _ in given],))

@@ -4,7 +4,10 @@ Models compiled with any optimizer other than a `GradientAccumulator` train exac
 without the library. The changes: (1) at import, `install()` wraps `Model.fit` and
 `Model.compute_loss` of each installed Keras, Keras 3's `Model.get_weights`, `save` and
 `save_weights` (a custom loop's open window is told of first), Keras 3's `compile` (a mixed_float16
-model's loss scaling goes inside the accumulator), and two Keras 3 functions that stop `fit`
+model's loss scaling goes inside the accumulator), Keras 3's `train_step` and
+`make_train_function` (`micro_batch_size`: the batch split inside the step; with "auto", the
+batch fetched before the compiled step, to be trained again after an out-of-memory error),
+and two Keras 3 functions that stop `fit`
 under `MultiWorkerMirroredStrategy` (`uninstall()` restores them; `ACCUMULATOR_KERAS_HOOKS=0`
 skips them); (2) while `accumulating_compile` is open, `Model.compile` wraps optimizers,
 and, when asked, `fit` backs up and strategy scopes map onto one strategy; (3) while a
@@ -24,7 +27,8 @@ from typing import TYPE_CHECKING
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import fit_hook, fit_micro_batches, flavours, loop_notes, seam, weighting
+from tfx_gradient_accumulator.accumulator import (fit_auto_micro_batch, fit_hook, fit_micro_batches, flavours,
+                                                  loop_notes, seam, weighting)
 from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
 
 if TYPE_CHECKING:
@@ -36,8 +40,9 @@ logger = logging.getLogger(__name__)
 
 HOOKS_ENV = "ACCUMULATOR_KERAS_HOOKS"
 HOOKS = ("fit", "compute_loss", "compile", "symbolic_build", "scalar_logs", "get_weights", "save", "save_weights",
-         "fit_micro_batches",
-         "keras2_fit", "keras2_compute_loss", "keras2_get_weights", "keras2_save", "keras2_save_weights")
+         "fit_micro_batches", "fit_auto_micro_batch",
+         "keras2_fit", "keras2_compute_loss", "keras2_get_weights", "keras2_save", "keras2_save_weights",
+         "keras2_fit_micro_batches")
 
 # What restores each function `install()` replaced, by label.
 _restorers = {}
@@ -64,6 +69,12 @@ def install(hooks: Iterable[str] = HOOKS) -> list[str]:
       model whose `GradientAccumulator` has `micro_batch_size`, the step of
       `accumulator.fit_micro_batches` (the batch as one update, trained in
       micro-batches inside the step); Keras' own step for every other model.
+    * `"fit_auto_micro_batch"`: Keras 3's `make_train_function` (the TensorFlow
+      trainer's). For a model whose `GradientAccumulator` has `micro_batch_size="auto"`,
+      `accumulator.fit_auto_micro_batch.train_function`: the batch taken from the
+      iterator eagerly, then a compiled step per micro-batch size, so a step that runs
+      out of memory trains the same batch again at a smaller one; Keras' own for every
+      other model.
     * `"symbolic_build"`, `"scalar_logs"`: the two Keras functions that stop `fit`
       under `MultiWorkerMirroredStrategy` (keras-team/keras#20585); each is a no-op
       under any other strategy.
@@ -72,8 +83,8 @@ def install(hooks: Iterable[str] = HOOKS) -> list[str]:
       whose custom loop left a window open over the model's variables (its
       micro-batches are not in what is read); they change nothing else.
     * `"keras2_fit"`, `"keras2_compute_loss"`, `"keras2_get_weights"`, `"keras2_save"`,
-      `"keras2_save_weights"`: where Keras 2 is installed (`tf_keras`, or TF 2.15's
-      `keras`), its `Model`'s, the same way.
+      `"keras2_save_weights"`, `"keras2_fit_micro_batches"` (its `train_step`): where
+      Keras 2 is installed (`tf_keras`, or TF 2.15's `keras`), its `Model`'s, the same way.
 
     A hook whose Keras or function is absent here is skipped.
 
@@ -134,6 +145,7 @@ def _targets():
             "save": (keras.Model, "save", functools.partial(_make_model_read, saving=True)),
             "save_weights": (keras.Model, "save_weights", functools.partial(_make_model_read, saving=True)),
             "fit_micro_batches": (seam.train_step_owner(), "train_step", _make_train_step),
+            "fit_auto_micro_batch": (seam.train_step_owner(), "make_train_function", _make_make_train_function),
         })
         targets.update(seam.multiworker_fixes())
     keras2 = flavours.keras2_module()
@@ -144,6 +156,7 @@ def _targets():
             "keras2_get_weights": (keras2.Model, "get_weights", functools.partial(_make_model_read, saving=False)),
             "keras2_save": (keras2.Model, "save", functools.partial(_make_model_read, saving=True)),
             "keras2_save_weights": (keras2.Model, "save_weights", functools.partial(_make_model_read, saving=True)),
+            "keras2_fit_micro_batches": (keras2.Model, "train_step", _make_keras2_train_step),
         })
     return targets
 
@@ -182,6 +195,36 @@ def _make_train_step(original):
         if fit_micro_batches.micro_batch_size_of(self) is None:
             return original(self, data)
         return fit_micro_batches.train_step(self, data)
+
+    train_step.accumulator_hook = True
+    return train_step
+
+
+def _make_make_train_function(original):
+    """Keras 3's `make_train_function`, whose function trains a batch again at a smaller
+    micro-batch after an out-of-memory error for a `micro_batch_size="auto"` model."""
+    @functools.wraps(original)
+    def make_train_function(self, force=False):
+        if not fit_auto_micro_batch.is_auto(self):
+            return original(self, force)
+        if self.train_function is None or force:
+            fit_auto_micro_batch.refuse_unsupported(self)
+            self.train_function = fit_auto_micro_batch.train_function(self)
+        return self.train_function
+
+    return make_train_function
+
+
+def _make_keras2_train_step(original):
+    """Keras 2's `train_step`, in micro-batches for a model whose optimizer has `micro_batch_size`
+    (`accumulator.keras2.fit_micro_batches`, imported only where Keras 2 is installed)."""
+    from tfx_gradient_accumulator.accumulator.keras2 import fit_micro_batches as keras2_fit_micro_batches
+
+    @functools.wraps(original)
+    def train_step(self, data):
+        if fit_micro_batches.micro_batch_size_of(self) is None:
+            return original(self, data)
+        return keras2_fit_micro_batches.train_step(self, data)
 
     train_step.accumulator_hook = True
     return train_step

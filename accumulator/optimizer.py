@@ -15,6 +15,8 @@ import keras
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import _tf, custom_loop, flavours, refusals, seam
+from tfx_gradient_accumulator.accumulator.micro_batch_changes import AUTO as AUTO_MICRO_BATCH
+from tfx_gradient_accumulator.accumulator.micro_batch_changes import MicroBatchChange, state_of
 from tfx_gradient_accumulator.accumulator.forwarding import InnerOptimizerForwarding
 from tfx_gradient_accumulator.accumulator.loss_scaling import WindowLossScaling
 from tfx_gradient_accumulator.accumulator.options import (  # noqa: F401  (validators re-exported: the public names)
@@ -92,7 +94,17 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
     program with `jit_compile=True`); the last one is padded to b and its
     padding masked out of the loss and the metrics, so every shape is static.
     Keras' steps, `iterations`, callbacks and the progress bar count updates
-    (`accumulator.fit_micro_batches`). Keras 3, one device, float32 for now.
+    (`accumulator.fit_micro_batches`). Under MirroredStrategy and
+    MultiWorkerMirroredStrategy b is global (a multiple of the replicas) and
+    the samples' weighting global; under mixed_float16 one loss scale per
+    update.
+
+    With `micro_batch_size="auto"` the run finds b itself: it starts with the
+    whole batch, and a step that runs out of memory trains the same batch again
+    at a smaller even split ceil(E / N) (the weights and the optimizer's state
+    untouched by the failed step, its metrics and non-trainable state put back);
+    `micro_batch_size` reads the b in use, `micro_batch_changes` each change
+    (`accumulator.fit_auto_micro_batch`).
 
     Custom loops call `apply_gradients(zip(grads, vars))` or `apply(grads, vars)`
     once per micro-batch, eagerly or inside `tf.function`. `None` gradients are
@@ -195,9 +207,10 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
             equal micro-batches unless told: pass "sum" for a loss that sums
             over its samples (`tf.reduce_sum`), `micro_batch_weight` for a
             mean of unequal ones.
-        micro_batch_size: None (the default), or an int >= 1: `fit`'s batch is the
-            effective batch, split into micro-batches of this many samples inside
-            each training step (see above). Not with `accum_steps` > 1, "auto",
+        micro_batch_size: None (the default), an int >= 1, or "auto": `fit`'s batch
+            is the effective batch, split into micro-batches of this many samples
+            inside each training step (see above); "auto": the largest that fits,
+            found by the run (Keras 3, one device, `steps_per_execution=1`). Not with `accum_steps` > 1, "auto",
             `schedulable` or `measure_noise_scale`.
         name: optional name of the wrapper.
         options: a `WindowOptions` holding the options above, instead of them
@@ -233,7 +246,7 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
                  merge_duplicate_rows: bool = False, loss_reduction: str = "auto",
                  max_effective_batch_size: int | None = None, lr_scaling: str = "none",
                  name: str | None = None, options: WindowOptions | None = None,
-                 micro_batch_size: int | None = None, **kwargs):
+                 micro_batch_size: int | str | None = None, **kwargs):
         options = WindowOptions.from_arguments(
             options, accum_steps=accum_steps, partial_window=partial_window, schedulable=schedulable,
             measure_noise_scale=measure_noise_scale, noise_scale_smoothing=noise_scale_smoothing,
@@ -276,8 +289,19 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
 
     @property
     def micro_batch_size(self) -> int | None:
-        """The samples of each micro-batch `fit`'s step splits its batch into, or None."""
+        """The samples of each micro-batch `fit`'s step splits its batch into, or None. With
+        `micro_batch_size="auto"`, the one in use (None before the first batch)."""
+        if self.options.micro_batch_size == AUTO_MICRO_BATCH:
+            return state_of(self).current
         return self.options.micro_batch_size
+
+    @property
+    def micro_batch_changes(self) -> list[MicroBatchChange]:
+        """With `micro_batch_size="auto"`: each change of the micro-batch, in order (a
+        `MicroBatchChange`: `as_record()` gives its fields); empty otherwise."""
+        if self.options.micro_batch_size != AUTO_MICRO_BATCH:
+            return []
+        return list(state_of(self).changes)
 
     # ------------------------------------------------------------------ state
     def build(self, var_list: list) -> None:
@@ -296,10 +320,10 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
         _check_supports_distribution(self)
         super().build(var_list)
         hooked = getattr(seam.train_step_owner().train_step, "accumulator_hook", False)
-        if self.micro_batch_size is not None and not hooked:
+        if self.options.micro_batch_size is not None and not hooked:
             logger.warning(
                 "accumulator's Keras hooks are not installed: `fit` trains each batch whole, not in "
-                "micro-batches of %d (micro_batch_size).", self.micro_batch_size)
+                "micro-batches of %s (micro_batch_size).", self.options.micro_batch_size)
         if not self.is_passthrough and not getattr(keras.Model.fit, "accumulator_hook", False):
             logger.warning(
                 "accumulator's Keras hooks are not installed (ACCUMULATOR_KERAS_HOOKS=0 or "
@@ -323,7 +347,9 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
         """The inner optimizer's one update with the window's (reduced) gradient."""
         if reduced and self.loss_scale_optimizer is not None:
             grads = self._beyond_float16_as_non_finite(grads, variables)
-        begun = getattr(self, "_updates_begun", None) if reduced else None
+        # A pass-through's update counts where "auto" retries a step (one device, nothing to reduce).
+        tracked = reduced or self.options.micro_batch_size == AUTO_MICRO_BATCH
+        begun = getattr(self, "_updates_begun", None) if tracked else None
         if begun is None:
             self._updater.apply(grads, variables)
             return

@@ -21,6 +21,7 @@ LOSS_REDUCTIONS = ("auto", "mean", "sum")
 LR_SCALINGS = ("none", "linear", "sqrt")
 SCHEDULE_UNITS = ("epoch", "update")
 AUTO = "auto"
+MICRO_BATCH_AUTO = "auto"     # micro_batch_size="auto": the largest micro-batch that fits, found by the run
 # accum_steps="auto" starts at the smallest window that measures the noise scale.
 AUTO_START_ACCUM_STEPS = 2
 # accum_steps="fit": the micro-batch that fits the device, found by trying (`find_micro_batch`),
@@ -315,27 +316,29 @@ def validate_micro_batch_search(effective_batch_size: Any, headroom: Any,
     return effective_batch_size, float(headroom), max_micro_batch, validate_bool(uniform, "uniform")
 
 
-def validate_micro_batch_size(micro_batch_size: Any, name: str = "micro_batch_size") -> Optional[int]:
+def validate_micro_batch_size(micro_batch_size: Any, name: str = "micro_batch_size") -> Optional[Union[int, str]]:
     """Checks `micro_batch_size`: the samples of each micro-batch `fit` splits its batch into.
 
     Args:
         micro_batch_size: None (`fit`'s batch is one micro-batch, or `accum_steps` of them
-            make a window), or an int >= 1. "auto" is not available yet.
+            make a window), an int >= 1, or "auto" (the largest that fits, found by the run:
+            `accumulator.fit_auto_micro_batch`).
         name: the parameter's name, for the error message.
 
     Returns:
-        `micro_batch_size` as an int, or None.
+        `micro_batch_size` as an int, "auto", or None.
 
     Raises:
-        TypeError: neither None nor an integer (2.5, "auto", True).
-        ValueError: below 1.
+        TypeError: neither None, an integer nor a string (2.5, True).
+        ValueError: below 1, or a string other than "auto".
     """
     if micro_batch_size is None:
         return None
     if isinstance(micro_batch_size, str):
-        raise TypeError(f"`{name}` must be None or a positive integer (1, 2, 3, ...); received "
-                        f"{micro_batch_size!r}. (A micro-batch found by the run itself is not "
-                        "available yet: find one with `find_micro_batch`.)")
+        if micro_batch_size.strip().lower() == MICRO_BATCH_AUTO:
+            return MICRO_BATCH_AUTO
+        raise ValueError(f"`{name}` must be None, a positive integer (1, 2, 3, ...) or {MICRO_BATCH_AUTO!r} "
+                         f"(the largest that fits, found by the run); received {micro_batch_size!r}.")
     return integer_at_least(micro_batch_size, name)
 
 
@@ -400,12 +403,14 @@ class WindowOptions:
             the learning-rate rule as the effective batch grows.
         auto: True when built with accum_steps="auto" (set by it; a copy made
             by `dataclasses.replace` keeps it).
-        micro_batch_size: None, or an int >= 1: `fit`'s batch is the effective
+        micro_batch_size: None, an int >= 1, or "auto": `fit`'s batch is the effective
             batch, one update, trained as ceil(len / micro_batch_size)
-            micro-batches inside one training step (`accumulator.fit_micro_batches`).
+            micro-batches inside one training step (`accumulator.fit_micro_batches`);
+            "auto": the largest that fits, found by the run (`accumulator.fit_auto_micro_batch`).
             Not with `accum_steps` > 1, "auto", `schedulable` or
             `measure_noise_scale` (the window counts micro-batches across steps;
-            here one step holds them all). Keras 3, one device.
+            here one step holds them all). An int: Keras 3 and Keras 2, under
+            strategies and mixed precision (Keras 3); "auto": Keras 3, one device.
 
     Raises:
         TypeError: `accum_steps` is not an integer or "auto".
@@ -424,7 +429,7 @@ class WindowOptions:
     max_effective_batch_size: Optional[int] = None
     lr_scaling: str = "none"
     auto: bool = False
-    micro_batch_size: Optional[int] = None
+    micro_batch_size: Optional[Union[int, str]] = None
 
     def __post_init__(self):
         given = AUTO if self._resolved_auto() else self.accum_steps

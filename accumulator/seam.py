@@ -4,11 +4,13 @@ Private names (`PRIVATE_NAMES` says what needs each; `test_seam.py` fails on one
 elsewhere, or gone from the installed Keras/TF): Keras' `_all_reduce_sum_gradients`,
 `_flatten_layers`, `_loss_tracker`, `_moments`, `_learning_rate`, `_maybe_symbolic_build`,
 `reduce_per_replica`, `get_global_attribute`, `set_global_attribute`, the TensorFlow
-trainer's `train_step` (its owner), `_compute_loss`, `_call_has_training_arg` and the
+trainer's `train_step` (its owner), `_compute_loss`, `_compile_loss` (each output's loss
+tracker), `_call_has_training_arg` and the
 mask of a tensor (`get_keras_mask`, `set_keras_mask`); TensorFlow's
 `strategy_supports_no_merge_call`, `GraphOrParentsInXlaContext`, `_collective_key_base`,
-`_set_global_seed`; Keras 2's `_callable_losses`, `_validate_compile`, and the losses'
-`_allow_sum_over_batch_size` that `_get_reduction` reads. Why each is needed:
+`_set_global_seed`; Keras 2's `_callable_losses`, `_validate_compile`, the losses'
+`_allow_sum_over_batch_size` that `_get_reduction` reads, and a tensor's `_keras_mask`
+(what its `get_mask` reads: a padded micro-batch's padding masked out, `micro_batch_size`). Why each is needed:
 DEVELOPERS.md, "Design notes by module". Also the optimizers' second moments that
 `accumulator.preconditioning` reads: `_get_variable_index` (Keras 2: `_var_key`,
 `_index_dict`) and the slot lists `_velocities`, `_velocity_hats`, `_average_gradients`,
@@ -97,6 +99,8 @@ PRIVATE_NAMES = (
                 "micro_batch_size: a padded micro-batch's padding masked out of the loss and the metrics"),
     PrivateName("keras", "_call_has_training_arg", "micro_batch_size: the model called as Keras' step calls it",
                 on_compiled_model=True),
+    PrivateName("keras", "_compile_loss", "micro_batch_size: each output's loss tracker (`<output>_loss`) "
+                "weighed by the micro-batch's real rows", on_compiled_model=True),
     PrivateName("tensorflow", "distribute.MirroredStrategy._collective_key_base",
                 "AccumulatingTrainer: each MirroredStrategy of a process its own collective keys"),
     PrivateName("tensorflow.python.eager.context", "Context._set_global_seed",
@@ -118,6 +122,9 @@ PRIVATE_NAMES = (
     PrivateName("tf_keras", "losses.Loss._get_reduction",
                 "Keras 2 GradientCache gathered across replicas: a task's SUM_OVER_BATCH_SIZE loss scored on "
                 "the global batch (it reads the loss's `_allow_sum_over_batch_size`)", keras2=True),
+    PrivateName("tf_keras", "src.utils.losses_utils.get_mask",
+                "Keras 2 micro_batch_size: a padded micro-batch's padding masked out of the loss and the "
+                "metrics (the tensor's `_keras_mask`, which it reads)", keras2=True),
 )
 
 
@@ -391,6 +398,13 @@ def loss_tracker(model):
     return model._loss_tracker
 
 
+def output_loss_trackers(model):
+    """The metrics (`keras.metrics.Mean`) behind each output's `<output>_loss` that `fit`
+    logs for a compiled Keras 3 `model` ([] where it logs none)."""
+    compiled = getattr(model, "_compile_loss", None)
+    return [m for m in (getattr(compiled, "metrics", None) or []) if m is not None]
+
+
 def keras2_weight_regularization_count(model):
     """How many weight-regularization losses a Keras 2 `model` and its layers hold:
     the callables Keras 2 evaluates each time `losses` is read (not losses added
@@ -586,3 +600,13 @@ def set_keras_mask(tensor, mask):
     from keras.src.backend.common import masking
 
     masking.set_keras_mask(tensor, mask)
+
+
+def keras2_mask(tensor):
+    """The Keras 2 mask `tensor` carries (its `_keras_mask`), or None."""
+    return getattr(tensor, "_keras_mask", None)
+
+
+def set_keras2_mask(tensor, mask):
+    """Gives `tensor` the Keras 2 mask `mask` (what Keras 2's losses and metrics read from `y_pred`)."""
+    tensor._keras_mask = mask

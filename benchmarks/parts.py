@@ -5,7 +5,7 @@ the memory part's contenders and the overhead part's fixed workload are named
 once here so that the runner, the plots and the report cannot disagree.
 """
 
-PARTS = ["throughput", "noise_scale", "overhead", "kernel_count", "probe_cost", "memory", "distributed", "leak", "auto_batch"]
+PARTS = ["throughput", "noise_scale", "overhead", "kernel_count", "probe_cost", "effective_batch", "memory", "distributed", "leak", "auto_batch"]
 
 MEMORY_CONTENDERS = ["plain_b", "accumulator", "keras_builtin", "plain_b_mirrored", "accumulator_mirrored"]
 OVERHEAD_WORKLOAD, OVERHEAD_ACCUM = "tiny_cnn", 4

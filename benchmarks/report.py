@@ -44,6 +44,7 @@ REASONS = {
     "reductions": "more than one all-reduce per window",
     "leak": "resident memory grows with training steps",
     "auto_batch": "see [auto_batch.md](auto_batch.md): the runs' curves, what each needs and why",
+    "effective_batch": "see [effective_batch.md](effective_batch.md): the contenders' figures, round by round",
 }
 
 
@@ -61,6 +62,8 @@ def write(results, folder):
         lines += _noise_scale(results["noise_scale"], targets)
     if results.get("overhead"):
         lines += _overhead(results["overhead"])
+    if results.get("effective_batch"):
+        lines += _effective_batch(results["effective_batch"], targets)
     if results.get("memory"):
         lines += _memory(results["memory"], targets)
     if results.get("distributed"):
@@ -265,6 +268,30 @@ def _overhead(overhead):
         diff = (_cell(stats.summary(stats.per_round_differences(per_step[name], per_step[peer])))
                 if name != peer and peer in per_step else "–")
         lines.append(f"| {LABELS[name]} | {_cell(stats.summary(per_step[name]))} | {diff} |")
+    return lines + [""]
+
+
+def _effective_batch(summary, targets):
+    """`micro_batch_size=b` at `fit(batch_size=E)` against its peers, from effective_batch.md's part:
+    its goals join the targets; what "auto" took is said in a line."""
+    lines = ["## The effective batch (`micro_batch_size`)", "",
+             f"`GradientAccumulator(inner, micro_batch_size={summary['micro']})` at `fit(batch_size="
+             f"{summary['effective']})` (N = {summary['accum']}) against plain `fit` at E, Keras' built-in "
+             "accumulation and plain `fit` at b, in fresh processes; the tables, the memory and "
+             "`micro_batch_size=\"auto\"` behind an out-of-memory cliff: [effective_batch.md](effective_batch.md)"
+             + (" (a smoke run: its figures mean nothing)" if summary.get("quick") else "") + ".", ""]
+    for goal in summary["goals"]:
+        sign = "≥" if goal["higher_is_better"] else "≤"
+        targets.append((f"effective batch: {goal['label']} {sign} {goal['target']:.2f}", _cell(goal["ratio"], 3),
+                        goal["verdict"], "effective_batch"))
+    for setting, auto in summary.get("auto", {}).items():
+        words = "oneDNN on (the allocator retries)" if setting == "on" else "oneDNN off"
+        if not auto.get("available"):
+            lines.append(f"- auto, {words}: not measured ({auto.get('why', '?').splitlines()[0][:120]}).")
+            continue
+        lines.append(f"- auto, {words}: b = {', '.join(map(str, auto['micro_batches']))} after "
+                     f"{_cell(auto['out_of_memory_errors'])} out-of-memory errors, "
+                     f"{_cell(auto['seconds_lost'], 1)} s lost by its own account.")
     return lines + [""]
 
 

@@ -19,6 +19,12 @@ the library's memory use):
 * ``probe_cost``: what `find_micro_batch` (`accum_steps="fit"`) costs the run it precedes
   (`benchmarks/probe_cost.py`, fresh processes; probe_cost.json and .md beside the
   device's results, about 3 minutes on 2 cores).
+* ``effective_batch``: `GradientAccumulator(inner, micro_batch_size=b)` at `fit(batch_size=E)`
+  against plain `fit` at E, Keras' built-in accumulation and plain `fit` at b (steady
+  throughput; the first epoch under XLA), its peak memory against the window's, and
+  `micro_batch_size="auto"` behind an out-of-memory cliff (`benchmarks/effective_batch.py`,
+  fresh processes; effective_batch.json and .md beside the device's results, about 10
+  minutes on 2 cores); results.json keeps its goals' verdicts.
 * ``kernel_count``: kernels executed per non-closing and per closing step (plain
   `fit`, Keras' built-in accumulation, a hand-written tape loop, ours, ours with
   the noise scale; N = 2, 8; a dense and an embedding model; XLA off and on),
@@ -188,6 +194,26 @@ def _run_probe_cost(results):
         raise RuntimeError(f"benchmarks.probe_cost failed:\n{out.stderr[-3000:]}")
     with open(os.path.join(folder, "probe_cost.json")) as f:
         results["probe_cost"] = json.load(f)["summary"]
+
+
+def _run_effective_batch(results):
+    """`benchmarks.effective_batch` (every measurement a fresh process) into this device's folder;
+    results.json keeps its goals and what "auto" took."""
+    folder = os.path.join(ROOT, OUT.value, _device()[0])
+    command = [sys.executable, "-m", "benchmarks.effective_batch", f"--out={folder}"]
+    command += ["--quick"] if QUICK.value else []
+    logging.info("measuring: %s  (load %s)", " ".join(command[1:]), _load())
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600,
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow"))
+    if out.returncode:
+        raise RuntimeError(f"benchmarks.effective_batch failed:\n{out.stderr[-3000:]}")
+    with open(os.path.join(folder, "effective_batch.json")) as f:
+        measured = json.load(f)
+    results["effective_batch"] = {"goals": measured["goals"], "auto": measured["auto"], "quick": measured["quick"],
+                                  "micro": measured["micro"], "accum": measured["accum"],
+                                  "effective": measured["effective"],
+                                  "load_start": measured["measured"]["steady"]["load_start"],
+                                  "load_end": measured["load_end"]}
 
 
 def _run_memory(results):

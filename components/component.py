@@ -4,7 +4,7 @@ Same inputs, same outputs (`model`, `model_run`), same run_fn contract as the
 stock Trainer, plus the accumulation's parameters (`accum_steps`, `effective_batch_size`,
 `strategy`, `accum_schedule`, `accum_schedule_by`, `lr_scaling`, `lr_ramp_updates`,
 `max_effective_batch_size`, `partial_window`, `measure_noise_scale`, `merge_duplicate_rows`,
-`gradient_cache`, `gather_across_replicas`, `backup_dir`, `backup_every`). On a cluster the chief
+`gradient_cache`, `gather_across_replicas`, `backup_dir`, `backup_every`, `micro_batch_size`). On a cluster the chief
 alone exports and records (components.cluster).
 Change the class name in a pipeline and it trains with
 accumulation; feed `hyperparameters=tuner.outputs["best_hyperparameters"]` and
@@ -54,6 +54,9 @@ class AccumulatingTrainerSpec(standard_component_specs.TrainerSpec):
         executor.LR_SCALING_KEY: ExecutionParameter(type=str, optional=True),
         executor.LR_RAMP_UPDATES_KEY: ExecutionParameter(type=int, optional=True),
         executor.BACKUP_DIR_KEY: ExecutionParameter(type=str, optional=True),
+        # An int; "auto" travels as micro_batch_size_auto=1 (as accum_steps="auto" does).
+        executor.MICRO_BATCH_SIZE_KEY: ExecutionParameter(type=int, optional=True),
+        executor.MICRO_BATCH_SIZE_AUTO_KEY: ExecutionParameter(type=int, optional=True),
         executor.BACKUP_EVERY_KEY: ExecutionParameter(type=int, optional=True),
         exactness.VERIFY_EXACTNESS_KEY: ExecutionParameter(type=str, optional=True),
     }
@@ -105,8 +108,32 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             `final_accum_steps`.
         effective_batch_size: samples per optimizer update over all replicas;
             when set, training datasets from `fn_args.data_accessor` come batched
-            at `effective_batch_size // accum_steps`. The `hyperparameters`
+            at `effective_batch_size // accum_steps` (at `effective_batch_size`
+            with `micro_batch_size` or `gradient_cache`). The `hyperparameters`
             input's value wins. Must divide into accum_steps x replicas.
+        micro_batch_size: the other way to split the effective batch, instead
+            of `accum_steps`: an int b, or "auto". Training datasets from
+            `fn_args.data_accessor` come batched at `effective_batch_size`
+            (needed; it may be tuned alone), every `fit` step is one optimizer
+            update, and the run_fn's optimizer is wrapped in
+            `GradientAccumulator(optimizer, micro_batch_size=b)`: each step
+            trains its batch as ceil(E / b) micro-batches inside the step
+            (`accumulator.fit_micro_batches`), as Keras' own `fit` at the
+            effective batch would train it. `fn_args.train_steps` stays
+            `num_steps`. b is global (over all replicas, like `fit`'s batch), at
+            most the effective batch (a larger b trains it whole). "auto": the
+            largest micro-batch whose step fits the device, found by the run
+            itself (a step that runs out of memory is trained again at a smaller
+            b). A tuned `effective_batch_size` just changes the batch; a tuned
+            int `accum_steps` is not applied. Refused with `accum_steps` other
+            than 1 (or "auto", "fit"), `accum_schedule`, `gradient_cache`,
+            `measure_noise_scale`, `partial_window` other than "apply" and
+            `max_effective_batch_size`. Recorded: `micro_batch_size` (the b in
+            use when training ended), `micro_batch_size_auto`,
+            `micro_batches_per_update`, `micro_batch_changes` (each change "auto"
+            made, JSON) and `micro_batch_out_of_memory_errors`; TensorBoard's
+            `accumulation/micro_batch_size_taken` marks the first b and every
+            change, at its update.
         strategy: "auto" (from `TF_CONFIG` and the GPUs; the default),
             "multi_worker", "mirrored", "one_device" or "default".
         accum_schedule: {epoch: accum_steps}: accumulation that changes at
@@ -239,6 +266,7 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
         lr_scaling: str = "none",
         max_effective_batch_size: Optional[int] = None,
         lr_ramp_updates: Optional[int] = None,
+        micro_batch_size: Optional[Union[int, str, data_types.RuntimeParameter]] = None,
     ):
         if [bool(module_file), bool(run_fn)].count(True) != 1:
             raise ValueError("Exactly one of 'module_file', or 'run_fn' must be supplied.")
@@ -260,6 +288,10 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
         auto = accum_steps == settings_lib.AUTO
         if auto and accum_schedule is not None:
             raise ValueError("`accum_steps='auto'` makes its own schedule: leave `accum_schedule` unset.")
+        micro = _static_micro_batch_size(micro_batch_size, accum_steps, effective_batch_size, hyperparameters,
+                                         accum_schedule, gradient_cache, partial_window, measure_noise_scale,
+                                         max_effective_batch_size)
+        _check_backup_and_strategy(backup_dir, backup_every, strategy)
         settings_lib.resolve(None, static(accum_steps), static(effective_batch_size), replicas=1,
                              partial_window=partial_window,
                              schedule=accum_schedule if measure or gradient_cache or ramp is not None else None,
@@ -267,7 +299,11 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
                              merge_duplicate_rows=merge_duplicate_rows, gradient_cache=gradient_cache,
                              schedule_by=accum_schedule_by, lr_scaling=lr_scaling,
                              max_effective_batch_size=max_effective_batch_size,
-                             gather_across_replicas=gather_across_replicas, lr_ramp_updates=ramp)
+                             gather_across_replicas=gather_across_replicas, lr_ramp_updates=ramp,
+                             micro_batch_size=micro)
+        # "auto" travels as micro_batch_size_auto=1, as accum_steps="auto" does.
+        micro_batch_size, micro_batch_size_auto = (None, 1) if micro_batch_size == settings_lib.AUTO else (
+            micro_batch_size, 0)
         fit = accum_steps == settings_lib.FIT
         if auto or fit:
             accum_steps = None
@@ -275,14 +311,6 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             accum_schedule = json.dumps(validate_schedule(accum_schedule))
         if isinstance(measure_noise_scale, bool):
             measure_noise_scale = int(measure_noise_scale)
-        if backup_dir is not None and not isinstance(backup_dir, data_types.RuntimeParameter) and \
-                (not isinstance(backup_dir, str) or not backup_dir.strip()):
-            raise ValueError(f"`backup_dir` must be a non-empty path (local or gs://) or None; "
-                             f"received {backup_dir!r}.")
-        if static(backup_every) is not None:
-            integer_at_least(backup_every, "backup_every")
-        if strategy not in STRATEGY_CHOICES:
-            raise ValueError(f"`strategy` must be one of {STRATEGY_CHOICES}; received {strategy!r}.")
 
         spec = AccumulatingTrainerSpec(
             examples=examples or transformed_examples,
@@ -312,6 +340,8 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             accum_schedule_by=accum_schedule_by,
             lr_scaling=lr_scaling,
             lr_ramp_updates=lr_ramp_updates,
+            micro_batch_size=micro_batch_size,
+            micro_batch_size_auto=micro_batch_size_auto,
             backup_dir=backup_dir,
             backup_every=backup_every,
             verify_exactness=exactness.validate_mode(verify_exactness),
@@ -325,3 +355,38 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             udf_utils.add_user_module_dependency(
                 self, standard_component_specs.MODULE_FILE_KEY, standard_component_specs.MODULE_PATH_KEY
             )
+
+
+def _static_micro_batch_size(micro_batch_size, accum_steps, effective_batch_size, hyperparameters, schedule,
+                             gradient_cache, partial_window, measure_noise_scale, max_effective_batch_size):
+    """`micro_batch_size` checked when the pipeline is defined, against what it excludes
+    (`settings.micro_batch_setting`); returned for `settings.resolve`, or None when it is a
+    RuntimeParameter (the executor checks it) or when the effective batch it needs may come
+    later (a RuntimeParameter, or a `hyperparameters` input)."""
+    if micro_batch_size is None or isinstance(micro_batch_size, data_types.RuntimeParameter):
+        return None
+
+    def known(value):
+        return None if isinstance(value, data_types.RuntimeParameter) else value
+
+    settings_lib.micro_batch_setting(
+        micro_batch_size, {}, accum_steps=known(accum_steps), schedule=schedule, gradient_cache=gradient_cache,
+        partial_window=partial_window, max_effective_batch_size=max_effective_batch_size,
+        measure_noise_scale=known(measure_noise_scale))
+    if isinstance(effective_batch_size, data_types.RuntimeParameter) or (
+            effective_batch_size is None and hyperparameters is not None):
+        return None
+    return micro_batch_size
+
+
+def _check_backup_and_strategy(backup_dir, backup_every, strategy) -> None:
+    """`backup_dir` (a non-empty path), `backup_every` (an int >= 1) and `strategy` (one of
+    `STRATEGY_CHOICES`), where they are known when the pipeline is defined."""
+    if backup_dir is not None and not isinstance(backup_dir, data_types.RuntimeParameter) and \
+            (not isinstance(backup_dir, str) or not backup_dir.strip()):
+        raise ValueError(f"`backup_dir` must be a non-empty path (local or gs://) or None; "
+                         f"received {backup_dir!r}.")
+    if backup_every is not None and not isinstance(backup_every, data_types.RuntimeParameter):
+        integer_at_least(backup_every, "backup_every")
+    if strategy not in STRATEGY_CHOICES:
+        raise ValueError(f"`strategy` must be one of {STRATEGY_CHOICES}; received {strategy!r}.")

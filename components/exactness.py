@@ -150,6 +150,10 @@ def verify(run_fn: Callable, fn_args, settings, mode: str | None, strategy: tf.d
     if settings.gradient_cache:
         return _decide(_not_checked("gradient_cache=True trains each batch in one update: no window to compare"),
                        mode)
+    if getattr(settings, "splits_in_step", False):
+        return _decide(_not_checked(f"micro_batch_size={settings.micro_batch_size!r}: check_exact compares "
+                                    "accum_steps' windows across fit steps, not micro-batches inside one step"),
+                       mode)
     if settings.accum_steps < 2:
         return _decide(_not_checked(f"accum_steps={settings.accum_steps}: nothing accumulates"), mode)
     chief = role is None or role.chief

@@ -22,8 +22,8 @@ from tfx.types import standard_component_specs
 from tfx_gradient_accumulator.accumulator.autowrap import accumulating_compile
 from tfx_gradient_accumulator.accumulator.distribute import strategy_from_environment
 from tfx_gradient_accumulator.components import (
-    cluster, exactness, fn_args_utils, micro_batch_fit, noise_scale, out_of_memory, preemption, run_fn_swaps,
-    settings as settings_lib)
+    cluster, effective_batch_record, exactness, fn_args_utils, micro_batch_fit, noise_scale, out_of_memory,
+    preemption, run_fn_swaps, settings as settings_lib)
 
 ACCUM_STEPS_KEY = "accum_steps"
 EFFECTIVE_BATCH_SIZE_KEY = "effective_batch_size"
@@ -41,6 +41,8 @@ MAX_EFFECTIVE_BATCH_SIZE_KEY = "max_effective_batch_size"
 ACCUM_SCHEDULE_BY_KEY = "accum_schedule_by"
 LR_SCALING_KEY = "lr_scaling"
 LR_RAMP_UPDATES_KEY = settings_lib.LR_RAMP_UPDATES
+MICRO_BATCH_SIZE_KEY = settings_lib.MICRO_BATCH_SIZE
+MICRO_BATCH_SIZE_AUTO_KEY = "micro_batch_size_auto"
 BACKUP_DIR_KEY = preemption.BACKUP_DIR_KEY
 BACKUP_EVERY_KEY = preemption.BACKUP_EVERY_KEY
 TENSORBOARD_SUBDIR = "accumulation"
@@ -53,7 +55,7 @@ _RESOLVE_KEYWORDS = {
     "merge_duplicate_rows": MERGE_DUPLICATE_ROWS_KEY, "gradient_cache": GRADIENT_CACHE_KEY,
     "schedule_by": ACCUM_SCHEDULE_BY_KEY, "lr_scaling": LR_SCALING_KEY,
     "max_effective_batch_size": MAX_EFFECTIVE_BATCH_SIZE_KEY, "gather_across_replicas": GATHER_ACROSS_REPLICAS_KEY,
-    "lr_ramp_updates": LR_RAMP_UPDATES_KEY,
+    "lr_ramp_updates": LR_RAMP_UPDATES_KEY, "micro_batch_size": MICRO_BATCH_SIZE_KEY,
 }
 
 
@@ -73,12 +75,13 @@ class _Run:
 @dataclasses.dataclass(frozen=True)
 class _Outcome:
     """What the run did: optimizer updates, micro-batches left in open windows, the
-    noise-scale reading (or None), and what "auto" decided (or None)."""
+    noise-scale reading (or None), what "auto" decided (or None), and the wrappers made."""
 
     updates: int
     open_windows: int
     reading: Any = None
     schedule_taken: Optional[Dict[int, int]] = None
+    optimizers: tuple = ()
 
 
 class Executor(tfx_trainer_executor.GenericExecutor):
@@ -163,6 +166,8 @@ def _resolve_settings(hyperparameters, exec_properties, replicas):
         parameters["accum_steps"] = settings_lib.AUTO
     if _as_bool(exec_properties.get(ACCUM_STEPS_FIT_KEY)):
         parameters["accum_steps"] = settings_lib.FIT
+    if _as_bool(exec_properties.get(MICRO_BATCH_SIZE_AUTO_KEY)):
+        parameters["micro_batch_size"] = settings_lib.AUTO
     if parameters["schedule"]:
         parameters["schedule"] = json.loads(parameters["schedule"])
     parameters["measure_noise_scale"] = _as_bool(parameters["measure_noise_scale"])
@@ -172,12 +177,16 @@ def _resolve_settings(hyperparameters, exec_properties, replicas):
 def _describe(run, train_steps):
     """One log line: what the run trains with."""
     settings, strategy, role = run.settings, run.strategy, run.role
-    micro_batch = settings.micro_batch or "the run_fn's"
+    micro_batch = settings.micro_batch or ("found by the run" if settings.splits_in_step else "the run_fn's")
     if settings.gradient_cache:
         micro_steps = (f"{train_steps} optimizer updates = {train_steps} steps of GradientCache, "
                        f"each over the effective batch in {settings.accum_steps} micro-batches, "
                        + ("the loss scoring the whole global batch on every replica"
                           if settings.gather_across_replicas else "the loss scoring each replica's share"))
+    elif settings.splits_in_step:
+        micro_steps = (f"{train_steps} optimizer updates = {train_steps} fit steps at the effective batch, "
+                       f"each split inside the step into micro-batches (micro_batch_size="
+                       f"{settings.micro_batch_size!r})")
     else:
         micro_steps = (f"{train_steps} optimizer updates = {train_steps and train_steps * settings.accum_steps} "
                        f"micro-steps; partial windows: {settings.partial_window}")
@@ -223,8 +232,10 @@ def _record(output_dict, model_run_dir, run, optimizers):
     reading = noise_scale.read(optimizers, settings.measure_noise_scale)
     if reading is not None:
         logging.info("%s", noise_scale.describe(reading, settings.effective_batch_size))
-    logging.info("%d optimizer updates. %s", updates, out_of_memory.describe(run.recovery))
-    _write_record(output_dict, model_run_dir, run, _Outcome(updates, open_windows, reading, schedule_taken))
+    logging.info("%d optimizer updates. %s%s", updates, out_of_memory.describe(run.recovery),
+                 effective_batch_record.describe(settings, optimizers))
+    _write_record(output_dict, model_run_dir, run,
+                  _Outcome(updates, open_windows, reading, schedule_taken, tuple(optimizers)))
 
 
 def _schedule_taken(optimizers):
@@ -240,12 +251,13 @@ def _write_record(output_dict, model_run_dir, run, outcome):
     reading, schedule_taken = outcome.reading, outcome.schedule_taken
     backup_ints, backup_strings = preemption.properties(run.backup)
     recovery_ints, recovery_strings = out_of_memory.properties(run.recovery)
+    split_ints, split_strings = effective_batch_record.properties(settings, outcome.optimizers)
     properties = {**settings.as_properties(), "optimizer_updates": updates,
                   "unapplied_micro_batches": outcome.open_windows, "workers": run.role.workers, **backup_ints,
-                  **recovery_ints}
+                  **recovery_ints, **split_ints}
     strings = {"distribution_strategy": type(strategy).__name__, "partial_window": settings.partial_window,
                "accum_schedule_by": settings.schedule_by, "lr_scaling": settings.lr_scaling, **backup_strings,
-               **recovery_strings}
+               **recovery_strings, **split_strings}
     if settings.fitted is not None:       # accum_steps="fit": every step tried, (micro-batch, fitted)
         strings["micro_batch_probes"] = json.dumps([list(p) for p in settings.fitted.probes])
     if schedule_taken is not None:
@@ -275,6 +287,7 @@ def _write_record(output_dict, model_run_dir, run, outcome):
                               step=update)
         for switch in (run.recovery.switches if run.recovery else ()):      # each switch, at its update
             tf.summary.scalar("accumulation/micro_batch_size_taken", switch.micro_batch, step=switch.update)
+        effective_batch_record.write_summaries(settings, outcome.optimizers)    # micro_batch_size: each b taken
         tf.summary.text("accumulation/settings", json.dumps(
             {**properties, **strings, "strategy": type(strategy).__name__, "sources": settings.sources},
             indent=1, sort_keys=True), step=0)

@@ -1,8 +1,9 @@
 """Builds what the user's run_fn sees when it trains with accumulation.
 
 `for_accumulation` turns the stock Trainer's `FnArgs` into the run_fn's:
-`train_steps` in `fit` steps, training datasets batched at the micro-batch
-(sharded by data on a cluster), and the settings in `custom_config`.
+`train_steps` in `fit` steps, training datasets batched at the micro-batch (at the
+effective batch with `gradient_cache` or `micro_batch_size`: each `fit` step is then one
+update; sharded by data on a cluster), and the settings in `custom_config`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def micro_batched_accessor(data_accessor, train_files: list, micro_batch: int | 
         data_accessor: the stock Trainer's `DataAccessor` (None: returned as is).
         train_files: the training file patterns (`fn_args.train_files`).
         micro_batch: the batch of one `fit` step (the effective batch with
-            `gradient_cache`); None: the run_fn's own.
+            `gradient_cache` or `micro_batch_size`); None: the run_fn's own.
         workers: the processes that train.
 
     Returns:

@@ -3,15 +3,15 @@
 Precedence: the hyperparameters artifact (the Tuner's best) over the component's
 parameters over the defaults. Everything is checked here, before any training starts,
 so a bad value fails the component with a message that names it. Also what
-`gradient_cache=True` changes: the batch the run_fn reads, steps per update, and what
-it refuses.
+`gradient_cache=True` and `micro_batch_size` change: the batch the run_fn reads, steps
+per update, and what they refuse.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation
 from tfx_gradient_accumulator.accumulator.callbacks import accum_steps_at
@@ -29,6 +29,7 @@ GRADIENT_CACHE = "gradient_cache"
 GATHER_ACROSS_REPLICAS = "gather_across_replicas"
 MAX_EFFECTIVE_BATCH_SIZE = "max_effective_batch_size"
 LR_RAMP_UPDATES = "lr_ramp_updates"
+MICRO_BATCH_SIZE = "micro_batch_size"
 # accum_steps="fit" (`options.FIT`): the micro-batch that fits the device, found before
 # training (`components.micro_batch_fit`), splits the effective batch.
 
@@ -58,6 +59,14 @@ class AccumulationSettings:
     lr_ramp_updates: int = 0                             # "auto" or a schedule by update
     fit_to_device: bool = False                          # accum_steps="fit"
     fitted: Any = dataclasses.field(default=None, compare=False)   # what the fit found (MicroBatchFit)
+    # micro_batch_size=b (an int, or "auto"): the run_fn's batch is the effective batch, each
+    # `fit` step one update, split into micro-batches of b inside the step; None: off.
+    micro_batch_size: Optional[Union[int, str]] = None
+
+    @property
+    def splits_in_step(self) -> bool:
+        """`micro_batch_size` is set: `fit`'s batch is the effective batch, one update per step."""
+        return self.micro_batch_size is not None
 
     @property
     def auto(self) -> bool:
@@ -66,7 +75,10 @@ class AccumulationSettings:
 
     @property
     def micro_batch(self) -> Optional[int]:
-        """Global micro-batch (over all replicas), or None: the run_fn's own."""
+        """Global micro-batch (over all replicas), or None: the run_fn's own, or with
+        `micro_batch_size="auto"` the one the run finds (known only after training)."""
+        if self.splits_in_step:
+            return None if self.micro_batch_size == AUTO else self.micro_batch_size
         if self.effective_batch_size is None:
             return None
         return self.effective_batch_size // self.accum_steps
@@ -75,13 +87,14 @@ class AccumulationSettings:
     def train_batch(self) -> Optional[int]:
         """Global batch of the training datasets the run_fn reads, or None: the run_fn's
         own. The micro-batch, or with `gradient_cache` the effective batch (the model
-        cuts it into micro-batches)."""
-        return self.effective_batch_size if self.gradient_cache else self.micro_batch
+        cuts it into micro-batches; with `micro_batch_size`, each step cuts it)."""
+        return self.effective_batch_size if self.gradient_cache or self.splits_in_step else self.micro_batch
 
     @property
     def steps_per_update(self) -> int:
-        """`fit` steps per optimizer update: `accum_steps`, or 1 with `gradient_cache`."""
-        return 1 if self.gradient_cache else self.accum_steps
+        """`fit` steps per optimizer update: `accum_steps`, or 1 with `gradient_cache` or
+        `micro_batch_size`."""
+        return 1 if self.gradient_cache or self.splits_in_step else self.accum_steps
 
     @property
     def micro_batch_per_replica(self) -> Optional[int]:
@@ -94,7 +107,8 @@ class AccumulationSettings:
         return WindowOptions(
             accum_steps=self.accum_steps, partial_window=self.partial_window,
             schedulable=self.schedule is not None or self.auto or self.fit_to_device, measure_noise_scale=self.measure_noise_scale,
-            noise_scale_smoothing=self.noise_scale_smoothing, merge_duplicate_rows=self.merge_duplicate_rows)
+            noise_scale_smoothing=self.noise_scale_smoothing, merge_duplicate_rows=self.merge_duplicate_rows,
+            **({MICRO_BATCH_SIZE: self.micro_batch_size} if self.splits_in_step else {}))
 
     def compile_arguments(self) -> Dict[str, Any]:
         """The arguments of `accumulator.autowrap.accumulating_compile` for this run."""
@@ -129,6 +143,8 @@ class AccumulationSettings:
             "lr_ramp_updates": self.lr_ramp_updates,
             "accum_steps_fit": int(self.fit_to_device),
             **({"largest_fitting_micro_batch": self.fitted.largest_fitting} if self.fitted else {}),
+            # micro_batch_size: b given (0 with "auto", whose b is recorded after training).
+            **({"micro_batch_size_auto": int(self.micro_batch_size == AUTO)} if self.splits_in_step else {}),
         }
 
 
@@ -164,6 +180,7 @@ def resolve(
     max_effective_batch_size: Optional[int] = None,
     gather_across_replicas: Optional[bool] = None,
     lr_ramp_updates: Optional[int] = None,
+    micro_batch_size: Optional[Union[int, str]] = None,
 ) -> AccumulationSettings:
     """Resolves and validates one run's settings: the Tuner's values over the component's over defaults.
 
@@ -181,6 +198,8 @@ def resolve(
         max_effective_batch_size: the limit of "auto" (needed with it, refused without).
         gather_across_replicas: the component's (None: False; needs `gradient_cache`).
         lr_ramp_updates: the learning rate's ramp, in updates (None: the default; `ramp_setting`).
+        micro_batch_size: None, an int >= 1 or "auto": the batch split inside each step
+            instead of by `accum_steps` (`micro_batch_setting`, `micro_batch_for_the_run`).
 
     Returns:
         The frozen `AccumulationSettings`.
@@ -197,6 +216,8 @@ def resolve(
     lr_scaling = validate_lr_scaling(lr_scaling or "none")
     values = hyperparameter_values(hyperparameters)
     sources = {}
+    micro_batch_size, values = micro_batch_setting(micro_batch_size, values, accum_steps, schedule, cache,
+                                                   partial_window, measure_noise_scale, max_effective_batch_size)
     fit, accum_steps, values = fit_setting(accum_steps, effective_batch_size, values, schedule, cache)
     if values.get(ACCUM_STEPS) == AUTO and schedule is None:
         # Tuned with AccumulatingHyperModel(accum_steps="auto"): its limit comes along.
@@ -204,16 +225,7 @@ def resolve(
         if values.get(MAX_EFFECTIVE_BATCH_SIZE) is not None:
             max_effective_batch_size = values[MAX_EFFECTIVE_BATCH_SIZE]
     auto = accum_steps == AUTO
-    if accum_steps is not None and isinstance(accum_steps, str) and not auto:
-        raise ValueError(f"`{ACCUM_STEPS}` must be an int >= 1, {AUTO!r} or {FIT!r}; received {accum_steps!r}.")
-    if auto and schedule is not None:
-        raise ValueError(f"`{ACCUM_STEPS}={AUTO!r}` makes its own schedule: leave `accum_schedule` unset.")
-    if auto and cache:
-        raise ValueError(f"`{ACCUM_STEPS}={AUTO!r}` is not supported with `{GRADIENT_CACHE}=True`: GradientCache "
-                         "has no windows and measures no noise scale. Set an int `accum_steps`.")
-    if not auto and max_effective_batch_size is not None:
-        raise ValueError(f"`{MAX_EFFECTIVE_BATCH_SIZE}` is the limit of `{ACCUM_STEPS}={AUTO!r}`; "
-                         f"`{ACCUM_STEPS}` is {accum_steps!r}. Set accum_steps='auto', or leave it unset.")
+    refuse_what_auto_excludes(accum_steps, schedule, cache, max_effective_batch_size)
     if auto:
         accum_steps = AUTO_START_ACCUM_STEPS
         values = {k: v for k, v in values.items() if k != ACCUM_STEPS}
@@ -262,12 +274,142 @@ def resolve(
     if cache:
         refuse_with_gradient_cache(schedule, {"partial_window": partial_window, MEASURE_NOISE_SCALE: measure,
                                               "merge_duplicate_rows": merge}, sources.get(MEASURE_NOISE_SCALE))
-    if measure:
+    if micro_batch_size is not None:
+        micro_batch_size = micro_batch_for_the_run(micro_batch_size, effective, replicas, sources, measure)
+    elif measure:
         refuse_measuring_without_windows(schedule, accum, sources)
     return AccumulationSettings(accum, effective, replicas, schedule, partial_window, sources,
                                 measure, smoothing, merge, cache, schedule_by, lr_scaling, max_effective_batch_size,
                                 gather, ramp_setting(lr_ramp_updates, auto, schedule, schedule_by, accum),
-                                fit_to_device=fit)
+                                fit_to_device=fit, micro_batch_size=micro_batch_size)
+
+
+def refuse_what_auto_excludes(accum_steps, schedule, cache: bool, max_effective_batch_size) -> None:
+    """Refuses a string `accum_steps` other than "auto" (after "fit" was taken), "auto" with a
+    schedule or `gradient_cache`, and `max_effective_batch_size` without "auto".
+
+    Raises:
+        ValueError: the message names the parameters.
+    """
+    auto = accum_steps == AUTO
+    if accum_steps is not None and isinstance(accum_steps, str) and not auto:
+        raise ValueError(f"`{ACCUM_STEPS}` must be an int >= 1, {AUTO!r} or {FIT!r}; received {accum_steps!r}.")
+    if auto and schedule is not None:
+        raise ValueError(f"`{ACCUM_STEPS}={AUTO!r}` makes its own schedule: leave `accum_schedule` unset.")
+    if auto and cache:
+        raise ValueError(f"`{ACCUM_STEPS}={AUTO!r}` is not supported with `{GRADIENT_CACHE}=True`: GradientCache "
+                         "has no windows and measures no noise scale. Set an int `accum_steps`.")
+    if not auto and max_effective_batch_size is not None:
+        raise ValueError(f"`{MAX_EFFECTIVE_BATCH_SIZE}` is the limit of `{ACCUM_STEPS}={AUTO!r}`; "
+                         f"`{ACCUM_STEPS}` is {accum_steps!r}. Set accum_steps='auto', or leave it unset.")
+
+
+def micro_batch_setting(micro_batch_size, values: Dict[str, Any], accum_steps=None, schedule=None,
+                        gradient_cache: bool = False, partial_window: str = "apply", measure_noise_scale=None,
+                        max_effective_batch_size=None):
+    """`micro_batch_size`, checked against what it cannot go with: `(micro_batch_size, values)`.
+
+    With `micro_batch_size` the effective batch is the one number the run_fn's data are
+    batched at; each `fit` step trains it as one update, split into micro-batches of b
+    inside the step (`GradientAccumulator(inner, micro_batch_size=b)`). `accum_steps` is
+    the other way to split it (the run_fn's batch the micro-batch, N steps an update), so
+    the two exclude each other, and so do what only windows across steps have: a schedule,
+    "auto"/"fit", `gradient_cache`, the noise scale, `partial_window`. A tuned int
+    `accum_steps` (the Tuner's way to split its trials' batches) is dropped: how the batch
+    splits is the device's concern, said by `micro_batch_size`; a tuned `effective_batch_size`
+    applies.
+
+    Args:
+        micro_batch_size: the component's: None, an int >= 1, or "auto".
+        values: the hyperparameters' values.
+        accum_steps: the component's `accum_steps` (None or 1 go with it).
+        schedule, gradient_cache, partial_window, measure_noise_scale, max_effective_batch_size:
+            the component's.
+
+    Returns:
+        `(micro_batch_size, values)`: None and `values` unchanged without it; else the int or
+        "auto", and `values` without a tuned `accum_steps`.
+
+    Raises:
+        ValueError: a value other than an int >= 1 or "auto", or a setting it excludes
+            (the message names both).
+        TypeError: a number that is not an integer.
+    """
+    if micro_batch_size is None:
+        return None, values
+    if isinstance(micro_batch_size, str):
+        if micro_batch_size != AUTO:
+            raise ValueError(f"`{MICRO_BATCH_SIZE}` must be an int >= 1 or {AUTO!r} (found by the run on its "
+                             f"device); received {micro_batch_size!r}.")
+    else:
+        micro_batch_size = integer_at_least(micro_batch_size, MICRO_BATCH_SIZE)
+    given = f"`{MICRO_BATCH_SIZE}={micro_batch_size!r}`"
+    both = (f"{given} makes the effective batch one `fit` step and splits it inside the step; "
+            f"`{ACCUM_STEPS}` splits it into N `fit` steps instead. They are two ways to say how the batch "
+            "splits: pass one")
+    if accum_steps not in (None, 1):
+        raise ValueError(f"{both}. Received {ACCUM_STEPS}={accum_steps!r}: leave `{ACCUM_STEPS}` unset (or 1), "
+                         f"or leave `{MICRO_BATCH_SIZE}` unset.")
+    if values.get(ACCUM_STEPS) == AUTO:
+        raise ValueError(f"{given} keeps the effective batch fixed; the hyperparameters' {ACCUM_STEPS}={AUTO!r} "
+                         f"(AccumulatingHyperModel(accum_steps={AUTO!r})) grows it. Tune the effective batch "
+                         f"alone, or leave `{MICRO_BATCH_SIZE}` unset.")
+    # What each excluded setting needs that a step holding the whole update does not have.
+    excluded = {"accum_schedule": (schedule is not None, "a schedule changes windows across `fit` steps"),
+                GRADIENT_CACHE: (bool(gradient_cache), "GradientCache splits each batch itself"),
+                "partial_window": ((partial_window or "apply") != "apply",
+                                   "no window is ever left open to carry or drop"),
+                MEASURE_NOISE_SCALE: (bool(measure_noise_scale), "the noise scale is measured over windows of "
+                                      "several `fit` steps"),
+                MAX_EFFECTIVE_BATCH_SIZE: (max_effective_batch_size is not None,
+                                           f"it is the limit of {ACCUM_STEPS}={AUTO!r}, which grows the window")}
+    for name, (set_, why) in excluded.items():
+        if set_:
+            raise ValueError(
+                f"{given} does not go with `{name}`: each `fit` step is one whole update, and {why}. Leave "
+                f"`{name}` unset, or use `{ACCUM_STEPS}` instead of `{MICRO_BATCH_SIZE}`.")
+    return micro_batch_size, {k: v for k, v in values.items() if k != ACCUM_STEPS}
+
+
+def micro_batch_for_the_run(micro_batch_size, effective: Optional[int], replicas: int, sources: dict,
+                            measure: bool):
+    """The `micro_batch_size` the run's `GradientAccumulator`s get, once the effective batch is known.
+
+    An int larger than the effective batch trains the batch whole (one micro-batch, not one
+    filled up to b with repeated, masked samples): b = min(b, E).
+
+    Args:
+        micro_batch_size: the checked int, or "auto".
+        effective: the resolved effective batch (needed).
+        replicas: the run's replicas: the micro-batch is global, like `fit`'s batch, so
+            each replica's loop takes b / replicas samples.
+        sources: where each setting came from (for the messages).
+        measure: the resolved `measure_noise_scale` (tuned values included).
+
+    Returns:
+        The int b (at most E) or "auto".
+
+    Raises:
+        ValueError: no effective batch, the noise scale asked for (by the hyperparameters),
+            or an int b that the replicas do not divide.
+    """
+    given = f"`{MICRO_BATCH_SIZE}={micro_batch_size!r}`"
+    if effective is None:
+        raise ValueError(f"{given} needs `{EFFECTIVE_BATCH_SIZE}` (the component's, or a tuned one): the "
+                         "samples per update, the batch the run_fn's training data come at, which each "
+                         "`fit` step splits into micro-batches.")
+    if measure:
+        raise ValueError(f"{given} does not go with `{MEASURE_NOISE_SCALE}=True` (from "
+                         f"{sources.get(MEASURE_NOISE_SCALE)}): the noise scale is measured over windows of "
+                         f"several `fit` steps, and here each step is one whole update. Leave it off.")
+    if micro_batch_size == AUTO:
+        return AUTO
+    micro_batch_size = min(micro_batch_size, effective)
+    if micro_batch_size % replicas:
+        raise ValueError(f"{given} is global, like `fit`'s batch: each of the {replicas} replicas takes an "
+                         f"equal share, so it must divide by {replicas}; try "
+                         f"{max(micro_batch_size // replicas, 1) * replicas}.")
+    return micro_batch_size
 
 
 def fit_setting(accum_steps, effective_batch_size, values: Dict[str, Any], schedule, cache: bool):

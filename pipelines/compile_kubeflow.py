@@ -7,7 +7,9 @@
 
 The trainer runs as a Vertex AI CustomJob on `--workers` GPU machines under
 `MultiWorkerMirroredStrategy`; the effective batch stays what you set, the
-micro-batch per replica is effective / (accum_steps x replicas). Compiling
+micro-batch per replica is effective / (accum_steps x replicas); with
+`--micro_batch_size=b` each update is one training step at the effective batch,
+split inside the step into micro-batches of b (global). Compiling
 needs no cloud access and reads or writes nothing under `--pipeline_root`: the
 Tuner and Trainer name their code by import path (`pipelines.digits.model.tuner_fn`
 / `.run_fn`), which the image has (`pip install --no-deps .`), so TFX packages no
@@ -40,6 +42,11 @@ LR_SCALING = flags.DEFINE_enum("lr_scaling", "none", ["none", "linear", "sqrt"],
                                "The Trainer's learning-rate rule when the effective batch changes.")
 LR_RAMP = flags.DEFINE_integer("lr_ramp_updates", None, "The Trainer's learning-rate ramp, in updates, after a "
                                "change of the batch (default: the Trainer's).")
+MICRO_BATCH_SIZE = flags.DEFINE_string(
+    "micro_batch_size", None, "The Trainer's micro_batch_size (an int, global over all replicas, or 'auto'): "
+    "its run_fn reads batches of the effective batch, each one update split into micro-batches inside the "
+    "training step, instead of --accum_steps fit steps. Default: unset (accum_steps).",
+    allow_override=True)     # the other pipeline runner defines it too (one process may import both)
 OUTPUT = flags.DEFINE_string("output", "digits_pipeline.json", "Where to write the pipeline JSON.")
 
 
@@ -47,7 +54,7 @@ def compile_pipeline(output: str, project: str, region: str, image: str, pipelin
                      serving_model_dir: str, workers: int, gpus_per_worker: int, machine_type: str,
                      accelerator_type: str, accum_steps: int, effective_batch_size: int,
                      backup_dir: Optional[str] = None, backup_every: int = 100, lr_scaling: str = "none",
-                     lr_ramp_updates: Optional[int] = None) -> str:
+                     lr_ramp_updates: Optional[int] = None, micro_batch_size=None) -> str:
     """Writes the digits pipeline's KFP v2 JSON, its Trainer on Vertex AI.
 
     Args:
@@ -75,6 +82,9 @@ def compile_pipeline(output: str, project: str, region: str, image: str, pipelin
         lr_ramp_updates: the Trainer's `lr_ramp_updates` (None: its default); a ramp
             needs a change of the batch, which this pipeline's Tuner (fixed
             `accum_steps` values) never makes, so a value > 0 is refused here.
+        micro_batch_size: None (split the effective batch into `accum_steps` fit
+            steps), or the Trainer's `micro_batch_size` (an int, global over all
+            replicas, or "auto"); `accum_steps` is then not applied.
 
     Returns:
         The JSON file's absolute path.
@@ -90,8 +100,10 @@ def compile_pipeline(output: str, project: str, region: str, image: str, pipelin
     from tfx_gradient_accumulator.pipelines.digits.pipeline import MODULE, create_pipeline
 
     # The executor's own check, with the replicas the worker pools will have.
+    if micro_batch_size is not None:
+        accum_steps = None      # micro_batch_size splits the effective batch instead
     resolve(None, accum_steps, effective_batch_size, replicas=workers * max(gpus_per_worker, 1),
-            lr_scaling=lr_scaling, lr_ramp_updates=lr_ramp_updates)
+            lr_scaling=lr_scaling, lr_ramp_updates=lr_ramp_updates, micro_batch_size=micro_batch_size)
     if backup_dir is None:
         backup_dir = f"{pipeline_root.rstrip('/')}/trainer-backups"
     backup_dir = None if backup_dir.lower() == "none" else backup_dir
@@ -113,6 +125,7 @@ def compile_pipeline(output: str, project: str, region: str, image: str, pipelin
         backup_every=backup_every if backup_dir is not None else None,
         lr_scaling=lr_scaling,
         lr_ramp_updates=lr_ramp_updates,
+        micro_batch_size=micro_batch_size,
         beam_pipeline_args=[f"--project={project}", f"--temp_location={pipeline_root}/beam-tmp"],
     )
     output = os.path.abspath(output)
@@ -125,12 +138,20 @@ def compile_pipeline(output: str, project: str, region: str, image: str, pipelin
     return output
 
 
+def _micro_batch_size(value):
+    """--micro_batch_size as the Trainer takes it: None, "auto" or an int (`run_local`'s rule)."""
+    from tfx_gradient_accumulator.pipelines.run_local import micro_batch_size_flag
+
+    return micro_batch_size_flag(value)
+
+
 def main(argv):
     del argv
     path = compile_pipeline(
         OUTPUT.value, PROJECT.value, REGION.value, IMAGE.value, PIPELINE_ROOT.value, DATA_ROOT.value,
         SERVING_DIR.value, WORKERS.value, GPUS.value, MACHINE.value, ACCELERATOR.value,
         ACCUM.value, EFFECTIVE.value, BACKUP_DIR.value, BACKUP_EVERY.value, LR_SCALING.value, LR_RAMP.value,
+        _micro_batch_size(MICRO_BATCH_SIZE.value),
     )
     print(f"Pipeline compiled to {path}")
 

@@ -6,7 +6,12 @@
 `digits` (the default): writes the shipped data as CSV, runs the pipeline (a
 second run reuses cached results), and prints the chosen hyperparameters, the
 Trainer's record (with the gradient noise scale it measured), the evaluation
-and where the pushed model is.
+and where the pushed model is. `--micro_batch_size=16` (or `auto`) trains the
+Trainer with `micro_batch_size` instead of `accum_steps`: the run_fn reads
+batches of the effective batch, each one update split into micro-batches of 16
+inside the training step (no noise scale then):
+
+    python -m tfx_gradient_accumulator.pipelines.run_local --micro_batch_size=16
 
 `retrieval`: writes synthetic user-item interactions with latent clusters,
 trains a two-tower model with in-batch negatives under
@@ -71,7 +76,14 @@ BEAM_WORKERS = flags.DEFINE_integer(
     "multi_threading and multi_processing default to the machine's CPU count.", lower_bound=1)
 MEASURE = flags.DEFINE_boolean("measure_noise_scale", True,
                                "digits: the Trainer measures the gradient noise scale (the critical batch). "
-                               "Not with retrieval (GradientCache gives no honest estimate).")
+                               "Not with retrieval (GradientCache gives no honest estimate), nor with "
+                               "--micro_batch_size (off by default then).")
+MICRO_BATCH_SIZE = flags.DEFINE_string(
+    "micro_batch_size", None,
+    "digits: the Trainer's micro_batch_size, an int or 'auto': its run_fn reads batches of the effective "
+    "batch (the Tuner's best), each one optimizer update split into micro-batches of this size inside the "
+    "training step, instead of accum_steps fit steps. Default: unset (accum_steps).",
+    allow_override=True)     # the other pipeline runner defines it too (one process may import both)
 
 
 def beam_pipeline_args(running_mode: str = "in_memory", workers: Optional[int] = None) -> list:
@@ -198,6 +210,25 @@ def noise_scale_line(trainer: dict) -> Optional[str]:
             "few updates")
 
 
+def micro_batch_line(trainer: dict) -> Optional[str]:
+    """What the Trainer's record says about its micro-batches with `micro_batch_size`.
+
+    Args:
+        trainer: the model's recorded properties (`summarize`'s `trainer`).
+
+    Returns:
+        One line, or None if the Trainer trained with `accum_steps` instead.
+    """
+    if "micro_batches_per_update" not in trainer:
+        return None
+    changes = json.loads(trainer.get("micro_batch_changes") or "[]")
+    found = " (found by the run: 'auto')" if trainer.get("micro_batch_size_auto") else ""
+    return (f"micro-batches: each update of {trainer.get('effective_batch_size')} samples trained as "
+            f"{trainer['micro_batches_per_update']} micro-batches of {trainer.get('micro_batch_size')}{found} "
+            f"inside one step; {len(changes)} change(s) of the micro-batch, "
+            f"{trainer.get('micro_batch_out_of_memory_errors', 0)} out-of-memory error(s)")
+
+
 def retrieval_recall(metadata_path: str, k: int = 10) -> dict:
     """Held-out recall@k of the newest trained model on the newest examples' eval split.
 
@@ -237,6 +268,38 @@ def use_keras_2_for_tfrs():
             "run it in a fresh process, or start the process with TF_USE_LEGACY_KERAS=1.")
 
 
+def micro_batch_size_flag(value: Optional[str]):
+    """--micro_batch_size as the Trainer takes it: None, "auto" or an int.
+
+    Args:
+        value: the flag's text, or None.
+
+    Returns:
+        None, "auto" or the int.
+
+    Raises:
+        app.UsageError: anything else.
+    """
+    if value is None or value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise app.UsageError(f"--micro_batch_size={value!r}: an int >= 1 or 'auto'") from None
+
+
+def _digits_measure(micro_batch_size) -> bool:
+    """--measure_noise_scale for digits: off by default with --micro_batch_size (each step is a
+    whole update: no windows to measure over), refused when asked for with it."""
+    if micro_batch_size is None:
+        return MEASURE.value
+    if MEASURE.present and MEASURE.value:
+        raise app.UsageError("--measure_noise_scale with --micro_batch_size: the noise scale is measured over "
+                             "windows of several fit steps, and with micro_batch_size each step is one whole "
+                             "update. Leave --measure_noise_scale out.")
+    return False
+
+
 def run_digits(root: str) -> None:
     """Writes the data, runs the digits pipeline under `root` and prints its outcome."""
     from tfx.orchestration.beam.beam_dag_runner import BeamDagRunner
@@ -244,6 +307,8 @@ def run_digits(root: str) -> None:
     from tfx_gradient_accumulator.pipelines.digits.data import write_digits_csv
     from tfx_gradient_accumulator.pipelines.digits.pipeline import create_pipeline
 
+    micro_batch_size = micro_batch_size_flag(MICRO_BATCH_SIZE.value)
+    measure = _digits_measure(micro_batch_size)
     data_root = os.path.join(root, "data")
     write_digits_csv(data_root)
     metadata_path = os.path.join(root, "metadata.sqlite")
@@ -258,7 +323,8 @@ def run_digits(root: str) -> None:
         tuner_updates=_option(TUNER_UPDATES, 1),
         max_trials=_option(MAX_TRIALS, 2),
         accuracy_threshold=THRESHOLD.value,
-        measure_noise_scale=MEASURE.value,
+        measure_noise_scale=measure,
+        micro_batch_size=micro_batch_size,
         beam_pipeline_args=_beam_args(),
     )
     BeamDagRunner().run(pipeline)
@@ -266,9 +332,9 @@ def run_digits(root: str) -> None:
     print("\n=== digits pipeline ===")
     print("best hyperparameters:", json.dumps(summary.get("best_hyperparameters"), sort_keys=True))
     print("trainer:", json.dumps(summary.get("trainer"), sort_keys=True))
-    noise = noise_scale_line(summary.get("trainer") or {})
-    if noise:
-        print(noise)
+    for line in (noise_scale_line(summary.get("trainer") or {}), micro_batch_line(summary.get("trainer") or {})):
+        if line:
+            print(line)
     print("evaluation:", json.dumps(summary.get("evaluation"), sort_keys=True))
     print("blessed:", summary.get("blessed"), "| pushed:", summary.get("pushed"))
     print("pushed model:", summary.get("pushed_to"))
@@ -303,6 +369,9 @@ def _retrieval_max_trials():
 
 def run_retrieval(root: str) -> None:
     """Writes the data, runs the retrieval pipeline under `root` and prints its outcome."""
+    if MICRO_BATCH_SIZE.present:
+        raise app.UsageError("--micro_batch_size is the digits pipeline's: the retrieval pipeline trains with "
+                             "gradient_cache=True, which splits each batch itself.")
     if MEASURE.present:
         raise app.UsageError("--measure_noise_scale is the digits pipeline's: the retrieval pipeline trains "
                              "with gradient_cache=True, which gives the noise scale no honest estimate.")

@@ -105,6 +105,10 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, custom_l
         lr_scaling: as for the Keras 3 class.
         name: optional name of the wrapper.
         options: as for the Keras 3 class.
+        micro_batch_size: as for the Keras 3 class: `fit`'s batch is the effective
+            batch, one update, trained in micro-batches of this many samples inside
+            each training step (`accumulator.keras2.fit_micro_batches`; one device,
+            float32).
         **kwargs: Keras 2's optimizer arguments as a saved config holds them; others
             are refused.
 
@@ -125,17 +129,15 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, custom_l
                  noise_scale_smoothing: float = DEFAULT_SMOOTHING, merge_duplicate_rows: bool = False,
                  loss_reduction: str = "auto", max_effective_batch_size: int | None = None,
                  lr_scaling: str = "none", name: str | None = None, options: WindowOptions | None = None,
-                 **kwargs):
+                 micro_batch_size: int | None = None, **kwargs):
         options = WindowOptions.from_arguments(
             options, accum_steps=accum_steps, partial_window=partial_window, schedulable=schedulable,
             measure_noise_scale=measure_noise_scale, noise_scale_smoothing=noise_scale_smoothing,
             merge_duplicate_rows=merge_duplicate_rows, loss_reduction=loss_reduction,
-            max_effective_batch_size=max_effective_batch_size, lr_scaling=lr_scaling)
+            max_effective_batch_size=max_effective_batch_size, lr_scaling=lr_scaling,
+            micro_batch_size=micro_batch_size)
         optimizer = _resolve_optimizer(optimizer)
         kwargs.pop("is_legacy_optimizer", None)     # in every Keras 2 optimizer config
-        if kwargs.pop("micro_batch_size", None) is not None or options.micro_batch_size is not None:
-            raise NotImplementedError("`micro_batch_size` (fit's batch split inside each step) is for Keras 3 "
-                                      "for now; with Keras 2, pass `accum_steps` and fit at the micro-batch.")
         refuse_unknown_arguments(kwargs, "set clipping, weight decay and EMA on the inner optimizer.")
         super().__init__(name=name or "GradientAccumulator")
         # The base class's own update counter: unused (`iterations` is the inner
@@ -150,6 +152,11 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, custom_l
         if isinstance(self._updater, _LossScaleOptimizer):
             return self._updater.inner_optimizer
         return self._updater
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """The samples of each micro-batch `fit`'s step splits its batch into, or None."""
+        return self.options.micro_batch_size
 
     @property
     def loss_scale_optimizer(self):

@@ -6,7 +6,7 @@ Kubeflow Pipelines v2 / Vertex AI.
 """
 
 import os
-from typing import Optional
+from typing import Optional, Union
 
 import tensorflow_model_analysis as tfma
 from tfx import v1 as tfx
@@ -68,6 +68,20 @@ def data_components(data_root: str) -> tuple:
     return example_gen, statistics_gen, schema_gen
 
 
+def tuner_component(code: dict, example_gen, schema_gen, tuner_updates: int, eval_steps: int,
+                    max_trials: int):
+    """The Tuner: `tuner_fn` (by `module_file` or by import path, as `code` says) over the
+    examples and schema, `tuner_updates` optimizer updates per trial, `max_trials` trials."""
+    return tfx.components.Tuner(
+        **code,
+        examples=example_gen.outputs["examples"],
+        schema=schema_gen.outputs["schema"],
+        train_args=tfx.proto.TrainArgs(num_steps=tuner_updates),
+        eval_args=tfx.proto.EvalArgs(num_steps=eval_steps),
+        custom_config={"max_trials": max_trials},
+    )
+
+
 def create_pipeline(
     pipeline_name: str,
     pipeline_root: str,
@@ -92,6 +106,7 @@ def create_pipeline(
     backup_every: Optional[int] = None,
     lr_scaling: str = "none",
     lr_ramp_updates: Optional[int] = None,
+    micro_batch_size: Optional[Union[int, str]] = None,
 ) -> tfx.dsl.Pipeline:
     """Builds the digits pipeline.
 
@@ -130,6 +145,9 @@ def create_pipeline(
         backup_every: optimizer updates between backups.
         lr_scaling: the Trainer's learning-rate rule when the batch changes.
         lr_ramp_updates: the Trainer's learning-rate ramp (None: its default).
+        micro_batch_size: None, or the Trainer's `micro_batch_size` (an int or
+            "auto"), which splits the effective batch inside each step instead of
+            `accum_steps` (not applied then; `measure_noise_scale` must be off).
 
     Returns:
         The `tfx.dsl.Pipeline`: ExampleGen, StatisticsGen, SchemaGen, Tuner,
@@ -140,14 +158,7 @@ def create_pipeline(
     else:
         code = dict(tuner=dict(module_file=module_file), trainer=dict(module_file=module_file))
     example_gen, statistics_gen, schema_gen = data_components(data_root)
-    tuner = tfx.components.Tuner(
-        **code["tuner"],
-        examples=example_gen.outputs["examples"],
-        schema=schema_gen.outputs["schema"],
-        train_args=tfx.proto.TrainArgs(num_steps=tuner_updates),
-        eval_args=tfx.proto.EvalArgs(num_steps=eval_steps),
-        custom_config={"max_trials": max_trials},
-    )
+    tuner = tuner_component(code["tuner"], example_gen, schema_gen, tuner_updates, eval_steps, max_trials)
     trainer = trainer_class(
         **code["trainer"],
         custom_config=trainer_custom_config,
@@ -156,7 +167,8 @@ def create_pipeline(
         hyperparameters=tuner.outputs["best_hyperparameters"],
         train_args=tfx.proto.TrainArgs(num_steps=train_updates),
         eval_args=tfx.proto.EvalArgs(num_steps=eval_steps),
-        accum_steps=accum_steps,
+        accum_steps=accum_steps if micro_batch_size is None else None,     # one way to split E, not two
+        micro_batch_size=micro_batch_size,
         effective_batch_size=effective_batch_size,
         strategy=strategy,
         measure_noise_scale=measure_noise_scale,

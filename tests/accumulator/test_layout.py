@@ -96,13 +96,14 @@ def test_the_cycle_finder_finds_a_cycle():
 ROOMS = {
     "foundations": ("flavours", "seam", "validation", "refusals", "options", "noise_scale", "batch_target",
                     "preconditioning",
-                    "lr_scaling", "distribute", "contrastive"),
+                    "lr_scaling", "distribute", "contrastive", "micro_batch_changes"),
     "mechanics": ("_tf", "replicas", "lookups", "across_replicas", "cache_passes"),
     "window": ("loop_notes", "custom_loop", "window_rows", "window_saving", "window_noise", "window", "weighting", "forwarding"),
     "schedules": ("callbacks", "auto_batch"),
     "optimizers": ("loss_scaling", "optimizer", "keras2", "keras2.optimizer", "keras2.gradient_cache", "keras2.task_cache",
                    "gradient_cache", "batch_norm"),
-    "training": ("backup", "fit_micro_batches", "fit_hook", "hooks", "row_room", "micro_batch_workers", "micro_batch", "out_of_memory"),
+    "training": ("backup", "fit_micro_batches", "keras2.fit_micro_batches", "fit_hook", "hooks", "row_room", "micro_batch_workers", "micro_batch", "out_of_memory",
+                 "fit_auto_micro_batch"),
     "entry points": ("autowrap", "tuning", "check_report", "check_arguments", "check_runs", "check_compare",
                      "check_arbiter", "check", ""),
 }

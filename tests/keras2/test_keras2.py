@@ -627,11 +627,3 @@ def test_one_encoder_called_twice_keeps_its_token_type_rows_apart(make_inner):
     kinds = runs[0].optimizer.gradient_kinds
     assert sorted(kinds[table] for table in kinds if "rows" in kinds[table]) == ["rows", "rows"], kinds
 
-
-@pytest.mark.parametrize("how", ["keyword", "options"])
-def test_micro_batch_size_is_refused_with_keras2_naming_the_way_out(how):
-    from tfx_gradient_accumulator.accumulator import WindowOptions
-
-    given = {"micro_batch_size": 4} if how == "keyword" else {"options": WindowOptions(micro_batch_size=4)}
-    with pytest.raises(NotImplementedError, match="for Keras 3 for now; with Keras 2, pass `accum_steps`"):
-        GradientAccumulator(k2.optimizers.Adam(), **given)

@@ -168,3 +168,18 @@ def test_compiles_offline_with_a_cloud_pipeline_root(tmp_path):
     assert params["Tuner"]["tuner_fn"] == {"stringValue": "tfx_gradient_accumulator.pipelines.digits.model.tuner_fn"}
     for p in params.values():
         assert "module_file" not in p and "module_path" not in p
+
+
+def test_micro_batch_size_reaches_the_trainer_in_place_of_accum_steps(tmp_path):
+    """`--micro_batch_size`: global over the 6 replicas, so 48 divides; accum_steps is not passed."""
+    spec = _compile(tmp_path, micro_batch_size=48)
+    trainer = spec["root"]["dag"]["tasks"]["VertexAccumulatingTrainer"]
+    params = {k: v["runtimeValue"]["constantValue"] for k, v in trainer["inputs"]["parameters"].items()}
+    assert params["micro_batch_size"] == {"intValue": "48"}
+    assert params["micro_batch_size_auto"] == {"intValue": "0"}
+    assert params["effective_batch_size"] == {"intValue": "96"}
+    assert "accum_steps" not in params
+    auto = _compile(tmp_path, micro_batch_size="auto")["root"]["dag"]["tasks"]["VertexAccumulatingTrainer"]
+    assert auto["inputs"]["parameters"]["micro_batch_size_auto"]["runtimeValue"]["constantValue"] == {"intValue": "1"}
+    with pytest.raises(ValueError, match=r"`micro_batch_size=50` is global.*divide by 6"):
+        _compile(tmp_path, micro_batch_size=50)
