@@ -204,14 +204,15 @@ test-apart: $(VENV)/.installed $(LATEST)/.installed-py$(LATEST_PY) $(KERAS2_LATE
 # of about equal minutes, so that the cores share the longest environment:
 # test-latest-2 runs LATEST_SECOND (lookups, XLA, the conformance models, the
 # micro-batch probe, several workers), test-latest-3 LATEST_THIRD (the noise scale,
-# auto, tuning, the check, the reductions), test-latest every other file (a new file
+# auto, micro_batch_size="auto", tuning, the check, the reductions), test-latest every other file (a new file
 # lands there).
 LATEST_SECOND := $(addprefix tests/accumulator/,test_lookups.py test_sparse.py test_xla.py test_xla_rows.py \
 	test_conformance.py test_conformance_pairs.py test_micro_batch.py test_out_of_memory_recovery.py \
 	test_multiworker.py test_gradient_cache_multiworker.py)
 LATEST_THIRD := $(addprefix tests/accumulator/,test_noise_scale.py test_noise_scale_estimator.py test_check.py \
 	test_auto_batch.py test_tuning.py test_tuning_fit.py test_tuning_effective_batch.py test_tuning_noise_scale.py \
-	test_batch_target.py test_preconditioning.py test_gradient_cache_gather.py test_reductions.py)
+	test_batch_target.py test_preconditioning.py test_gradient_cache_gather.py test_reductions.py \
+	test_fit_auto_micro_batch.py)
 test-latest: $(LATEST)/.installed-py$(LATEST_PY)
 	$(LATEST)/bin/python -m pytest tests/accumulator $(LATEST_SECOND:%=--ignore=%) $(LATEST_THIRD:%=--ignore=%) \
 		-m "not apart and not sweep" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
@@ -229,7 +230,8 @@ test-latest-3: $(LATEST)/.installed-py$(LATEST_PY)
 # them: they use Keras' public API alone).
 OLDEST_TESTS := $(addprefix tests/accumulator/,test_seam.py test_api.py test_optimizer.py test_exactness.py \
 	test_window.py test_xla.py test_mixed_precision.py test_saving.py test_saving_before_training.py \
-	test_mirrored.py test_gradient_cache.py test_flavours.py test_options.py)
+	test_mirrored.py test_gradient_cache.py test_flavours.py test_options.py test_fit_effective_batch.py \
+	test_fit_effective_batch_mixed.py)
 # Its replica runs keep the ones that meet the replicas' path (fit and a custom loop under
 # the strategy, the one reduction per window, the refusal without merge_call, the saving
 # under a strategy); the replica runs of OLDEST_APART (global clipping, the epoch's last
