@@ -236,7 +236,10 @@ def _train(model, state, halves, shadows, steps, data):
     x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
     count = int(_first_tensor(x).shape[0])
     if state.current is None:
-        state.current = state.effective_batch = count
+        state.current = count
+    # The largest batch seen is E (a later `fit` at a larger batch_size raises it; a shorter
+    # last batch does not lower it): the splits are of E, and the records name it.
+    state.effective_batch = max(state.effective_batch or 0, count)
     per_sample = _elements_per_sample(x)
     started, errors, lost = state.current, 0, 0.0
     while True:

@@ -260,3 +260,23 @@ def test_the_next_micro_batch_is_an_even_split_predicted_to_fit(failed, effectiv
     assert chosen == expected
     assert chosen < failed
     assert chosen == -(-effective // -(-effective // chosen))       # ceil(E / N) for some N
+
+
+def test_a_later_fit_at_a_larger_batch_splits_the_larger_batch():
+    """A second `fit` at a larger batch_size: E is the larger batch (the splits are of it, the
+    records name it), b stays the one that fit, and both fits land on Keras' own."""
+    from tfx_gradient_accumulator.accumulator.micro_batch_changes import state_of
+
+    x, y = ref.regression_data(48)
+    models = []
+    for optimizer in (keras.optimizers.Adam(1e-2), GradientAccumulator(keras.optimizers.Adam(1e-2),
+                                                                       micro_batch_size="auto")):
+        model = memory_cliff.mlp(cliff=None if not isinstance(optimizer, GradientAccumulator) else 12)
+        model.compile(optimizer=optimizer, loss="mse")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        model.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0)
+        models.append(model)
+    large, auto = models
+    state = state_of(auto.optimizer)
+    assert (state.effective_batch, auto.optimizer.micro_batch_size) == (24, 8)
+    assert ref.max_abs_diff(large.get_weights(), auto.get_weights()) < 1e-5
