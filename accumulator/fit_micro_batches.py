@@ -45,7 +45,8 @@ large batch's float16 gradient would overflow. `merge_duplicate_rows` merges the
 after the sums (densely under XLA, which cannot merge rows).
 
 The loop pieces (`micro_batch`, `gradient_kinds`, `micro_batch_loop`,
-`sum_over_replicas`, `update_gradients`) are plain TensorFlow, shared with Keras 2.
+`sum_over_replicas`, `update_gradients`) and the padding's mask and metric weights
+(`masked`, `metric_weights`) are plain TensorFlow, shared with Keras 2.
 Keras' own `train_step` only: a model's own is refused before `fit` trains.
 """
 
@@ -109,13 +110,13 @@ def micro_batch(batch, size, count, index):
     return tf.nest.map_structure(take, batch), real
 
 
-def _along_rows(real, like):
-    """`real` (one per row, float) shaped to broadcast against `like`."""
+def along_rows(values, like):
+    """`values` (one per row) shaped to broadcast against `like`."""
     rank = like.shape.rank if like.shape.rank is not None else 1
-    return tf.reshape(real, [-1] + [1] * max(rank - 1, 0))
+    return tf.reshape(values, [-1] + [1] * max(rank - 1, 0))
 
 
-def _row_mask(real, output):
+def row_mask(real, output):
     """`real` as a Keras mask of `output`: one per element of its loss, the output's shape
     without its last axis (a sequence's steps; one per row for (rows,) and (rows, k))."""
     rank = output.shape.rank
@@ -124,31 +125,31 @@ def _row_mask(real, output):
     return tf.broadcast_to(tf.reshape(real, [-1] + [1] * (rank - 2)), tf.shape(output)[:-1])
 
 
-def _masked(y_pred, real):
-    """`y_pred` with its filled-up rows masked out (each output's own mask kept)."""
+def masked(y_pred, real, get_mask=seam.keras_mask, set_mask=seam.set_keras_mask):
+    """`y_pred` with its filled-up rows masked out (each output's own mask kept), through the
+    Keras mask that `get_mask` reads and `set_mask` writes (Keras 2's: `seam.keras2_mask`)."""
     for output in tf.nest.flatten(y_pred):
         if not isinstance(output, tf.Tensor):
             continue
-        mask = seam.keras_mask(output)
+        mask = get_mask(output)
         if mask is None:
-            mask = _row_mask(real, output)
+            mask = row_mask(real, output)
         else:
-            mask = tf.logical_and(tf.cast(mask, tf.bool), tf.cast(_along_rows(tf.cast(real, tf.float32), mask),
-                                                                 tf.bool))
-        seam.set_keras_mask(output, mask)
+            mask = tf.logical_and(tf.cast(mask, tf.bool), along_rows(real, mask))
+        set_mask(output, mask)
     return y_pred
 
 
-def _metric_weights(sample_weight, real):
+def metric_weights(sample_weight, real):
     """The sample weights the metrics see: the filled-up rows weigh 0."""
     ones = tf.cast(real, tf.float32)
     if sample_weight is None:
         return ones
     return tf.nest.map_structure(
-        lambda w: None if w is None else tf.cast(w, tf.float32) * _along_rows(ones, w), sample_weight)
+        lambda w: None if w is None else tf.cast(w, tf.float32) * along_rows(ones, w), sample_weight)
 
 
-def _sums_its_samples(model):
+def sums_its_samples(model):
     """Whether the loss sums over its samples (each micro-batch weighs 1, as in the window)."""
     reduction = model.optimizer.loss_reduction
     return reduction == "sum" or (reduction == "auto" and weighting.summed_loss(model) is not None)
@@ -165,7 +166,7 @@ def _micro_step(model, variables, batch, index, size, count, summed, loss_scale=
     trackers = seam.output_loss_trackers(model)
     before = [tf.identity(tracker.total) for tracker in trackers]
     with tf.GradientTape() as tape:
-        y_pred = _masked(seam.call_for_training(model, x), real)
+        y_pred = masked(seam.call_for_training(model, x), real)
         loss = seam.training_loss(model, x, y, y_pred, sample_weight)
         if loss_scale is not None:
             share = tf.reduce_sum(tf.cast(real, tf.float32)) / tf.cast(count, tf.float32)
@@ -180,7 +181,7 @@ def _micro_step(model, variables, batch, index, size, count, summed, loss_scale=
         denominator = weighting.loss_denominator(model, x, y, y_pred, sample_weight)
         if not isinstance(denominator, str):      # SUMMED_LOSS with loss_reduction="mean": 1 each
             weight = tf.cast(denominator, tf.float32)
-    model.compute_metrics(x, y, y_pred, sample_weight=_metric_weights(sample_weight, real))
+    model.compute_metrics(x, y, y_pred, sample_weight=metric_weights(sample_weight, real))
     return grads, tf.cast(loss, tf.float32), weight
 
 
@@ -367,7 +368,7 @@ def train_step(model, data):
     count = first.shape[0] if first.shape[0] is not None else tf.shape(first)[0]
     optimizer, variables = model.optimizer, list(model.trainable_variables)
     context, replica_count = _replicas()
-    size, summed = optimizer.micro_batch_size // replica_count, _sums_its_samples(model)
+    size, summed = optimizer.micro_batch_size // replica_count, sums_its_samples(model)
     loss_scale = _loss_scale(optimizer)
     step = functools.partial(_micro_step, model, variables, (x, y, sample_weight),
                              size=size, count=count, summed=summed, loss_scale=loss_scale)

@@ -64,57 +64,13 @@ def refuse_unsupported(model):
             "use `accum_steps` (fit at the micro-batch), or float32.")
 
 
-def _row_mask(real, output):
-    """`real` as a Keras 2 mask of `output`: one per element of its loss (the output's shape
-    without its last axis; one per row for (rows,) and (rows, k))."""
-    rank = output.shape.rank
-    if rank is None or rank <= 2:
-        return real
-    return tf.broadcast_to(tf.reshape(real, [-1] + [1] * (rank - 2)), tf.shape(output)[:-1])
-
-
-def _along_rows(values, like):
-    """`values` (one per row) shaped to broadcast against `like`."""
-    rank = like.shape.rank if like.shape.rank is not None else 1
-    return tf.reshape(values, [-1] + [1] * max(rank - 1, 0))
-
-
-def _masked(y_pred, real):
-    """`y_pred` with its filled-up rows masked out (each output's own mask kept)."""
-    for output in tf.nest.flatten(y_pred):
-        if not isinstance(output, tf.Tensor):
-            continue
-        mask = seam.keras2_mask(output)
-        if mask is None:
-            mask = _row_mask(real, output)
-        else:
-            mask = tf.logical_and(tf.cast(mask, tf.bool), _along_rows(real, mask))
-        seam.set_keras2_mask(output, mask)
-    return y_pred
-
-
-def _metric_weights(sample_weight, real):
-    """The sample weights the metrics see: the filled-up rows weigh 0."""
-    ones = tf.cast(real, tf.float32)
-    if sample_weight is None:
-        return ones
-    return tf.nest.map_structure(
-        lambda w: None if w is None else tf.cast(w, tf.float32) * _along_rows(ones, w), sample_weight)
-
-
-def _sums_its_samples(model):
-    """Whether the loss sums over its samples (each micro-batch weighs 1, as in the window)."""
-    reduction = model.optimizer.loss_reduction
-    return reduction == "sum" or (reduction == "auto" and weighting.summed_loss(model) is not None)
-
-
 def _micro_step(model, variables, batch, index, size, count, summed):
     """One micro-batch: (its gradients, its loss, its weight), the metrics updated."""
     (x, y, sample_weight), real = fit_micro_batches.micro_batch(batch, size, count, index)
     trackers = _output_loss_metrics(model)
     before = [tf.identity(tracker.total) for tracker in trackers]
     with tf.GradientTape() as tape:
-        y_pred = _masked(model(x, training=True), real)
+        y_pred = fit_micro_batches.masked(model(x, training=True), real, seam.keras2_mask, seam.set_keras2_mask)
         loss = model.compute_loss(x, y, y_pred, sample_weight)
     _weigh_by_real_rows(trackers, before, real, loss)
     grads = tape.gradient(loss, variables)
@@ -124,7 +80,7 @@ def _micro_step(model, variables, batch, index, size, count, summed):
         denominator = weighting.loss_denominator(model, x, y, y_pred, sample_weight)
         if not isinstance(denominator, str):      # SUMMED_LOSS with loss_reduction="mean": 1 each
             weight = tf.cast(denominator, tf.float32)
-    model.compute_metrics(x, y, y_pred, _metric_weights(sample_weight, real))
+    model.compute_metrics(x, y, y_pred, fit_micro_batches.metric_weights(sample_weight, real))
     return grads, tf.cast(loss, tf.float32), weight
 
 
@@ -178,7 +134,7 @@ def train_step(model, data):
     size = model.optimizer.micro_batch_size
     _build(model, x)
     variables = list(model.trainable_variables)
-    summed = _sums_its_samples(model)
+    summed = fit_micro_batches.sums_its_samples(model)
     step = functools.partial(_micro_step, model, variables, (x, y, sample_weight),
                              size=size, count=count, summed=summed)
     kinds, once = fit_micro_batches.gradient_kinds(step)
