@@ -17,20 +17,21 @@ from typing import Any, Dict, Optional
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import flavours, hooks
+from tfx_gradient_accumulator.accumulator import hooks
+from tfx_gradient_accumulator.accumulator.core import flavours
 from tfx_gradient_accumulator.accumulator.batch_norm import configure_batch_norm
-from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation
-from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule, accum_steps_at
+from tfx_gradient_accumulator.accumulator.schedules.auto_batch import AutoAccumulation
+from tfx_gradient_accumulator.accumulator.schedules.callbacks import AccumulationSchedule, accum_steps_at
 from tfx_gradient_accumulator.accumulator.gradient_cache import GradientCache, validate_gather_across_replicas
 from tfx_gradient_accumulator.accumulator.optimizer import GradientAccumulator
-from tfx_gradient_accumulator.accumulator.options import (
+from tfx_gradient_accumulator.accumulator.core.options import (
     DEFAULT_SMOOTHING, WindowOptions, validate_accum_steps, validate_bool, validate_lr_ramp_updates,
     validate_lr_scaling, validate_schedule, validate_schedule_by,
 )
-from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
+from tfx_gradient_accumulator.accumulator.window.window import AccumulationWindow
 
 if TYPE_CHECKING:
-    from tfx_gradient_accumulator.accumulator.backup import TrainingBackup
+    from tfx_gradient_accumulator.accumulator.batch.backup import TrainingBackup
 
 logger = logging.getLogger(__name__)
 

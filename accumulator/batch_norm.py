@@ -12,8 +12,8 @@ import logging
 import keras
 from keras import ops
 
-from tfx_gradient_accumulator.accumulator import replicas, seam
-from tfx_gradient_accumulator.accumulator.options import validate_accum_steps
+from tfx_gradient_accumulator.accumulator.core import replicas, seam
+from tfx_gradient_accumulator.accumulator.core.options import validate_accum_steps
 
 logger = logging.getLogger(__name__)
 

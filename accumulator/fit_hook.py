@@ -12,13 +12,15 @@ callback reads the weights. Models compiled with any other optimizer are left al
 
 import keras
 
-from tfx_gradient_accumulator.accumulator import (fit_auto_micro_batch, fit_micro_batches, flavours, micro_batch,
-                                                  row_room, weighting)
-from tfx_gradient_accumulator.accumulator.replicas import NO_MERGE_CALL_MESSAGE
-from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation, auto_rule_of
-from tfx_gradient_accumulator.accumulator.callbacks import EpochWindows
-from tfx_gradient_accumulator.accumulator.options import SUMMED_NOISE_SCALE_MESSAGE
-from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
+from tfx_gradient_accumulator.accumulator.batch import fit_auto_micro_batch, fit_micro_batches, micro_batch
+from tfx_gradient_accumulator.accumulator.core import flavours
+from tfx_gradient_accumulator.accumulator.rows import row_room
+from tfx_gradient_accumulator.accumulator.window import weighting
+from tfx_gradient_accumulator.accumulator.core.replicas import NO_MERGE_CALL_MESSAGE
+from tfx_gradient_accumulator.accumulator.schedules.auto_batch import AutoAccumulation, auto_rule_of
+from tfx_gradient_accumulator.accumulator.schedules.callbacks import EpochWindows
+from tfx_gradient_accumulator.accumulator.core.options import SUMMED_NOISE_SCALE_MESSAGE
+from tfx_gradient_accumulator.accumulator.window.window import AccumulationWindow
 
 
 def before_fit(model, callbacks, fit_arguments=None):

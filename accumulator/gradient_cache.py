@@ -3,7 +3,7 @@
 A contrastive loss (in-batch negatives) scores every sample against every other, so
 accumulating micro-batch gradients would be wrong by design. Gradient caching (Gao et al.,
 2021) keeps the large batch exact with one micro-batch's activations at a time, in three
-passes (`accumulator.cache_passes`, shared with the Keras 2 class).
+passes (`accumulator.cache.cache_passes`, shared with the Keras 2 class).
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import across_replicas, cache_passes, flavours, refusals, seam
-from tfx_gradient_accumulator.accumulator.options import CacheOptions
+from tfx_gradient_accumulator.accumulator.cache import across_replicas, cache_passes
+from tfx_gradient_accumulator.accumulator.core import flavours, refusals, seam
+from tfx_gradient_accumulator.accumulator.core.options import CacheOptions
 
 
 def validate_gather_across_replicas(model: keras.Model, gather_across_replicas: bool) -> bool:
@@ -64,7 +65,7 @@ class GradientCache(keras.Model, metaclass=flavours.OneNameForBothKeras):
             `False` (the default) scores each replica's share alone, as Keras' own
             large batch does under the strategy (each sample meets the negatives of
             its share); `True` scores the whole global batch on every replica
-            (`accumulator.across_replicas`), so R replicas train like one device on
+            (`accumulator.cache.across_replicas`), so R replicas train like one device on
             the global batch. Costs one all-reduce of the representations, inputs
             and targets per step. Needs the model's own `compute_loss` (the loss of
             the batch it is given, as on one device); a compiled Keras loss is
@@ -81,7 +82,7 @@ class GradientCache(keras.Model, metaclass=flavours.OneNameForBothKeras):
 
     A Keras 2 model (`tf_keras`, or `tf.keras` on TF 2.15) gets the Keras 2 class,
     `accumulator.keras2.gradient_cache.GradientCache`, with the same guarantees;
-    `isinstance(x, GradientCache)` holds for both (`accumulator.flavours`).
+    `isinstance(x, GradientCache)` holds for both (`accumulator.core.flavours`).
 
     ```python
     model = GradientCache(two_tower, accum_steps=8)

@@ -27,14 +27,16 @@ from typing import TYPE_CHECKING
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import (fit_auto_micro_batch, fit_hook, fit_micro_batches, flavours,
-                                                  loop_notes, seam, weighting)
-from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
+from tfx_gradient_accumulator.accumulator import fit_hook
+from tfx_gradient_accumulator.accumulator.batch import fit_auto_micro_batch, fit_micro_batches
+from tfx_gradient_accumulator.accumulator.core import flavours, seam
+from tfx_gradient_accumulator.accumulator.window import loop_notes, weighting
+from tfx_gradient_accumulator.accumulator.window.window import AccumulationWindow
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator
 
-    from tfx_gradient_accumulator.accumulator.backup import TrainingBackup
+    from tfx_gradient_accumulator.accumulator.batch.backup import TrainingBackup
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +69,11 @@ def install(hooks: Iterable[str] = HOOKS) -> list[str]:
       (`_make_compile` says why); `model.optimizer` stays the accumulator given.
     * `"fit_micro_batches"`: Keras 3's `train_step` (the TensorFlow trainer's). For a
       model whose `GradientAccumulator` has `micro_batch_size`, the step of
-      `accumulator.fit_micro_batches` (the batch as one update, trained in
+      `accumulator.batch.fit_micro_batches` (the batch as one update, trained in
       micro-batches inside the step); Keras' own step for every other model.
     * `"fit_auto_micro_batch"`: Keras 3's `make_train_function` (the TensorFlow
       trainer's). For a model whose `GradientAccumulator` has `micro_batch_size="auto"`,
-      `accumulator.fit_auto_micro_batch.train_function`: the batch taken from the
+      `accumulator.batch.fit_auto_micro_batch.train_function`: the batch taken from the
       iterator eagerly, then a compiled step per micro-batch size, so a step that runs
       out of memory trains the same batch again at a smaller one; Keras' own for every
       other model.

@@ -1,10 +1,10 @@
 """`GradientAccumulator` for Keras 3: a Keras optimizer that trains like a larger batch.
 
-The window's state and update rule are `accumulator.window` (shared with the Keras 2
+The window's state and update rule are `accumulator.window.window` (shared with the Keras 2
 class); this module holds what is Keras 3's: the optimizer base class,
 `LossScaleOptimizer`, the forwarding of the inner optimizer's API, and serialization.
 Given a Keras 2 optimizer, `GradientAccumulator(...)` makes the Keras 2 class, and
-`isinstance` holds for both (`accumulator.flavours.OneNameForBothKeras`).
+`isinstance` holds for both (`accumulator.core.flavours.OneNameForBothKeras`).
 """
 
 from __future__ import annotations
@@ -14,16 +14,17 @@ import logging
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import _tf, custom_loop, flavours, refusals, seam
-from tfx_gradient_accumulator.accumulator.micro_batch_changes import AUTO as AUTO_MICRO_BATCH
-from tfx_gradient_accumulator.accumulator.micro_batch_changes import MicroBatchChange, state_of
-from tfx_gradient_accumulator.accumulator.forwarding import InnerOptimizerForwarding
-from tfx_gradient_accumulator.accumulator.loss_scaling import WindowLossScaling
-from tfx_gradient_accumulator.accumulator.options import (  # noqa: F401  (validators re-exported: the public names)
+from tfx_gradient_accumulator.accumulator.core import _tf, flavours, refusals, seam
+from tfx_gradient_accumulator.accumulator.window import custom_loop
+from tfx_gradient_accumulator.accumulator.batch.micro_batch_changes import AUTO as AUTO_MICRO_BATCH
+from tfx_gradient_accumulator.accumulator.batch.micro_batch_changes import MicroBatchChange, state_of
+from tfx_gradient_accumulator.accumulator.window.forwarding import InnerOptimizerForwarding
+from tfx_gradient_accumulator.accumulator.core.loss_scaling import WindowLossScaling
+from tfx_gradient_accumulator.accumulator.core.options import (  # noqa: F401  (validators re-exported: the public names)
     DEFAULT_SMOOTHING, PARTIAL_WINDOW_MODES, WindowOptions, refuse_unknown_arguments,
     validate_accum_steps, validate_measure_noise_scale, validate_partial_window,
 )
-from tfx_gradient_accumulator.accumulator.window import AccumulationWindow, optimizer_chain, refuse_nested_accumulation
+from tfx_gradient_accumulator.accumulator.window.window import AccumulationWindow, optimizer_chain, refuse_nested_accumulation
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
     program with `jit_compile=True`); the last one is padded to b and its
     padding masked out of the loss and the metrics, so every shape is static.
     Keras' steps, `iterations`, callbacks and the progress bar count updates
-    (`accumulator.fit_micro_batches`). Under MirroredStrategy and
+    (`accumulator.batch.fit_micro_batches`). Under MirroredStrategy and
     MultiWorkerMirroredStrategy b is global (a multiple of the replicas) and
     the samples' weighting global; under mixed_float16 one loss scale per
     update.
@@ -104,7 +105,7 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
     at a smaller even split ceil(E / N) (the weights and the optimizer's state
     untouched by the failed step, its metrics and non-trainable state put back);
     `micro_batch_size` reads the b in use, `micro_batch_changes` each change
-    (`accumulator.fit_auto_micro_batch`).
+    (`accumulator.batch.fit_auto_micro_batch`).
 
     Custom loops call `apply_gradients(zip(grads, vars))` or `apply(grads, vars)`
     once per micro-batch, eagerly or inside `tf.function`. `None` gradients are
@@ -120,7 +121,7 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
     Keras' default on one GPU) the rows are kept too, with no option to set: XLA
     compiles only buffers of a fixed size, so their room (one micro-batch's rows
     times the window) is made before the step compiles, from `fit`'s first batch
-    or from a step traced with static shapes (`accumulator.row_room`). Refused
+    or from a step traced with static shapes (`accumulator.rows.row_room`). Refused
     with a message naming the ways out: a step traced for any batch size (no
     count to make the room from), and a later micro-batch with more rows than
     the room (longer sequences), reported at the next point on the host (an
@@ -150,7 +151,7 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
     and into the next `fit` (resuming training in several calls; `fit` ends
     with `micro_step` micro-batches held, and logs it); "drop" discards it.
     `fit` learns of epoch ends through a callback it adds by itself
-    (`accumulator.callbacks.EpochWindows`, see `accumulator.fit_hook`);
+    (`accumulator.schedules.callbacks.EpochWindows`, see `accumulator.fit_hook`);
     custom loops call `close_partial_window()` where their epochs end.
 
     Args:
@@ -174,11 +175,11 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
         partial_window: "apply", "carry" or "drop": what the end of an epoch
             and of `fit` does with an open window.
         schedulable: keep the accumulating path even at `accum_steps=1`, so
-            that `set_accum_steps` (or `accumulator.callbacks.AccumulationSchedule`)
+            that `set_accum_steps` (or `accumulator.schedules.callbacks.AccumulationSchedule`)
             can change it during training. Implied by any `accum_steps > 1`.
         measure_noise_scale: estimate the gradient noise scale B_simple
             (McCandlish et al. 2018, the critical batch size) from the
-            windows' micro-batches; see `accumulator.noise_scale`. Read it as
+            windows' micro-batches; see `accumulator.noise.noise_scale`. Read it as
             `optimizer.noise_scale` (a float, NaN until a window of at least
             two micro-batches has closed); in `fit` it is logged as
             `noise_scale` (History, progress bar, TensorBoard). Costs one pass
@@ -197,7 +198,7 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
             `tf_keras` does, and what the mean gradient of the loss implies).
             Rows of a lookup made once per batch (ids that do not depend on the
             sample, as a position table's `arange`) are one row per id position
-            either way, as in the large batch (`accumulator.lookups`).
+            either way, as in the large batch (`accumulator.rows.lookups`).
         loss_reduction: "auto" (the default), "mean" or "sum": how the loss
             reduces over its samples, so the window applies what the large
             batch applies. "auto" reads the compiled loss's reduction in `fit`
@@ -489,7 +490,7 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
         if not self.built:
             self.build(trainable_variables)
             self.built = True
-        # None: the weight `micro_batches` wrote, where the loop runs in it (`accumulator.custom_loop`).
+        # None: the weight `micro_batches` wrote, where the loop runs in it (`accumulator.window.custom_loop`).
         self._apply_micro_batch(grads, trainable_variables, custom_loop.weight_for(self, micro_batch_weight))
 
     # ------------------------------------------------------------ serializing

@@ -24,8 +24,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator.autowrap import accumulating_compile
-from tfx_gradient_accumulator.accumulator.micro_batch import find_micro_batch
-from tfx_gradient_accumulator.accumulator.options import (
+from tfx_gradient_accumulator.accumulator.batch.micro_batch import find_micro_batch
+from tfx_gradient_accumulator.accumulator.core.options import (
     AUTO, AUTO_START_ACCUM_STEPS, FIT, WindowOptions, integer_at_least,
 )
 

@@ -84,7 +84,7 @@ def labels(settings: dict) -> dict:
 # ------------------------------------------------------------------ the probe
 def moment_pairs(optimizer, variables) -> tuple:
     """(inner Adam, [(m, v)] per variable): v from the library's seam, m by the optimizer variable's path."""
-    from tfx_gradient_accumulator.accumulator import seam
+    from tfx_gradient_accumulator.accumulator.core import seam
     inner = seam.inner_optimizer(optimizer) or optimizer
     velocities = seam.adam_second_moments(inner)
     if velocities is None:

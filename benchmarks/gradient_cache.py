@@ -176,7 +176,8 @@ def measure(contender, parts):
     time part, its seconds per step of `fit` (one effective batch, or one micro-batch for plain b)."""
     tf, keras = _fresh_tf()
     import numpy as np
-    from tfx_gradient_accumulator.accumulator import GradientCache, contrastive
+    from tfx_gradient_accumulator.accumulator import GradientCache
+    from tfx_gradient_accumulator.accumulator.cache import contrastive
 
     kind, accum, batch, eager = CONTENDERS[contender]
     rng = np.random.RandomState(0)
@@ -223,7 +224,8 @@ def quality(seed):
     weights and shuffling; the interactions stay fixed)."""
     tf, keras = _fresh_tf()
     import numpy as np
-    from tfx_gradient_accumulator.accumulator import GradientAccumulator, GradientCache, contrastive
+    from tfx_gradient_accumulator.accumulator import GradientAccumulator, GradientCache
+    from tfx_gradient_accumulator.accumulator.cache import contrastive
 
     train, (users, items), probability = interactions(np)
     recall, seconds = {name: {} for name in QUALITY_CONTENDERS}, {name: {} for name in QUALITY_CONTENDERS}

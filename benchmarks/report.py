@@ -374,7 +374,7 @@ def _memory_notes(runs, overs, close_cost):
             "variable's size (its moment updates, `m * lr`, `sqrt(v)`; here up to twice the 64 MB kernel); "
             "the other micro-steps add each gradient into its buffer as the backward pass produces it. The "
             "window's means take no memory of their own: the buffers are divided in place, one variable "
-            "after another (`accumulator/_tf.py: divide_in_place`), so the division costs at most the "
+            "after another (`accumulator/core/_tf.py: divide_in_place`), so the division costs at most the "
             "largest variable's bytes for a moment, and the buffers are refilled with zeros the same way. "
             "So the accumulator's peak is its buffers (1×) above plain b's, less what plain b's peak holds "
             "that the accumulator's does not (plain b's gradients, all alive at its update).")

@@ -18,7 +18,7 @@ from tfx.extensions.google_cloud_ai_platform import constants as vertex_constant
 from tfx.extensions.google_cloud_ai_platform.trainer import executor as cloud_executor
 from tfx.types import standard_component_specs
 
-from tfx_gradient_accumulator.accumulator.validation import integer_at_least
+from tfx_gradient_accumulator.accumulator.core.validation import integer_at_least
 from tfx_gradient_accumulator.components import executor
 from tfx_gradient_accumulator.components.component import AccumulatingTrainer
 

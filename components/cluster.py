@@ -20,10 +20,10 @@ import tensorflow as tf
 from absl import logging
 from tfx.dsl.io import fileio
 
-from tfx_gradient_accumulator.accumulator.distribute import cluster_role, parse_tf_config
+from tfx_gradient_accumulator.accumulator.core.distribute import cluster_role, parse_tf_config
 
 if TYPE_CHECKING:
-    from tfx_gradient_accumulator.accumulator.backup import TrainingBackup
+    from tfx_gradient_accumulator.accumulator.batch.backup import TrainingBackup
 
 STAGING = ".Format-Serving.incomplete"
 # The errors a collective raises when a peer is gone (TF 2.16: a reset connection

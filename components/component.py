@@ -24,8 +24,8 @@ from tfx.types import standard_artifacts, standard_component_specs
 from tfx.types.component_spec import ExecutionParameter
 from tfx.utils import json_utils
 
-from tfx_gradient_accumulator.accumulator.distribute import KINDS
-from tfx_gradient_accumulator.accumulator.options import integer_at_least, validate_schedule
+from tfx_gradient_accumulator.accumulator.core.distribute import KINDS
+from tfx_gradient_accumulator.accumulator.core.options import integer_at_least, validate_schedule
 from tfx_gradient_accumulator.components import exactness, executor, settings as settings_lib
 
 STRATEGY_CHOICES = ("auto",) + KINDS
@@ -118,7 +118,7 @@ class AccumulatingTrainer(tfx_trainer_component.Trainer):
             update, and the run_fn's optimizer is wrapped in
             `GradientAccumulator(optimizer, micro_batch_size=b)`: each step
             trains its batch as ceil(E / b) micro-batches inside the step
-            (`accumulator.fit_micro_batches`), as Keras' own `fit` at the
+            (`accumulator.batch.fit_micro_batches`), as Keras' own `fit` at the
             effective batch would train it. `fn_args.train_steps` stays
             `num_steps`. b is global (over all replicas, like `fit`'s batch), at
             most the effective batch (a larger b trains it whole). "auto": the

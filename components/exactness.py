@@ -19,7 +19,7 @@ import tensorflow as tf
 from absl import logging
 from tfx.types import standard_component_specs
 
-from tfx_gradient_accumulator.accumulator import flavours, seam
+from tfx_gradient_accumulator.accumulator.core import flavours, seam
 from tfx_gradient_accumulator.accumulator.check import check_exact
 from tfx_gradient_accumulator.components import run_fn_swaps
 

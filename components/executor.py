@@ -20,7 +20,7 @@ from tfx.components.util import udf_utils
 from tfx.types import standard_component_specs
 
 from tfx_gradient_accumulator.accumulator.autowrap import accumulating_compile
-from tfx_gradient_accumulator.accumulator.distribute import strategy_from_environment
+from tfx_gradient_accumulator.accumulator.core.distribute import strategy_from_environment
 from tfx_gradient_accumulator.components import (
     cluster, effective_batch_record, exactness, fn_args_utils, micro_batch_fit, noise_scale, out_of_memory,
     preemption, run_fn_swaps, settings as settings_lib)

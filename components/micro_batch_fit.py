@@ -22,9 +22,9 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfx_gradient_accumulator.accumulator import seam
+from tfx_gradient_accumulator.accumulator.core import seam
 from tfx_gradient_accumulator.accumulator.autowrap import accumulating_compile
-from tfx_gradient_accumulator.accumulator.micro_batch import find_micro_batch
+from tfx_gradient_accumulator.accumulator.batch.micro_batch import find_micro_batch
 from tfx_gradient_accumulator.components import exactness, fn_args_utils, settings as settings_lib
 
 

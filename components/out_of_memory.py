@@ -28,7 +28,7 @@ from typing import Any, List, Optional
 import tensorflow as tf
 from absl import logging
 
-from tfx_gradient_accumulator.accumulator.out_of_memory import fit_with_out_of_memory_recovery
+from tfx_gradient_accumulator.accumulator.batch.out_of_memory import fit_with_out_of_memory_recovery
 
 ON = "on"
 # `fit`'s arguments the driver takes as they are; those not here must keep their defaults.

@@ -14,8 +14,8 @@ from typing import Optional
 
 from tfx.dsl.io import fileio
 
-from tfx_gradient_accumulator.accumulator.backup import TrainingBackup
-from tfx_gradient_accumulator.accumulator.validation import integer_at_least
+from tfx_gradient_accumulator.accumulator.batch.backup import TrainingBackup
+from tfx_gradient_accumulator.accumulator.core.validation import integer_at_least
 
 BACKUP_DIR_KEY = "backup_dir"
 BACKUP_EVERY_KEY = "backup_every"

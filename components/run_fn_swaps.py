@@ -15,7 +15,8 @@ import logging
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import flavours, hooks
+from tfx_gradient_accumulator.accumulator import hooks
+from tfx_gradient_accumulator.accumulator.core import flavours
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ import dataclasses
 import inspect
 from typing import Any, Dict, Optional, Union
 
-from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation
-from tfx_gradient_accumulator.accumulator.callbacks import accum_steps_at
-from tfx_gradient_accumulator.accumulator.options import (
+from tfx_gradient_accumulator.accumulator.schedules.auto_batch import AutoAccumulation
+from tfx_gradient_accumulator.accumulator.schedules.callbacks import accum_steps_at
+from tfx_gradient_accumulator.accumulator.core.options import (
     AUTO, AUTO_START_ACCUM_STEPS, DEFAULT_SMOOTHING, FIT, WindowOptions, integer_at_least, validate_accum_steps,
     validate_bool, validate_lr_ramp_updates, validate_lr_scaling, validate_measure_noise_scale,
     validate_partial_window, validate_schedule, validate_schedule_by, validate_smoothing,

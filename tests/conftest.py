@@ -97,7 +97,7 @@ def easy_auto(monkeypatch):
     """AutoAccumulation's defaults made easy to clear, for tests of what happens when it grows
     (records, replays, resumes) on tasks whose noise scale is too small for the real defaults:
     no overhead budget past B_simple itself, a 60% bound, 2 windows a look, no ramp."""
-    from tfx_gradient_accumulator.accumulator.auto_batch import _AutoAccumulationRule
+    from tfx_gradient_accumulator.accumulator.schedules.auto_batch import _AutoAccumulationRule
     defaults = dict(_AutoAccumulationRule.__init__.__kwdefaults__)
     defaults.update(max_sample_overhead=1.0, confidence=0.6, min_windows=2, lr_ramp_updates=0)
     monkeypatch.setattr(_AutoAccumulationRule.__init__, "__kwdefaults__", defaults)

@@ -1,5 +1,5 @@
 """The scale P each optimizer's update_step applies, recomputed in numpy (float64) from the
-gradients it was given: the references of `accumulator.preconditioning`'s tests (both Keras)."""
+gradients it was given: the references of `accumulator.noise.preconditioning`'s tests (both Keras)."""
 
 import numpy as np
 

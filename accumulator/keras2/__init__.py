@@ -2,7 +2,11 @@
 
 `optimizer` (`GradientAccumulator`), `gradient_cache` (`GradientCache`) and `task_cache`
 (a TensorFlow Recommenders model's task). The public names make these classes themselves
-(`accumulator.flavours`); their `__module__` is this package, where users name them.
+(`accumulator.core.flavours`); their `__module__` is this package, where users name them. They stand on the same
+rooms as the Keras 3 classes; the public fronts (`accumulator.optimizer`,
+`accumulator.gradient_cache`) make them, never the other way round.
+
+May import: core, rows, noise, window, schedules, cache, batch.
 """
 
 from tfx_gradient_accumulator.accumulator.keras2.optimizer import (

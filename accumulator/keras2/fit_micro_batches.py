@@ -1,6 +1,6 @@
 """`fit`'s batch as the effective batch under Keras 2: one update from micro-batches inside one step.
 
-The Keras 2 side of `accumulator.fit_micro_batches` (read its docstring first): for a Keras 2
+The Keras 2 side of `accumulator.batch.fit_micro_batches` (read its docstring first): for a Keras 2
 model (`tf_keras`, or TF 2.15's `keras`) compiled with `GradientAccumulator(inner,
 micro_batch_size=b)`, the `"keras2_fit_micro_batches"` hook of `accumulator.hooks` runs
 `train_step` here in place of Keras 2's own. Each batch `fit` draws (n samples) is one
@@ -36,7 +36,10 @@ import functools
 
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import _tf, fit_micro_batches, flavours, lookups, seam, weighting
+from tfx_gradient_accumulator.accumulator.core import _tf, flavours, seam
+from tfx_gradient_accumulator.accumulator.batch import fit_micro_batches
+from tfx_gradient_accumulator.accumulator.rows import lookups
+from tfx_gradient_accumulator.accumulator.window import weighting
 
 
 def refuse_unsupported(model):

@@ -1,6 +1,6 @@
 """`GradientCache` for Keras 2: `tf_keras` (TF >= 2.16) or `tf.keras` on TF <= 2.15.
 
-The three passes are the Keras 3 class's (`accumulator.cache_passes`); this module holds
+The three passes are the Keras 3 class's (`accumulator.cache.cache_passes`); this module holds
 what Keras 2 does differently: its loss and logs, its loss scaling, its sparse rows, and
 its refusals (random layers among them). Made by `accumulator.GradientCache(model, ...)`
 for a Keras 2 model; a TensorFlow Recommenders model goes to `keras2.task_cache`.
@@ -8,9 +8,10 @@ for a Keras 2 model; a TensorFlow Recommenders model goes to `keras2.task_cache`
 
 from __future__ import annotations
 
-from tfx_gradient_accumulator.accumulator import across_replicas, cache_passes, flavours, refusals, seam
+from tfx_gradient_accumulator.accumulator.cache import across_replicas, cache_passes
+from tfx_gradient_accumulator.accumulator.core import flavours, refusals, seam
 from tfx_gradient_accumulator.accumulator.keras2 import task_cache
-from tfx_gradient_accumulator.accumulator.options import CacheOptions
+from tfx_gradient_accumulator.accumulator.core.options import CacheOptions
 
 keras2 = flavours.keras2_module()
 if keras2 is None:
@@ -75,7 +76,7 @@ class GradientCache(keras2.Model):
         gather_across_replicas: under a `tf.distribute` strategy with R replicas,
             `False` (the default) scores each replica's share alone, as Keras 2's (and
             TFRS's) own large batch does under the strategy; `True` scores the whole
-            global batch on every replica (`accumulator.across_replicas`), so R
+            global batch on every replica (`accumulator.cache.across_replicas`), so R
             replicas train like one device on the global batch: the model's own
             `compute_loss` (the loss of the batch it is given), or a TFRS model's
             task, whose `SUM_OVER_BATCH_SIZE` loss is then the global batch's mean.

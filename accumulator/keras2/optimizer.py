@@ -1,6 +1,6 @@
 """`GradientAccumulator` for Keras 2: `tf_keras` (TF >= 2.16) or `tf.keras` on TF <= 2.15.
 
-The window and update rule are the Keras 3 class's (`accumulator.window`); this module
+The window and update rule are the Keras 3 class's (`accumulator.window.window`); this module
 holds what Keras 2 does differently: its optimizer base class (whose public
 `skip_gradients_aggregation=True` avoids a second reduction), mixed precision
 (`LossScalingGradientAccumulator`), and the refusal of `optimizers.legacy`. Made by
@@ -16,10 +16,12 @@ import inspect
 import numpy as np
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import _tf, callbacks, custom_loop, flavours, refusals, replicas
-from tfx_gradient_accumulator.accumulator.forwarding import InnerOptimizerForwarding
-from tfx_gradient_accumulator.accumulator.options import DEFAULT_SMOOTHING, WindowOptions, refuse_unknown_arguments
-from tfx_gradient_accumulator.accumulator.window import AccumulationWindow, refuse_nested_accumulation
+from tfx_gradient_accumulator.accumulator.core import _tf, flavours, refusals, replicas
+from tfx_gradient_accumulator.accumulator.schedules import callbacks
+from tfx_gradient_accumulator.accumulator.window import custom_loop
+from tfx_gradient_accumulator.accumulator.window.forwarding import InnerOptimizerForwarding
+from tfx_gradient_accumulator.accumulator.core.options import DEFAULT_SMOOTHING, WindowOptions, refuse_unknown_arguments
+from tfx_gradient_accumulator.accumulator.window.window import AccumulationWindow, refuse_nested_accumulation
 
 keras2 = flavours.keras2_module()
 if keras2 is None:
@@ -255,7 +257,7 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, custom_l
             )
         with tf.init_scope():
             self.build(variables)
-        # None: the weight `micro_batches` wrote, where the loop runs in it (`accumulator.custom_loop`).
+        # None: the weight `micro_batches` wrote, where the loop runs in it (`accumulator.window.custom_loop`).
         self._apply_micro_batch(grads, variables, custom_loop.weight_for(self, micro_batch_weight))
         return self.iterations
 
@@ -343,7 +345,7 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, custom_l
         Args:
             store: Keras' store of this object's variables.
         """
-        # A custom loop's window still open is reported once (`accumulator.loop_notes`).
+        # A custom loop's window still open is reported once (`accumulator.window.loop_notes`).
         if self._window_built():
             self._state.loop_notes.note_saved(self.held_micro_batches)
         super().save_own_variables(store)
@@ -425,6 +427,6 @@ class LossScalingGradientAccumulator(GradientAccumulator, _LossScaleOptimizer):
         return self.loss_scale_optimizer.dynamic_growth_steps
 
 
-# Keras 2's own callback classes for what `fit` adds by itself (`accumulator.callbacks`).
+# Keras 2's own callback classes for what `fit` adds by itself (`accumulator.schedules.callbacks`).
 EpochWindows = callbacks.EpochWindows.for_keras(keras2)
 AccumulationSchedule = callbacks.AccumulationSchedule.for_keras(keras2)

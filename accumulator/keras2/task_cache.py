@@ -13,7 +13,8 @@ import sys
 
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import across_replicas, cache_passes, flavours, seam
+from tfx_gradient_accumulator.accumulator.cache import across_replicas, cache_passes
+from tfx_gradient_accumulator.accumulator.core import flavours, seam
 
 _UNSUPPORTED_ARGUMENTS = ("score_mask",)
 

@@ -10,7 +10,8 @@ import keras_tuner
 import tensorflow as tf
 from tfx import v1 as tfx
 
-from tfx_gradient_accumulator.accumulator import GradientCache, contrastive
+from tfx_gradient_accumulator.accumulator import GradientCache
+from tfx_gradient_accumulator.accumulator.cache import contrastive
 from tfx_gradient_accumulator.accumulator.tuning import AccumulatingHyperModel
 from tfx_gradient_accumulator.pipelines.retrieval.data import ITEM_KEY, ITEMS, USER_KEY, USERS
 from tfx_gradient_accumulator.pipelines.retrieval.inputs import input_fn

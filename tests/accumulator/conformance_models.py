@@ -18,7 +18,7 @@ import keras_hub
 import numpy as np
 from keras import layers, ops
 
-from tfx_gradient_accumulator.accumulator import contrastive
+from tfx_gradient_accumulator.accumulator.cache import contrastive
 from tests.accumulator.test_lookups import PatchEncoder, TokenAndPositionEmbedding  # keras.io's, as written
 
 VOCAB, LENGTH, HIDDEN, INTERMEDIATE = 100, 8, 16, 32

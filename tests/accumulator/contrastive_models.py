@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import contrastive
+from tfx_gradient_accumulator.accumulator.cache import contrastive
 
 USERS, ITEMS, WORDS, FEATURES, TOKENS = 40, 60, 50, 12, 6
 

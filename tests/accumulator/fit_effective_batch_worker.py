@@ -34,7 +34,7 @@ def main():
 
     import keras
     from tfx_gradient_accumulator.accumulator import GradientAccumulator
-    from tfx_gradient_accumulator.accumulator.distribute import strategy_from_environment
+    from tfx_gradient_accumulator.accumulator.core.distribute import strategy_from_environment
     from tests.accumulator import reference as ref
 
     strategy = strategy_from_environment()

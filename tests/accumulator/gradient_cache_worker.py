@@ -27,7 +27,7 @@ def main():
 
     import keras
     from tfx_gradient_accumulator.accumulator import GradientCache
-    from tfx_gradient_accumulator.accumulator.distribute import strategy_from_environment
+    from tfx_gradient_accumulator.accumulator.core.distribute import strategy_from_environment
     from tests.accumulator import contrastive_models as cm
 
     strategy = strategy_from_environment()

@@ -24,7 +24,7 @@ def main():
     parser.add_argument("--steps-per-epoch", type=int, default=32, help="micro-batches per epoch")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--hooks", default="all",
-                        help="accumulator.seam hooks to install: 'all' (what `import accumulator` does), "
+                        help="accumulator.core.seam hooks to install: 'all' (what `import accumulator` does), "
                              "or comma-separated names, or none")
     parser.add_argument("--partial-window", default="apply")
     parser.add_argument("--backup", default="")
@@ -51,13 +51,14 @@ def main():
     if args.hooks != "all":
         os.environ["ACCUMULATOR_KERAS_HOOKS"] = "0"
     import keras
-    from tfx_gradient_accumulator.accumulator import GradientAccumulator, flavours, hooks
+    from tfx_gradient_accumulator.accumulator import GradientAccumulator, hooks
+    from tfx_gradient_accumulator.accumulator.core import flavours
     if args.hooks != "all":
         hooks.install([h for h in args.hooks.split(",") if h and h != "none"])
     # The tests that show a fix is needed use a plain optimizer (accum 1, no wrapper).
     from tests.accumulator import reference as ref
 
-    from tfx_gradient_accumulator.accumulator.distribute import strategy_from_environment
+    from tfx_gradient_accumulator.accumulator.core.distribute import strategy_from_environment
     strategy = strategy_from_environment()
     assert isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy), strategy
     samples = args.micro * args.steps_per_epoch

@@ -168,7 +168,7 @@ def test_config_round_trip():
 def test_find_micro_batch_is_public():
     import tfx_gradient_accumulator
     from tfx_gradient_accumulator import accumulator
-    from tfx_gradient_accumulator.accumulator import micro_batch
+    from tfx_gradient_accumulator.accumulator.batch import micro_batch
 
     for name in ("find_micro_batch", "MicroBatchFit"):
         assert name in accumulator.__all__

@@ -4,8 +4,8 @@ import keras
 import pytest
 
 from tfx_gradient_accumulator.accumulator import GradientAccumulator
-from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation
-from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule
+from tfx_gradient_accumulator.accumulator.schedules.auto_batch import AutoAccumulation
+from tfx_gradient_accumulator.accumulator.schedules.callbacks import AccumulationSchedule
 from tests.accumulator import reference as ref
 
 MICRO = 4
@@ -105,7 +105,7 @@ def test_under_two_mirrored_replicas_auto_grows_and_replays_exactly():
 
 def test_an_interrupted_auto_run_resumes_with_its_decisions(tmp_path):
     from tfx_gradient_accumulator.accumulator import hooks
-    from tfx_gradient_accumulator.accumulator.backup import TrainingBackup
+    from tfx_gradient_accumulator.accumulator.batch.backup import TrainingBackup
 
     class Interrupted(Exception):
         pass
@@ -143,7 +143,7 @@ def test_accumulating_compile_auto_grows_unchanged_training_code_and_resumes_wit
     import tensorflow as tf
 
     from tfx_gradient_accumulator.accumulator.autowrap import accumulating_compile
-    from tfx_gradient_accumulator.accumulator.backup import TrainingBackup
+    from tfx_gradient_accumulator.accumulator.batch.backup import TrainingBackup
 
     class Interrupted(Exception):
         pass

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import GradientAccumulator, hooks
 from tfx_gradient_accumulator.accumulator.autowrap import accumulating_compile
-from tfx_gradient_accumulator.accumulator.backup import LATEST, TrainingBackup
+from tfx_gradient_accumulator.accumulator.batch.backup import LATEST, TrainingBackup
 from tests.accumulator import reference as ref
 
 MICRO, ACCUM = 8, 4

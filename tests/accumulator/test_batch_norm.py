@@ -124,7 +124,7 @@ def test_fit_ties_unconfigured_layers_to_the_optimizer_and_closes_them_at_epoch_
 
 
 def test_layers_follow_an_accumulation_schedule():
-    from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule
+    from tfx_gradient_accumulator.accumulator.schedules.callbacks import AccumulationSchedule
     x, y = _data(MICRO * 8)
     expected = _large_batch_moving(x, y, [MICRO * 2, MICRO * 4])
     model = _model(AccumBatchNormalization(momentum=0.8))

@@ -9,9 +9,9 @@ through a stand-in optimizer whose moments are those `WindowMoments` keeps.
 import numpy as np
 import pytest
 
-from tfx_gradient_accumulator.accumulator import batch_target as bt
-from tfx_gradient_accumulator.accumulator.auto_batch import AutoAccumulation
-from tfx_gradient_accumulator.accumulator.noise_scale import WindowMoments
+from tfx_gradient_accumulator.accumulator.schedules import batch_target as bt
+from tfx_gradient_accumulator.accumulator.schedules.auto_batch import AutoAccumulation
+from tfx_gradient_accumulator.accumulator.noise.noise_scale import WindowMoments
 
 MICRO, K, OVERHEAD = 4, 2, 0.1
 # The noise scale at which growing from 2 to 3 micro-batches is within the budget

@@ -6,8 +6,8 @@ import keras
 import pytest
 
 from tfx_gradient_accumulator.accumulator import GradientAccumulator
-from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule, EpochWindows, accum_steps_at, validate_schedule
-from tfx_gradient_accumulator.accumulator.lr_scaling import ScaledSchedule
+from tfx_gradient_accumulator.accumulator.schedules.callbacks import AccumulationSchedule, EpochWindows, accum_steps_at, validate_schedule
+from tfx_gradient_accumulator.accumulator.schedules.lr_scaling import ScaledSchedule
 from tests.accumulator import reference as ref
 
 MICRO = 8

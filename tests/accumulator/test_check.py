@@ -18,7 +18,9 @@ import pytest
 import tensorflow as tf
 
 from tfx_gradient_accumulator import accumulator
-from tfx_gradient_accumulator.accumulator import check, check_compare, check_runs, lookups
+from tfx_gradient_accumulator.accumulator import check
+from tfx_gradient_accumulator.accumulator.check import check_compare, check_runs
+from tfx_gradient_accumulator.accumulator.rows import lookups
 from tfx_gradient_accumulator.accumulator.check import ExactnessReport, check_exact, load_target, main
 
 from tests.accumulator import test_lookups as lookup_models

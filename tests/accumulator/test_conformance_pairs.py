@@ -22,7 +22,8 @@ import pytest
 pytest.importorskip("keras_hub", reason="KerasHub is installed only in .venv-tf-latest "
                                         "(constraints/tf-latest-conformance.txt)")
 
-from tfx_gradient_accumulator.accumulator import GradientAccumulator, GradientCache, lookups  # noqa: E402
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, GradientCache  # noqa: E402
+from tfx_gradient_accumulator.accumulator.rows import lookups
 from tests.accumulator import conformance_models as cm  # noqa: E402
 from tests.accumulator import reference as ref  # noqa: E402
 from tests.accumulator.test_conformance import _permuted_inside_batches, assert_within_noise_floor  # noqa: E402

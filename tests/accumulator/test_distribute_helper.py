@@ -7,7 +7,7 @@ import sys
 import pytest
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import distribute
+from tfx_gradient_accumulator.accumulator.core import distribute
 from tests import fork_server
 
 TWO_WORKERS = {"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},
@@ -69,7 +69,7 @@ def test_unknown_kind():
 _TWO_STRATEGIES = """
 import sys
 import tensorflow as tf
-from tfx_gradient_accumulator.accumulator import distribute
+from tfx_gradient_accumulator.accumulator.core import distribute
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 

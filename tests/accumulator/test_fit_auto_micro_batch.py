@@ -1,5 +1,5 @@
 """`GradientAccumulator(inner, micro_batch_size="auto")`: the largest micro-batch whose step
-fits, found by the run (`accumulator.fit_auto_micro_batch`), through real out-of-memory
+fits, found by the run (`accumulator.batch.fit_auto_micro_batch`), through real out-of-memory
 errors (no mocks): a text model with a plain `Embedding`, sequences padded per batch, and a
 cliff in tokens per micro-step that a later, longer batch crosses mid-run. Each out-of-memory
 error costs about 10 s where oneDNN's allocator retries (on by default on AVX-512 CPUs), at
@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import GradientAccumulator, WindowOptions
-from tfx_gradient_accumulator.accumulator.micro_batch_changes import MicroBatchChange, next_micro_batch
+from tfx_gradient_accumulator.accumulator.batch.micro_batch_changes import MicroBatchChange, next_micro_batch
 from tests.accumulator import memory_cliff
 from tests.accumulator import reference as ref
 
@@ -265,7 +265,7 @@ def test_the_next_micro_batch_is_an_even_split_predicted_to_fit(failed, effectiv
 def test_a_later_fit_at_a_larger_batch_splits_the_larger_batch():
     """A second `fit` at a larger batch_size: E is the larger batch (the splits are of it, the
     records name it), b stays the one that fit, and both fits land on Keras' own."""
-    from tfx_gradient_accumulator.accumulator.micro_batch_changes import state_of
+    from tfx_gradient_accumulator.accumulator.batch.micro_batch_changes import state_of
 
     x, y = ref.regression_data(48)
     models = []

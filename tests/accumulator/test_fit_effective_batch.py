@@ -1,5 +1,5 @@
 """`GradientAccumulator(inner, micro_batch_size=b)`: `fit`'s batch is the effective batch,
-one update trained as micro-batches inside one step (`accumulator.fit_micro_batches`),
+one update trained as micro-batches inside one step (`accumulator.batch.fit_micro_batches`),
 within 1e-5 of Keras' own `fit(batch_size=E)` with the inner optimizer."""
 
 import keras
@@ -23,7 +23,7 @@ def _metrics_honour_a_mask_alone():
     """Whether Keras' metrics leave out masked rows without sample weights (Keras 3.8 does
     not: it applies an output's mask to `metrics=` only with sample weights, which
     `compile`'s unweighted metrics never get), so a padded micro-batch's rows stay out."""
-    from tfx_gradient_accumulator.accumulator import seam
+    from tfx_gradient_accumulator.accumulator.core import seam
 
     y_pred = tf.constant([[1.0], [5.0]])
     seam.set_keras_mask(y_pred, tf.constant([True, False]))
@@ -221,7 +221,7 @@ def test_what_this_slice_does_not_take_is_refused_before_training():
 def test_the_micro_batches_are_a_loop_in_one_traced_step(monkeypatch):
     # 2 epochs of batches 20, 20, 10: 20 micro-batches trained, the micro-step traced
     # twice per batch shape (its gradients' kinds, then the loop's body), never per micro-batch.
-    from tfx_gradient_accumulator.accumulator import fit_micro_batches
+    from tfx_gradient_accumulator.accumulator.batch import fit_micro_batches
 
     traced = []
     original = fit_micro_batches._micro_step

@@ -1,4 +1,4 @@
-"""One public name per class for both Keras (`accumulator.flavours`): Keras 3's side.
+"""One public name per class for both Keras (`accumulator.core.flavours`): Keras 3's side.
 
 The Keras 2 side, where `tf_keras` or TF 2.15 is installed, is `tests/keras2/test_flavours_keras2.py`.
 """
@@ -7,11 +7,10 @@ import keras
 import pytest
 
 from tfx_gradient_accumulator import accumulator
-from tfx_gradient_accumulator.accumulator import (
-    AccumulationSchedule, AutoAccumulation, EpochWindows, GradientAccumulator, GradientCache, flavours, seam,
-)
-from tfx_gradient_accumulator.accumulator.auto_batch import auto_accumulation_class
-from tfx_gradient_accumulator.accumulator.callbacks import window_callback_classes
+from tfx_gradient_accumulator.accumulator import AccumulationSchedule, AutoAccumulation, EpochWindows, GradientAccumulator, GradientCache
+from tfx_gradient_accumulator.accumulator.core import flavours, seam
+from tfx_gradient_accumulator.accumulator.schedules.auto_batch import auto_accumulation_class
+from tfx_gradient_accumulator.accumulator.schedules.callbacks import window_callback_classes
 from tfx_gradient_accumulator.accumulator.gradient_cache import is_gradient_cache
 
 PUBLIC = (GradientAccumulator, GradientCache, EpochWindows, AccumulationSchedule, AutoAccumulation)

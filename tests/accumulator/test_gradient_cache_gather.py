@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import GradientCache, across_replicas, contrastive
+from tfx_gradient_accumulator.accumulator import GradientCache
+from tfx_gradient_accumulator.accumulator.cache import across_replicas, contrastive
 from tests.accumulator import contrastive_models as cm
 from tests.accumulator import reference as ref
 

@@ -32,7 +32,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import GradientAccumulator, flavours
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
+from tfx_gradient_accumulator.accumulator.core import flavours
 
 DATA = pathlib.Path(__file__).parent / "data" / "keras_loss_scale_optimizer_tests.py"
 HAS_MULTI_OPTIMIZER = hasattr(keras.optimizers, "MultiOptimizer")     # Keras >= 3.15

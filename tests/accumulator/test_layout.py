@@ -91,38 +91,65 @@ def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-# The rooms of `accumulator/`, in the order imports may run (DEVELOPERS.md's map): a module
-# imports only from its own room or an earlier one. A new module gets a room here.
-ROOMS = {
-    "foundations": ("flavours", "seam", "validation", "refusals", "options", "noise_scale", "batch_target",
-                    "preconditioning",
-                    "lr_scaling", "distribute", "contrastive", "micro_batch_changes"),
-    "mechanics": ("_tf", "replicas", "lookups", "across_replicas", "cache_passes"),
-    "window": ("loop_notes", "custom_loop", "window_rows", "window_saving", "window_noise", "window", "weighting", "forwarding"),
-    "schedules": ("callbacks", "auto_batch"),
-    "optimizers": ("loss_scaling", "optimizer", "keras2", "keras2.optimizer", "keras2.gradient_cache", "keras2.task_cache",
-                   "gradient_cache", "batch_norm"),
-    "training": ("backup", "fit_micro_batches", "keras2.fit_micro_batches", "fit_hook", "hooks", "row_room", "micro_batch_workers", "micro_batch", "out_of_memory",
-                 "fit_auto_micro_batch"),
-    "entry points": ("autowrap", "tuning", "check_report", "check_arguments", "check_runs", "check_compare",
-                     "check_arbiter", "check", ""),
-}
+# The rooms of `accumulator/` are its folders: each sub-package is a room, and the modules at
+# the top (the public fronts) are the room "accumulator". Each room's `__init__.py` says in its
+# docstring which rooms it may import ("May import: core, rows."); the order the rooms come
+# in is read from those lines (DEVELOPERS.md's map). The package's face,
+# `accumulator/__init__.py`, imports what it re-exports and is left out.
+LIBRARY = ROOT / "accumulator"
+LIBRARY_NAME = "tfx_gradient_accumulator.accumulator"
+TOP_ROOM = "accumulator"
 PACKAGE_ORDER = ("accumulator", "components", "pipelines")   # each imports only from itself and those before
 
 
-def _room_of():
-    prefix = "tfx_gradient_accumulator.accumulator"
-    return {f"{prefix}.{m}" if m else prefix: (rank, room)
-            for rank, (room, modules) in enumerate(ROOMS.items()) for m in modules}
+def _may_import(init_source, room):
+    """The rooms an `__init__.py`'s docstring says its room may import (a set; "nothing ..." is empty)."""
+    doc = ast.get_docstring(ast.parse(init_source)) or ""
+    found = re.findall(r"(?m)^May import: ([^\n]*?)\.?$", doc)
+    assert len(found) == 1, f"{room}/__init__.py: its docstring needs one line 'May import: <rooms>.'"
+    return set() if found[0].startswith("nothing") else {r.strip() for r in found[0].split(",")}
 
 
-def imports_against_the_rooms(graph, room_of):
-    """Imports that run backwards: a module importing one of a later room, or of a later package."""
+def declared_rooms(library=LIBRARY):
+    """{room: the rooms it may import}, from the folders: every sub-folder holding Python is a room."""
+    rooms = {}
+    for folder in sorted(p for p in library.iterdir() if p.is_dir() and any(p.glob("*.py"))):
+        init = folder / "__init__.py"
+        assert init.exists(), f"{folder.name}/ holds modules but no __init__.py"
+        rooms[folder.name] = _may_import(init.read_text(), folder.name)
+    rooms[TOP_ROOM] = _may_import((library / "__init__.py").read_text(), TOP_ROOM)
+    return rooms
+
+
+def room_order(rooms):
+    """The rooms in an order where each comes after every room it may import; a cycle fails."""
+    cycle = find_cycle({room: set(allowed) for room, allowed in rooms.items()})
+    assert cycle is None, "rooms that may import each other: " + " -> ".join(cycle)
+    order, placed = [], set()
+    while len(order) < len(rooms):
+        ready = sorted(r for r, allowed in rooms.items() if r not in placed and allowed <= placed)
+        order += ready
+        placed |= set(ready)
+    return order
+
+
+def room_of_module(module):
+    """The room of a library module's dotted name (None for the package's face)."""
+    rest = module[len(LIBRARY_NAME):].lstrip(".").split(".")
+    if rest == [""]:
+        return None
+    return rest[0] if len(rest) > 1 or (LIBRARY / rest[0]).is_dir() else TOP_ROOM
+
+
+def imports_against_the_rooms(graph, rooms, room_of=room_of_module):
+    """Imports a room's docstring does not allow (between rooms), and imports of a later package."""
     wrong = []
     for module, imported in graph.items():
-        if module.startswith("tfx_gradient_accumulator.accumulator") and module in room_of:
-            wrong += [f"{module} ({room_of[module][1]}) imports {target} ({room_of[target][1]})"
-                      for target in sorted(imported) if target in room_of and room_of[target][0] > room_of[module][0]]
+        if module.startswith(LIBRARY_NAME) and room_of(module) is not None:
+            mine = room_of(module)
+            wrong += [f"{module} ({mine}) imports {target} ({room_of(target)})" for target in sorted(imported)
+                      if target.startswith(LIBRARY_NAME) and room_of(target) not in (mine, None)
+                      and room_of(target) not in rooms[mine]]
         parts = module.split(".")
         if parts[0] == "tfx_gradient_accumulator" and len(parts) > 1 and parts[1] in PACKAGE_ORDER:
             rank = PACKAGE_ORDER.index(parts[1])
@@ -132,39 +159,67 @@ def imports_against_the_rooms(graph, room_of):
     return wrong
 
 
-def test_every_library_module_has_a_room():
-    room_of = _room_of()
-    modules = [m for m in import_graph(INSTALLED) if m.startswith("tfx_gradient_accumulator.accumulator")]
-    assert sorted(m for m in modules if m not in room_of) == []
-    assert sorted(m for m in room_of if m not in modules) == []
+def test_every_room_says_what_it_may_import_and_the_rooms_have_an_order():
+    rooms = declared_rooms()
+    assert {"core", "window", "batch", "keras2", "check", TOP_ROOM} <= set(rooms)
+    unknown = {room: sorted(allowed - set(rooms)) for room, allowed in rooms.items() if allowed - set(rooms)}
+    assert not unknown, f"rooms named in 'May import' lines that are no folder: {unknown}"
+    order = room_order(rooms)
+    assert order[0] == "core" and order[-1] == "check", order
 
 
 def test_imports_run_from_the_later_rooms_to_the_earlier():
-    assert imports_against_the_rooms(import_graph(), _room_of()) == []
+    assert imports_against_the_rooms(import_graph(), declared_rooms()) == []
 
 
-def test_the_rooms_check_can_fail():
-    room_of = {"tfx_gradient_accumulator.accumulator.a": (0, "first"), "tfx_gradient_accumulator.accumulator.b": (1, "second")}
-    graph = {"tfx_gradient_accumulator.accumulator.a": {"tfx_gradient_accumulator.accumulator.b"},
-             "tfx_gradient_accumulator.accumulator.b": {"tfx_gradient_accumulator.accumulator.a"},
-             "tfx_gradient_accumulator.accumulator.c": {"tfx_gradient_accumulator.components.x"}}
-    assert imports_against_the_rooms(graph, room_of) == [
-        "tfx_gradient_accumulator.accumulator.a (first) imports tfx_gradient_accumulator.accumulator.b (second)",
-        "tfx_gradient_accumulator.accumulator.c imports tfx_gradient_accumulator.components.x"]
+def test_the_rooms_check_can_fail(tmp_path):
+    # An import a room's docstring does not allow is reported, as is one of a later package.
+    rooms = {"first": set(), "second": {"first"}}
+    graph = {"tfx_gradient_accumulator.accumulator.first.a": {"tfx_gradient_accumulator.accumulator.second.b"},
+             "tfx_gradient_accumulator.accumulator.second.b": {"tfx_gradient_accumulator.accumulator.first.a"},
+             "tfx_gradient_accumulator.accumulator.first.c": {"tfx_gradient_accumulator.components.x"}}
+    assert imports_against_the_rooms(graph, rooms) == [
+        "tfx_gradient_accumulator.accumulator.first.a (first) imports tfx_gradient_accumulator.accumulator.second.b (second)",
+        "tfx_gradient_accumulator.accumulator.first.c imports tfx_gradient_accumulator.components.x"]
+    # The rooms are read from the folders: one without a 'May import' line, or two rooms
+    # that may import each other, fail.
+    for name, allowed in (("first", "nothing of the library"), ("second", "first")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f'"""Room {name}.\n\nMay import: {allowed}.\n"""\n')
+    (tmp_path / "__init__.py").write_text('"""The face.\n\nMay import: first, second.\n"""\n')
+    assert room_order(declared_rooms(tmp_path)) == ["first", "second", TOP_ROOM]
+    (tmp_path / "first" / "__init__.py").write_text('"""Room first.\n\nMay import: second.\n"""\n')
+    with pytest.raises(AssertionError, match="may import each other"):
+        room_order(declared_rooms(tmp_path))
+    (tmp_path / "second" / "__init__.py").write_text('"""Room second, silent."""\n')
+    with pytest.raises(AssertionError, match="May import"):
+        declared_rooms(tmp_path)
+
+
+def test_the_map_of_the_house_names_every_room_in_order():
+    """DEVELOPERS.md draws the rooms as the folders give them: each named, in the derived order."""
+    text = (ROOT / "DEVELOPERS.md").read_text()
+    section = text[text.index("## The map of the house"):]
+    section = section[:section.index("\n## ", 1)]
+    headings = re.findall(r"(?m)^### `accumulator/(\w*)/?`", section)
+    order = room_order(declared_rooms())
+    named = [h or TOP_ROOM for h in headings]
+    assert sorted(named) == sorted(order), (named, order)
+    assert all(set(declared_rooms()[room]) <= set(named[:i]) for i, room in enumerate(named)), named
 
 
 def test_the_private_names_module_imports_nothing_of_the_library():
     # but the public Keras-flavour detection, itself a leaf.
     graph = import_graph()
-    assert graph["tfx_gradient_accumulator.accumulator.seam"] <= {"tfx_gradient_accumulator.accumulator.flavours"}
-    assert graph["tfx_gradient_accumulator.accumulator.flavours"] == set()
+    assert graph["tfx_gradient_accumulator.accumulator.core.seam"] <= {"tfx_gradient_accumulator.accumulator.core.flavours"}
+    assert graph["tfx_gradient_accumulator.accumulator.core.flavours"] == set()
 
 
 def test_the_hooks_leave_the_private_names_module():
     # seam reaches past Keras' API; hooks changes Keras; the two jobs live apart.
     graph = import_graph()
     assert "tfx_gradient_accumulator.accumulator.hooks" in graph["tfx_gradient_accumulator.accumulator"]       # `import accumulator` installs them
-    assert "tfx_gradient_accumulator.accumulator.fit_hook" not in graph["tfx_gradient_accumulator.accumulator.seam"] | graph["tfx_gradient_accumulator.accumulator.window"]
+    assert "tfx_gradient_accumulator.accumulator.fit_hook" not in graph["tfx_gradient_accumulator.accumulator.core.seam"] | graph["tfx_gradient_accumulator.accumulator.window.window"]
 
 
 # What the library never imports: TFX and what comes with it, and the component and pipelines
@@ -347,7 +402,7 @@ def test_the_library_imported_from_the_checkout_root_is_one_copy():
     report = json.loads(out.stdout.strip().splitlines()[-1])
     ours = {n: pathlib.Path(f).resolve() for n, f in report["files"].items()
             if n.split(".")[0] == "tfx_gradient_accumulator" and f}
-    assert "tfx_gradient_accumulator.accumulator.window" in ours
+    assert "tfx_gradient_accumulator.accumulator.window.window" in ours
     package = ours["tfx_gradient_accumulator"]
     _check_one_module_per_file(report["files"], [package.parent])
     if package == PACKAGE_INIT.resolve():      # this checkout, installed editable
@@ -370,3 +425,24 @@ def test_a_folder_imported_by_its_own_name_is_refused(folder):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert f"import tfx_gradient_accumulator.{folder} instead" in out.stderr
+
+
+def test_the_old_module_paths_import_the_moved_modules_with_a_warning():
+    """A module's path from before the rooms (`accumulator.options`) still imports: the same
+    module object as at its new path, with a FutureWarning that names the new path."""
+    import importlib
+    import warnings
+
+    import tfx_gradient_accumulator.accumulator as library
+
+    assert {f"{room}/{name}.py" for name, room in library.MOVED_MODULES.items()
+            if not (LIBRARY / room / f"{name}.py").exists()} == set()
+    for name in ("options", "window_rows", "fit_micro_batches", "check_report"):
+        new = importlib.import_module(f"{LIBRARY_NAME}.{library.MOVED_MODULES[name]}.{name}")
+        sys.modules.pop(f"{LIBRARY_NAME}.{name}", None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            old = importlib.import_module(f"{LIBRARY_NAME}.{name}")
+        sys.modules.pop(f"{LIBRARY_NAME}.{name}", None)     # one name per file for the layout tests that follow
+        assert old is new
+        assert any(issubclass(w.category, FutureWarning) and new.__name__ in str(w.message) for w in caught)

@@ -19,7 +19,9 @@ import pytest
 import tensorflow as tf
 from keras import layers, ops
 
-from tfx_gradient_accumulator.accumulator import GradientAccumulator, GradientCache, contrastive, lookups
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, GradientCache
+from tfx_gradient_accumulator.accumulator.cache import contrastive
+from tfx_gradient_accumulator.accumulator.rows import lookups
 from tests.accumulator import reference as ref
 from tests.accumulator.test_sparse import SETTINGS, _optimizer_cases
 

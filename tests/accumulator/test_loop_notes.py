@@ -6,9 +6,10 @@ import pytest
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import GradientAccumulator, loop_notes
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
+from tfx_gradient_accumulator.accumulator.window import loop_notes
 
-LOGGER = "tfx_gradient_accumulator.accumulator.window"
+LOGGER = "tfx_gradient_accumulator.accumulator.window.window"
 UNEVEN = "is given no `micro_batch_weight`"
 OPEN = "while its window holds"
 

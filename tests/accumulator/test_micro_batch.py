@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import GradientAccumulator, find_micro_batch, seam
-from tfx_gradient_accumulator.accumulator.micro_batch import MicroBatchFit, smallest_taken_whole, split
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, find_micro_batch
+from tfx_gradient_accumulator.accumulator.core import seam
+from tfx_gradient_accumulator.accumulator.batch.micro_batch import MicroBatchFit, smallest_taken_whole, split
 from tests import fork_server
 from tests.accumulator import memory_cliff
 from tests.accumulator import reference as ref

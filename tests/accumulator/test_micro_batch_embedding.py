@@ -1,7 +1,7 @@
 """`find_micro_batch` and `fit_with_out_of_memory_recovery` on a text model with a plain
 `Embedding`, through real out-of-memory errors (`memory_cliff.TokenCliff`: tokens per step).
 
-The embedding's gradient is rows (ids and values, `accumulator.window_rows`), and its ids
+The embedding's gradient is rows (ids and values, `accumulator.rows.window_rows`), and its ids
 exist from the forward pass on: a step that runs out of memory after the lookup can stop
 with some of the rows' state written. The search must put the rows back whole, and the
 recovery's drop must empty them even when the step counted no micro-batch; then both are
@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import (GradientAccumulator, MicroBatchFit, find_micro_batch,
                                                   fit_with_out_of_memory_recovery)
-from tfx_gradient_accumulator.accumulator.micro_batch import split
+from tfx_gradient_accumulator.accumulator.batch.micro_batch import split
 from tests.accumulator import memory_cliff
 from tests.accumulator import reference as ref
 

@@ -282,7 +282,7 @@ def test_adams_preconditioned_sums_read_p_once_a_window_and_match_each_micro_bat
     update and applied to each micro-batch's gradient: an embedding looked up twice per
     micro-batch (repeated rows summed before squaring) beside dense layers, and P's
     first window (ones, before any update) and later ones."""
-    from tfx_gradient_accumulator.accumulator import noise_scale as ns, preconditioning as pc
+    from tfx_gradient_accumulator.accumulator.noise import noise_scale as ns, preconditioning as pc
     rng = np.random.default_rng(3)
     ids = rng.integers(0, 6, size=(9, 4, 5)).astype("int32")          # 9 micro-batches of 4, 5 ids each
     targets = rng.normal(size=(9, 4, 1)).astype("float32")
@@ -591,7 +591,7 @@ def test_sequence_outputs_give_the_noise_scale_in_samples_not_tokens(monkeypatch
     per_token, per_sample = _sequence_noise_scales()
     assert np.isfinite(per_sample) and per_token == pytest.approx(per_sample, rel=1e-4)
     # Control: sizes in the loss's elements (the rule before) count each sequence 12 times.
-    from tfx_gradient_accumulator.accumulator import weighting
+    from tfx_gradient_accumulator.accumulator.window import weighting
     monkeypatch.setattr(weighting, "loss_samples", lambda model, x, y, y_pred: weighting.loss_denominator(
         model, x, y, y_pred, None))
     per_token, per_sample = _sequence_noise_scales()

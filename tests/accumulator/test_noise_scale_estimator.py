@@ -1,4 +1,4 @@
-"""The gradient noise scale estimator (`accumulator.noise_scale`) against known truths.
+"""The gradient noise scale estimator (`accumulator.noise.noise_scale`) against known truths.
 
 * Least squares at fixed weights, where |G|^2 and tr(Sigma) have a closed form.
   Loss 0.5 (x.w - y)^2, x ~ N(0, I_d), y = x.w* + eps, eps ~ N(0, s^2); with
@@ -32,7 +32,7 @@ import keras
 import pytest
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import noise_scale as ns
+from tfx_gradient_accumulator.accumulator.noise import noise_scale as ns
 
 # ----------------------------------------------------------------- helpers
 

@@ -6,7 +6,7 @@ import keras
 import pytest
 
 from tfx_gradient_accumulator.accumulator import GradientAccumulator, WindowOptions
-from tfx_gradient_accumulator.accumulator.options import CacheOptions, validate_lr_ramp_updates
+from tfx_gradient_accumulator.accumulator.core.options import CacheOptions, validate_lr_ramp_updates
 
 # option: (an accepted value, a refused one, the error, what its message must say)
 CASES = {
@@ -131,10 +131,10 @@ def test_cache_options():
 def test_public_names_stay_importable():
     from tfx_gradient_accumulator import WindowOptions as package_name
     from tfx_gradient_accumulator.accumulator import validate_accum_steps
-    from tfx_gradient_accumulator.accumulator.callbacks import validate_schedule
-    from tfx_gradient_accumulator.accumulator.lr_scaling import validate_lr_scaling
+    from tfx_gradient_accumulator.accumulator.schedules.callbacks import validate_schedule
+    from tfx_gradient_accumulator.accumulator.schedules.lr_scaling import validate_lr_scaling
     from tfx_gradient_accumulator.accumulator.optimizer import validate_measure_noise_scale, validate_partial_window
-    from tfx_gradient_accumulator.accumulator.window import validate_merge_duplicate_rows
+    from tfx_gradient_accumulator.accumulator.window.window import validate_merge_duplicate_rows
 
     assert package_name is WindowOptions
     assert validate_accum_steps(3) == 3 and validate_schedule({"2": 4}) == {2: 4}

@@ -1,4 +1,4 @@
-"""The optimizer's geometry for the noise scale (`accumulator.preconditioning`).
+"""The optimizer's geometry for the noise scale (`accumulator.noise.preconditioning`).
 
 * Each supported optimizer's scale P, after real `apply_gradients` steps, against P
   recomputed in NumPy from the gradients applied (not from the optimizer's variables),
@@ -15,8 +15,9 @@ import keras
 import pytest
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import GradientAccumulator, noise_scale as ns
-from tfx_gradient_accumulator.accumulator import preconditioning as pc
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
+from tfx_gradient_accumulator.accumulator.noise import noise_scale as ns
+from tfx_gradient_accumulator.accumulator.noise import preconditioning as pc
 from tests import second_moments
 
 DEVICES = ["/cpu:0", "/cpu:1"]

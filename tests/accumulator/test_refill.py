@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import _tf
+from tfx_gradient_accumulator.accumulator.core import _tf
 
 
 def _buffers():

@@ -184,7 +184,7 @@ def test_backup_and_restore_keeps_the_open_window(partial_window, updates, tmp_p
 
 
 def test_a_scheduled_accum_steps_survives_saving_and_restoring(tmp_path):
-    from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule
+    from tfx_gradient_accumulator.accumulator.schedules.callbacks import AccumulationSchedule
     x, y = ref.regression_data(MICRO * 8)
     model = ref.mlp()
     model.compile(GradientAccumulator(keras.optimizers.SGD(0.05), 2, schedulable=True), "mse")

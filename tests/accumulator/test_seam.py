@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import GradientAccumulator, flavours, hooks, seam
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, hooks
+from tfx_gradient_accumulator.accumulator.core import flavours, seam
 from tests.accumulator import reference as ref
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -30,7 +31,7 @@ EXPECTED_HOOKS = sorted(
 
 def _own_private_names(sources):
     """Underscore names this project defines itself (methods, attributes, module names)."""
-    defined = {p.stem for p in LIBRARY if p.stem.startswith("_")}     # our modules: accumulator._tf
+    defined = {p.stem for p in LIBRARY if p.stem.startswith("_")}     # our modules: accumulator.core._tf
     for text in sources:
         defined |= set(re.findall(r"(?:def|class)\s+(_\w+)", text))
         defined |= set(re.findall(r"\.(_\w+)\s*=[^=]", text))
@@ -52,7 +53,7 @@ def test_no_private_keras_or_tensorflow_name_outside_the_seam():
         for name in re.findall(r"\.(_[a-zA-Z]\w*)", code):
             if name not in defined and name not in ALLOWED_FOREIGN:
                 found.append(f"{path.relative_to(ROOT)}: .{name}")
-    assert not found, "private Keras/TF names outside accumulator/seam.py:\n" + "\n".join(sorted(set(found)))
+    assert not found, "private Keras/TF names outside accumulator/core/seam.py:\n" + "\n".join(sorted(set(found)))
 
 
 @pytest.mark.parametrize("name", seam.PRIVATE_NAMES, ids=str)
@@ -132,7 +133,7 @@ def test_import_installs_the_hooks_and_the_environment_can_opt_out():
     code = ("import keras; from tfx_gradient_accumulator import accumulator; "
             "from tfx_gradient_accumulator.accumulator import hooks; "
             "print(hooks.installed_hooks(), 'fit' in vars(keras.Model), "
-            "accumulator.callbacks.AccumulationSchedule.__name__)")
+            "accumulator.schedules.callbacks.AccumulationSchedule.__name__)")
     assert _python(code, ACCUMULATOR_KERAS_HOOKS="0").split()[-3:] == ["[]", "False", "AccumulationSchedule"]
 
 

@@ -3,7 +3,7 @@
 Keras 3 applies an `IndexedSlices` gradient row by row: a row looked up twice
 gets g1^2 + g2^2 in Adam's second moment, not (g1 + g2)^2. The large batch's
 gradient has one row per lookup, so the window must hand the inner optimizer
-those same rows (`accumulator.window.WindowRows`). Every reference here is Keras'
+those same rows (`accumulator.window.window.WindowRows`). Every reference here is Keras'
 own large-batch run (`fit` with the effective batch, or `optimizer.apply` on the
 large batch's gradient in a loop), never our own idea of it; the controls show
 that summing the rows first (`merge_duplicate_rows=True`, the densified gradient)

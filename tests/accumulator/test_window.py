@@ -7,7 +7,7 @@ import keras
 import pytest
 
 from tfx_gradient_accumulator.accumulator import GradientAccumulator
-from tfx_gradient_accumulator.accumulator.callbacks import AccumulationSchedule, EpochWindows
+from tfx_gradient_accumulator.accumulator.schedules.callbacks import AccumulationSchedule, EpochWindows
 from tfx_gradient_accumulator.accumulator.fit_hook import with_epoch_windows
 from tests.accumulator import reference as ref
 

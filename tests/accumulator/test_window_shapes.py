@@ -12,7 +12,8 @@ import numpy as np
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import GradientAccumulator, seam
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
+from tfx_gradient_accumulator.accumulator.core import seam
 
 DATA = pathlib.Path(__file__).parent / "data"
 

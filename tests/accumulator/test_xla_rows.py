@@ -3,7 +3,7 @@
 Keras 3 applies a sparse gradient's repeated rows one by one, also under XLA (its
 large batch compiled and uncompiled: 2e-8 apart here). The window keeps each
 micro-batch's rows in a room made outside the compiled step (`window_rows.has_room`,
-`accumulator.row_room`): rows of one micro-batch x the window's length. Each case
+`accumulator.rows.row_room`): rows of one micro-batch x the window's length. Each case
 compares `fit` (or a custom step) compiled with XLA to Keras' own large batch
 compiled with XLA, from the same initial weights.
 """

@@ -13,7 +13,7 @@ import tensorflow as tf
 from tfx.orchestration import data_types
 from tfx.types import Channel, standard_artifacts
 
-from tfx_gradient_accumulator.accumulator import options as library_options
+from tfx_gradient_accumulator.accumulator.core import options as library_options
 from tfx_gradient_accumulator.components import AccumulatingTrainer
 from tfx_gradient_accumulator.components import settings as settings_lib
 from tests.accumulator.reference import max_abs_diff

@@ -27,7 +27,7 @@ def main():
     args = parser.parse_args()
 
     from tfx_gradient_accumulator.accumulator import GradientCache
-    from tfx_gradient_accumulator.accumulator.distribute import strategy_from_environment
+    from tfx_gradient_accumulator.accumulator.core.distribute import strategy_from_environment
 
     strategy = strategy_from_environment()
     assert isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy), strategy

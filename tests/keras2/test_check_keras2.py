@@ -11,7 +11,8 @@ import os
 import numpy as np
 import pytest
 
-from tfx_gradient_accumulator.accumulator import check_exact, flavours
+from tfx_gradient_accumulator.accumulator import check_exact
+from tfx_gradient_accumulator.accumulator.core import flavours
 
 k2 = flavours.keras2_module()
 pytestmark = [

@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import GradientAccumulator, flavours, loop_notes
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
+from tfx_gradient_accumulator.accumulator.core import flavours
+from tfx_gradient_accumulator.accumulator.window import loop_notes
 
 k2 = flavours.keras2_module()
 pytestmark = pytest.mark.skipif(k2 is None, reason="no Keras 2 here (tf_keras not installed)")

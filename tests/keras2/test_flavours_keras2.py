@@ -1,14 +1,13 @@
-"""One public name per class for both Keras (`accumulator.flavours`): the Keras 2 classes
+"""One public name per class for both Keras (`accumulator.core.flavours`): the Keras 2 classes
 are instances and subclasses of the public names, beside Keras 3 or on TF 2.15 alone."""
 
 import keras
 import pytest
 
-from tfx_gradient_accumulator.accumulator import (
-    AccumulationSchedule, AutoAccumulation, EpochWindows, GradientAccumulator, GradientCache, flavours,
-)
-from tfx_gradient_accumulator.accumulator.auto_batch import auto_accumulation_class
-from tfx_gradient_accumulator.accumulator.callbacks import window_callback_classes
+from tfx_gradient_accumulator.accumulator import AccumulationSchedule, AutoAccumulation, EpochWindows, GradientAccumulator, GradientCache
+from tfx_gradient_accumulator.accumulator.core import flavours
+from tfx_gradient_accumulator.accumulator.schedules.auto_batch import auto_accumulation_class
+from tfx_gradient_accumulator.accumulator.schedules.callbacks import window_callback_classes
 from tfx_gradient_accumulator.accumulator.gradient_cache import is_gradient_cache
 
 k2 = flavours.keras2_module()

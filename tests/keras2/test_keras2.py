@@ -17,8 +17,9 @@ import pytest
 import tensorflow as tf
 
 from tfx_gradient_accumulator import accumulator
-from tfx_gradient_accumulator.accumulator import GradientAccumulator, flavours, hooks
-from tfx_gradient_accumulator.accumulator.window import AccumulationWindow
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, hooks
+from tfx_gradient_accumulator.accumulator.core import flavours
+from tfx_gradient_accumulator.accumulator.window.window import AccumulationWindow
 from tests import deltas, saved_0_3, sweeps
 
 k2 = flavours.keras2_module()
@@ -395,8 +396,8 @@ def test_an_optimizer_saved_by_version_0_3_loads_with_its_estimates():
 
 def test_schedule_by_update_with_sqrt_lr_scaling_equals_keras_fits_chained():
     # 3 updates of 16 samples, then 2 of 32, the schedule's LR times sqrt(2) from then on.
-    from tfx_gradient_accumulator.accumulator.callbacks import window_callback_classes
-    from tfx_gradient_accumulator.accumulator.lr_scaling import scaled_schedule_class
+    from tfx_gradient_accumulator.accumulator.schedules.callbacks import window_callback_classes
+    from tfx_gradient_accumulator.accumulator.schedules.lr_scaling import scaled_schedule_class
     x, y = data(112)
     decay = lambda: k2.optimizers.schedules.ExponentialDecay(1e-2, 3, 0.7)  # noqa: E731
     model = mlp()
@@ -422,7 +423,7 @@ def test_schedule_by_update_with_sqrt_lr_scaling_equals_keras_fits_chained():
 
 
 def test_accum_steps_auto_grows_a_keras_2_fit_and_its_schedule_replays_exactly(easy_auto):
-    from tfx_gradient_accumulator.accumulator.callbacks import window_callback_classes
+    from tfx_gradient_accumulator.accumulator.schedules.callbacks import window_callback_classes
     x, y = data(256)
     y = y + np.random.default_rng(1).normal(size=y.shape).astype("float32")   # noisy: large B_simple
     model = mlp()
@@ -537,7 +538,7 @@ def _backed_up_fit(directory, stop_after=None, every_steps=3):
     """16 micro-steps (2 epochs of 8) in windows of 4, backed up every `every_steps`;
     `stop_after`: the run dies after that many steps. Returns (model, backup, what the
     optimizer held when training began: micro-steps in its window, updates)."""
-    from tfx_gradient_accumulator.accumulator.backup import TrainingBackup
+    from tfx_gradient_accumulator.accumulator.batch.backup import TrainingBackup
 
     x, y = data(64)
     began = {}

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import GradientAccumulator, GradientCache, contrastive, flavours, seam
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, GradientCache
+from tfx_gradient_accumulator.accumulator.cache import contrastive
+from tfx_gradient_accumulator.accumulator.core import flavours, seam
 from tests import deltas
 
 k2 = flavours.keras2_module()

@@ -6,9 +6,8 @@ import pydoc
 
 import pytest
 
-from tfx_gradient_accumulator.accumulator import (
-    AccumulationSchedule, AutoAccumulation, EpochWindows, GradientAccumulator, GradientCache, flavours,
-)
+from tfx_gradient_accumulator.accumulator import AccumulationSchedule, AutoAccumulation, EpochWindows, GradientAccumulator, GradientCache
+from tfx_gradient_accumulator.accumulator.core import flavours
 
 k2 = flavours.keras2_module()
 pytestmark = pytest.mark.skipif(k2 is None, reason="no Keras 2 installed")

@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import GradientAccumulator, flavours, seam
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
+from tfx_gradient_accumulator.accumulator.core import flavours, seam
 
 k2 = flavours.keras2_module()
 pytestmark = pytest.mark.skipif(k2 is None, reason="no Keras 2 here (tf_keras not installed)")
 
 DATA = pathlib.Path(__file__).parent / "data"
-LOGGER = "tfx_gradient_accumulator.accumulator.window"
+LOGGER = "tfx_gradient_accumulator.accumulator.window.window"
 
 
 def _embedding_model():

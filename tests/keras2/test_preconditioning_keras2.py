@@ -1,4 +1,4 @@
-"""A Keras 2 optimizer's geometry for the noise scale (`accumulator.preconditioning`):
+"""A Keras 2 optimizer's geometry for the noise scale (`accumulator.noise.preconditioning`):
 its scale P after real `apply_gradients` steps against P recomputed in NumPy from the
 gradients applied, with the formula of Keras 2's own `update_step`."""
 
@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import GradientAccumulator, flavours
-from tfx_gradient_accumulator.accumulator import preconditioning as pc
+from tfx_gradient_accumulator.accumulator import GradientAccumulator
+from tfx_gradient_accumulator.accumulator.core import flavours
+from tfx_gradient_accumulator.accumulator.noise import preconditioning as pc
 from tests import second_moments
 
 k2 = flavours.keras2_module()

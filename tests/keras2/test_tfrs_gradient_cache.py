@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator import GradientAccumulator, GradientCache, flavours
+from tfx_gradient_accumulator.accumulator import GradientAccumulator, GradientCache
+from tfx_gradient_accumulator.accumulator.core import flavours
 from tests import deltas
 
 tfrs = pytest.importorskip("tensorflow_recommenders", reason="TensorFlow Recommenders is installed "

@@ -19,7 +19,8 @@ import tensorflow as tf
 from tfx import v1 as tfx
 from tfx_bsl.public import tfxio
 
-from tfx_gradient_accumulator.accumulator import GradientCache, contrastive
+from tfx_gradient_accumulator.accumulator import GradientCache
+from tfx_gradient_accumulator.accumulator.cache import contrastive
 
 USERS, ITEMS = 40, 60
 BATCH_SIZE = 32
