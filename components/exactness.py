@@ -1,4 +1,4 @@
-"""`AccumulatingTrainer(verify_exactness=...)`: `check_exact` on the run_fn's model, before training.
+"""`AccumulatingTrainer(options=TrainerOptions(verify_exactness=...))`: `check_exact` on the run_fn's model, before training.
 
 The run_fn runs up to its `fit` (`probe`), the model and data it reached are checked
 (`verify`), the random state is put back, and the verdict (`exactness`,
@@ -117,7 +117,7 @@ def _check_arguments(reached, settings):
 def _refuse(why):
     """Raises for "refuse" when nothing could be checked."""
     raise RuntimeError(
-        f"AccumulatingTrainer(verify_exactness='refuse') could not check the run_fn's model ({why}), "
+        f"AccumulatingTrainer(options=TrainerOptions(verify_exactness='refuse')) could not check the run_fn's model ({why}), "
         "so nothing was trained. Set verify_exactness=True to train anyway and record 'not checked'.")
 
 
@@ -228,7 +228,7 @@ def _decide(verdict, mode):
     if mode == "refuse":
         report = verdict.report if verdict.report is not None else f"max |dw| {verdict.max_delta:.3g}"
         raise RuntimeError(
-            "AccumulatingTrainer(verify_exactness='refuse'): accumulation does not train this model like "
+            "AccumulatingTrainer(options=TrainerOptions(verify_exactness='refuse')): accumulation does not train this model like "
             f"Keras' large batch ({verdict.detail}), so nothing was trained.\n{report}\nFix what the report "
             "names, or set verify_exactness=True to train anyway and record the verdict.")
     logging.warning("verify_exactness: accumulation differs from Keras' large batch: %s.", verdict.detail)

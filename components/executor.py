@@ -23,11 +23,12 @@ from tfx_gradient_accumulator.accumulator.autowrap import accumulating_compile
 from tfx_gradient_accumulator.accumulator.core.distribute import strategy_from_environment
 from tfx_gradient_accumulator.components import (
     cluster, effective_batch_record, exactness, fn_args_utils, micro_batch_fit, noise_scale, out_of_memory,
-    preemption, run_fn_swaps, settings as settings_lib)
+    preemption, run_fn_swaps, settings as settings_lib, trainer_options)
 
-ACCUM_STEPS_KEY = "accum_steps"
-EFFECTIVE_BATCH_SIZE_KEY = "effective_batch_size"
-STRATEGY_KEY = "strategy"
+# The execution properties the component writes (`trainer_options.exec_properties`).
+ACCUM_STEPS_KEY = trainer_options.ACCUM_STEPS_KEY
+EFFECTIVE_BATCH_SIZE_KEY = trainer_options.EFFECTIVE_BATCH_SIZE_KEY
+STRATEGY_KEY = trainer_options.STRATEGY_KEY
 ACCUM_SCHEDULE_KEY = "accum_schedule"
 PARTIAL_WINDOW_KEY = "partial_window"
 MEASURE_NOISE_SCALE_KEY = "measure_noise_scale"
@@ -35,30 +36,18 @@ NOISE_SCALE_SMOOTHING_KEY = "noise_scale_smoothing"
 MERGE_DUPLICATE_ROWS_KEY = "merge_duplicate_rows"
 GRADIENT_CACHE_KEY = "gradient_cache"
 GATHER_ACROSS_REPLICAS_KEY = "gather_across_replicas"
-ACCUM_STEPS_AUTO_KEY = "accum_steps_auto"
-ACCUM_STEPS_FIT_KEY = "accum_steps_fit"
+ACCUM_STEPS_AUTO_KEY = trainer_options.ACCUM_STEPS_AUTO_KEY
+ACCUM_STEPS_FIT_KEY = trainer_options.ACCUM_STEPS_FIT_KEY
 MAX_EFFECTIVE_BATCH_SIZE_KEY = "max_effective_batch_size"
 ACCUM_SCHEDULE_BY_KEY = "accum_schedule_by"
 LR_SCALING_KEY = "lr_scaling"
 LR_RAMP_UPDATES_KEY = settings_lib.LR_RAMP_UPDATES
-MICRO_BATCH_SIZE_KEY = settings_lib.MICRO_BATCH_SIZE
-MICRO_BATCH_SIZE_AUTO_KEY = "micro_batch_size_auto"
+MICRO_BATCH_SIZE_KEY = trainer_options.MICRO_BATCH_SIZE_KEY
+MICRO_BATCH_SIZE_AUTO_KEY = trainer_options.MICRO_BATCH_SIZE_AUTO_KEY
 BACKUP_DIR_KEY = preemption.BACKUP_DIR_KEY
 BACKUP_EVERY_KEY = preemption.BACKUP_EVERY_KEY
 TENSORBOARD_SUBDIR = "accumulation"
 RECORD_FILE = "record.json"
-# `settings.resolve`'s keyword: the exec property it reads.
-_RESOLVE_KEYWORDS = {
-    "accum_steps": ACCUM_STEPS_KEY, "effective_batch_size": EFFECTIVE_BATCH_SIZE_KEY,
-    "schedule": ACCUM_SCHEDULE_KEY, "partial_window": PARTIAL_WINDOW_KEY,
-    "measure_noise_scale": MEASURE_NOISE_SCALE_KEY, "noise_scale_smoothing": NOISE_SCALE_SMOOTHING_KEY,
-    "merge_duplicate_rows": MERGE_DUPLICATE_ROWS_KEY, "gradient_cache": GRADIENT_CACHE_KEY,
-    "schedule_by": ACCUM_SCHEDULE_BY_KEY, "lr_scaling": LR_SCALING_KEY,
-    "max_effective_batch_size": MAX_EFFECTIVE_BATCH_SIZE_KEY, "gather_across_replicas": GATHER_ACROSS_REPLICAS_KEY,
-    "lr_ramp_updates": LR_RAMP_UPDATES_KEY, "micro_batch_size": MICRO_BATCH_SIZE_KEY,
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class _Run:
     """What one run resolved before training: the settings, the strategy, this
@@ -153,25 +142,13 @@ def _load_run_fn(exec_properties):
         ) from None
 
 
-def _as_bool(value):
-    """A stored 0/1 as a bool; any other value unchanged."""
-    # Stored as an int (0/1) in the pipeline, as SchemaGen's infer_feature_shape.
-    return bool(value) if isinstance(value, int) and value in (0, 1) else value
-
-
 def _resolve_settings(hyperparameters, exec_properties, replicas):
-    """The run's `AccumulationSettings`: the Tuner's best over the component's parameters."""
-    parameters = {keyword: exec_properties.get(key) for keyword, key in _RESOLVE_KEYWORDS.items()}
-    if _as_bool(exec_properties.get(ACCUM_STEPS_AUTO_KEY)):
-        parameters["accum_steps"] = settings_lib.AUTO
-    if _as_bool(exec_properties.get(ACCUM_STEPS_FIT_KEY)):
-        parameters["accum_steps"] = settings_lib.FIT
-    if _as_bool(exec_properties.get(MICRO_BATCH_SIZE_AUTO_KEY)):
-        parameters["micro_batch_size"] = settings_lib.AUTO
-    if parameters["schedule"]:
-        parameters["schedule"] = json.loads(parameters["schedule"])
-    parameters["measure_noise_scale"] = _as_bool(parameters["measure_noise_scale"])
-    return settings_lib.resolve(hyperparameters, replicas=replicas, **parameters)
+    """The run's `AccumulationSettings`: the Tuner's best over the component's parameters
+    (read back from the execution properties the component wrote)."""
+    accum_steps, effective_batch_size, micro_batch_size, options = trainer_options.from_exec_properties(
+        exec_properties)
+    return settings_lib.resolve(hyperparameters, accum_steps, effective_batch_size, replicas, options,
+                                micro_batch_size=micro_batch_size)
 
 
 def _describe(run, train_steps):
@@ -212,9 +189,9 @@ def _record(output_dict, model_run_dir, run, optimizers):
     settings = run.settings
     if not optimizers and settings.gradient_cache:
         raise RuntimeError(
-            "AccumulatingTrainer(gradient_cache=True) saw no GradientCache compiled: the run_fn "
-            "never called `compile` on an accumulator.GradientCache, so no accumulation is "
-            "recorded. Wrap the model (`GradientCache(model, accum_steps=1)`) and compile it."
+            "AccumulatingTrainer(options=TrainerOptions(gradient_cache=True)) saw no GradientCache "
+            "compiled: the run_fn never called `compile` on an accumulator.GradientCache, so no "
+            "accumulation is recorded. Wrap the model (`GradientCache(model, accum_steps=1)`) and compile it."
         )
     if not optimizers:
         raise RuntimeError(

@@ -1,4 +1,4 @@
-"""`AccumulatingTrainer(backup_dir=...)`: training that survives a killed worker.
+"""`AccumulatingTrainer(options=TrainerOptions(backup_dir=...))`: training that survives a killed worker.
 
 A restarted executor with the same run key (the inputs, the execution
 properties and the module file) resumes from `<backup_dir>/<run key>`, exactly;

@@ -1,8 +1,11 @@
 """Accumulation settings of a training run: resolved, validated, then frozen (`resolve`).
 
 Precedence: the hyperparameters artifact (the Tuner's best) over the component's
-parameters over the defaults. Everything is checked here, before any training starts,
-so a bad value fails the component with a message that names it. Also what
+parameters over the defaults. Everything is checked here, by the same rules twice: when
+the pipeline is defined, every value known then (`check_when_defined`, which the
+component calls), and when the executor starts, with the tuned values, RuntimeParameters
+and replicas (`resolve`), so a bad value fails with a message that names it before any
+training starts. Also what
 `gradient_cache=True` and `micro_batch_size` change: the batch the run_fn reads, steps
 per update, and what they refuse.
 """
@@ -10,8 +13,11 @@ per update, and what they refuse.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Any, Dict, Optional, Union
+
+from tfx.orchestration import data_types
 
 from tfx_gradient_accumulator.accumulator.schedules.auto_batch import AutoAccumulation
 from tfx_gradient_accumulator.accumulator.schedules.callbacks import accum_steps_at
@@ -20,6 +26,9 @@ from tfx_gradient_accumulator.accumulator.core.options import (
     validate_bool, validate_lr_ramp_updates, validate_lr_scaling, validate_measure_noise_scale,
     validate_partial_window, validate_schedule, validate_schedule_by, validate_smoothing,
 )
+from tfx_gradient_accumulator.accumulator.core.distribute import KINDS
+from tfx_gradient_accumulator.components.exactness import validate_mode as exactness_mode
+from tfx_gradient_accumulator.components.trainer_options import TrainerOptions
 
 ACCUM_STEPS = "accum_steps"
 EFFECTIVE_BATCH_SIZE = "effective_batch_size"
@@ -30,6 +39,7 @@ GATHER_ACROSS_REPLICAS = "gather_across_replicas"
 MAX_EFFECTIVE_BATCH_SIZE = "max_effective_batch_size"
 LR_RAMP_UPDATES = "lr_ramp_updates"
 MICRO_BATCH_SIZE = "micro_batch_size"
+STRATEGY_CHOICES = ("auto",) + KINDS
 # accum_steps="fit" (`options.FIT`): the micro-batch that fits the device, found before
 # training (`components.micro_batch_fit`), splits the effective batch.
 
@@ -166,20 +176,10 @@ def hyperparameter_values(hyperparameters: Optional[Dict[str, Any]]) -> Dict[str
 
 def resolve(
     hyperparameters: Optional[Dict[str, Any]],
-    accum_steps: Optional[int],
+    accum_steps: Optional[Union[int, str]],
     effective_batch_size: Optional[int],
     replicas: int,
-    schedule: Optional[Dict[Any, int]] = None,
-    partial_window: Optional[str] = None,
-    measure_noise_scale: Optional[bool] = None,
-    noise_scale_smoothing: Optional[float] = None,
-    merge_duplicate_rows: Optional[bool] = None,
-    gradient_cache: Optional[bool] = None,
-    schedule_by: Optional[str] = None,
-    lr_scaling: Optional[str] = None,
-    max_effective_batch_size: Optional[int] = None,
-    gather_across_replicas: Optional[bool] = None,
-    lr_ramp_updates: Optional[int] = None,
+    options: Optional[TrainerOptions] = None,
     micro_batch_size: Optional[Union[int, str]] = None,
 ) -> AccumulationSettings:
     """Resolves and validates one run's settings: the Tuner's values over the component's over defaults.
@@ -189,15 +189,9 @@ def resolve(
         accum_steps: the component's `accum_steps` (an int, "auto", "fit" or None).
         effective_batch_size: the component's, or None.
         replicas: the replicas of the run's strategy, over all workers.
-        schedule: `{epoch or update: accum_steps}` or None; replaces `accum_steps`.
-        partial_window: "apply", "carry" or "drop" (None: "apply").
-        measure_noise_scale, noise_scale_smoothing: whether to measure the noise scale (None:
-            False), and its decay (None: 0.99).
-        merge_duplicate_rows, gradient_cache: the component's (None: False).
-        schedule_by, lr_scaling: "epoch"/"update"; "none"/"linear"/"sqrt" (None: the first).
-        max_effective_batch_size: the limit of "auto" (needed with it, refused without).
-        gather_across_replicas: the component's (None: False; needs `gradient_cache`).
-        lr_ramp_updates: the learning rate's ramp, in updates (None: the default; `ramp_setting`).
+        options: the component's `TrainerOptions` (None: every option off); a field left
+            None takes its default. `backup_dir`, `backup_every` and `verify_exactness`
+            are not read here (`check_when_defined` checks them).
         micro_batch_size: None, an int >= 1 or "auto": the batch split inside each step
             instead of by `accum_steps` (`micro_batch_setting`, `micro_batch_for_the_run`).
 
@@ -209,68 +203,36 @@ def resolve(
             each message names the parameter and where its value came from.
         TypeError: a count that is not an integer.
     """
-    partial_window = validate_partial_window(partial_window or "apply")
-    cache = boolean_parameter(gradient_cache, GRADIENT_CACHE)
-    gather = gather_setting(gather_across_replicas, cache)
-    schedule_by = validate_schedule_by(schedule_by or "epoch", "accum_schedule_by")
-    lr_scaling = validate_lr_scaling(lr_scaling or "none")
-    values = hyperparameter_values(hyperparameters)
-    sources = {}
+    o = options or TrainerOptions()
+    partial_window = validate_partial_window(o.partial_window or "apply")
+    cache = boolean_parameter(o.gradient_cache, GRADIENT_CACHE)
+    gather = gather_setting(o.gather_across_replicas, cache)
+    schedule_by = validate_schedule_by(o.accum_schedule_by or "epoch", "accum_schedule_by")
+    lr_scaling = validate_lr_scaling(o.lr_scaling or "none")
+    schedule, values = o.accum_schedule, hyperparameter_values(hyperparameters)
     micro_batch_size, values = micro_batch_setting(micro_batch_size, values, accum_steps, schedule, cache,
-                                                   partial_window, measure_noise_scale, max_effective_batch_size)
+                                                   partial_window, o.measure_noise_scale, o.max_effective_batch_size)
     fit, accum_steps, values = fit_setting(accum_steps, effective_batch_size, values, schedule, cache)
-    if values.get(ACCUM_STEPS) == AUTO and schedule is None:
-        # Tuned with AccumulatingHyperModel(accum_steps="auto"): its limit comes along.
-        accum_steps = AUTO
-        if values.get(MAX_EFFECTIVE_BATCH_SIZE) is not None:
-            max_effective_batch_size = values[MAX_EFFECTIVE_BATCH_SIZE]
+    accum_steps, max_effective_batch_size = tuned_auto(accum_steps, values, schedule, o.max_effective_batch_size)
     auto = accum_steps == AUTO
     refuse_what_auto_excludes(accum_steps, schedule, cache, max_effective_batch_size)
-    if auto:
-        accum_steps = AUTO_START_ACCUM_STEPS
+    if auto or schedule is not None:      # the window's start, not a tuned or given accum_steps
+        schedule = None if auto else validate_schedule(schedule)
+        accum_steps = AUTO_START_ACCUM_STEPS if auto else accum_steps_at(schedule, 0)
         values = {k: v for k, v in values.items() if k != ACCUM_STEPS}
-    if schedule is not None:
-        schedule = validate_schedule(schedule)
-        accum_steps = accum_steps_at(schedule, 0)
-        values = {k: v for k, v in values.items() if k != ACCUM_STEPS}
-
-    def pick(name, parameter, default):
-        if values.get(name) is not None:
-            sources[name] = "hyperparameters"
-            return values[name]
-        if parameter is not None:
-            sources[name] = "component parameter"
-            return parameter
-        sources[name] = "default"
-        return default
-
+    sources = {}
+    pick = functools.partial(_pick, values, sources)
     accum = validate_accum_steps(pick(ACCUM_STEPS, accum_steps, 1), name=ACCUM_STEPS)
-    effective = pick(EFFECTIVE_BATCH_SIZE, effective_batch_size, None)
-    if effective is not None:
-        effective = integer_at_least(effective, EFFECTIVE_BATCH_SIZE)
-        if effective % (accum * replicas):
-            raise ValueError(
-                f"`{EFFECTIVE_BATCH_SIZE}` ({effective}, from {sources[EFFECTIVE_BATCH_SIZE]}) "
-                f"must divide evenly into `{ACCUM_STEPS}` ({accum}) x replicas ({replicas}) "
-                f"= {accum * replicas} micro-batches per replica; try "
-                f"{(effective // (accum * replicas) or 1) * accum * replicas}."
-            )
-    if schedule is not None or fit:
-        sources[ACCUM_STEPS] = "schedule" if schedule is not None else FIT
+    effective = effective_batch(pick(EFFECTIVE_BATCH_SIZE, effective_batch_size, None), accum, replicas, sources)
+    if schedule is not None or fit or auto:
+        sources[ACCUM_STEPS] = AUTO if auto else "schedule" if schedule is not None else FIT
     if auto:
-        sources[ACCUM_STEPS] = AUTO
-        if effective is None:
-            raise ValueError(f"`{ACCUM_STEPS}={AUTO!r}` needs `{EFFECTIVE_BATCH_SIZE}`, the effective batch to "
-                             f"start from (2 micro-batches of half of it).")
-        if max_effective_batch_size is None:
-            raise ValueError(f"`{ACCUM_STEPS}={AUTO!r}` needs `{MAX_EFFECTIVE_BATCH_SIZE}` (an int >= "
-                             f"`{EFFECTIVE_BATCH_SIZE}`, {effective}): the largest effective batch to grow to.")
-        max_effective_batch_size = integer_at_least(max_effective_batch_size, MAX_EFFECTIVE_BATCH_SIZE, effective)
+        max_effective_batch_size = auto_limit(effective, max_effective_batch_size)
     measure = validate_measure_noise_scale(
-        pick(MEASURE_NOISE_SCALE, measure_noise_scale, False), name=MEASURE_NOISE_SCALE) or auto
+        pick(MEASURE_NOISE_SCALE, o.measure_noise_scale, False), name=MEASURE_NOISE_SCALE) or auto
     smoothing = validate_smoothing(
-        pick(NOISE_SCALE_SMOOTHING, noise_scale_smoothing, DEFAULT_SMOOTHING), name=NOISE_SCALE_SMOOTHING)
-    merge = boolean_parameter(merge_duplicate_rows, "merge_duplicate_rows")
+        pick(NOISE_SCALE_SMOOTHING, o.noise_scale_smoothing, DEFAULT_SMOOTHING), name=NOISE_SCALE_SMOOTHING)
+    merge = boolean_parameter(o.merge_duplicate_rows, "merge_duplicate_rows")
     if cache:
         refuse_with_gradient_cache(schedule, {"partial_window": partial_window, MEASURE_NOISE_SCALE: measure,
                                               "merge_duplicate_rows": merge}, sources.get(MEASURE_NOISE_SCALE))
@@ -280,8 +242,132 @@ def resolve(
         refuse_measuring_without_windows(schedule, accum, sources)
     return AccumulationSettings(accum, effective, replicas, schedule, partial_window, sources,
                                 measure, smoothing, merge, cache, schedule_by, lr_scaling, max_effective_batch_size,
-                                gather, ramp_setting(lr_ramp_updates, auto, schedule, schedule_by, accum),
+                                gather, ramp_setting(o.lr_ramp_updates, auto, schedule, schedule_by, accum),
                                 fit_to_device=fit, micro_batch_size=micro_batch_size)
+
+
+def _pick(values: Dict[str, Any], sources: Dict[str, str], name: str, parameter, default):
+    """A setting's value: the hyperparameters', else the component's, else the default;
+    where it came from goes into `sources` (for the messages and the record)."""
+    if values.get(name) is not None:
+        sources[name] = "hyperparameters"
+        return values[name]
+    if parameter is not None:
+        sources[name] = "component parameter"
+        return parameter
+    sources[name] = "default"
+    return default
+
+
+def tuned_auto(accum_steps, values: Dict[str, Any], schedule, max_effective_batch_size):
+    """`(accum_steps, max_effective_batch_size)`: "auto" and its limit when the Tuner's
+    values ask for it (`AccumulatingHyperModel(accum_steps="auto")`), else as given."""
+    if values.get(ACCUM_STEPS) == AUTO and schedule is None:
+        if values.get(MAX_EFFECTIVE_BATCH_SIZE) is not None:
+            max_effective_batch_size = values[MAX_EFFECTIVE_BATCH_SIZE]
+        return AUTO, max_effective_batch_size
+    return accum_steps, max_effective_batch_size
+
+
+def effective_batch(effective: Optional[int], accum: int, replicas: int, sources: Dict[str, str]) -> Optional[int]:
+    """The effective batch, checked: an int >= 1 that `accum` micro-batches on each replica divide.
+
+    Raises:
+        ValueError: it does not divide; the message says where it came from and a value that does.
+    """
+    if effective is None:
+        return None
+    effective = integer_at_least(effective, EFFECTIVE_BATCH_SIZE)
+    if effective % (accum * replicas):
+        raise ValueError(
+            f"`{EFFECTIVE_BATCH_SIZE}` ({effective}, from {sources[EFFECTIVE_BATCH_SIZE]}) "
+            f"must divide evenly into `{ACCUM_STEPS}` ({accum}) x replicas ({replicas}) "
+            f"= {accum * replicas} micro-batches per replica; try "
+            f"{(effective // (accum * replicas) or 1) * accum * replicas}."
+        )
+    return effective
+
+
+def auto_limit(effective: Optional[int], max_effective_batch_size) -> int:
+    """`accum_steps="auto"`'s limit, checked: an int >= the effective batch it starts from.
+
+    Raises:
+        ValueError: no effective batch, or no limit, or a limit below the effective batch.
+    """
+    if effective is None:
+        raise ValueError(f"`{ACCUM_STEPS}={AUTO!r}` needs `{EFFECTIVE_BATCH_SIZE}`, the effective batch to "
+                         f"start from (2 micro-batches of half of it).")
+    if max_effective_batch_size is None:
+        raise ValueError(f"`{ACCUM_STEPS}={AUTO!r}` needs `{MAX_EFFECTIVE_BATCH_SIZE}` (an int >= "
+                         f"`{EFFECTIVE_BATCH_SIZE}`, {effective}): the largest effective batch to grow to.")
+    return integer_at_least(max_effective_batch_size, MAX_EFFECTIVE_BATCH_SIZE, effective)
+
+
+def check_when_defined(accum_steps, effective_batch_size, micro_batch_size, strategy, options: TrainerOptions,
+                       tuned: bool) -> None:
+    """Checks, when the pipeline is defined, every value known then, by the executor's own rules.
+
+    A RuntimeParameter is checked when the run starts; so are the replicas (1 here), and,
+    with a `hyperparameters` input (`tuned`), whatever tuned values may change.
+
+    Args:
+        accum_steps, effective_batch_size, micro_batch_size, strategy: the component's.
+        options: the component's `TrainerOptions`.
+        tuned: whether a `hyperparameters` input brings values that win.
+
+    Raises:
+        ValueError, TypeError: as `resolve`; also `strategy` out of `STRATEGY_CHOICES`, a
+            `backup_dir` that is no non-empty path, a `backup_every` < 1, a
+            `verify_exactness` other than True, False or "refuse".
+    """
+    known = options.known_when_defined()
+    if accum_steps == AUTO and known.accum_schedule is not None:
+        raise ValueError(f"`{ACCUM_STEPS}={AUTO!r}` makes its own schedule: leave `accum_schedule` unset.")
+    if known.accum_schedule is not None:
+        validate_schedule(known.accum_schedule)
+    # Whether measuring has windows, or a ramp a change of the batch, may depend on tuned values.
+    measure = None if tuned else known.measure_noise_scale
+    ramp = None if tuned and known.accum_schedule is None else known.lr_ramp_updates
+    effective_later = isinstance(effective_batch_size, data_types.RuntimeParameter) or (
+        effective_batch_size is None and tuned)
+    micro = _micro_batch_when_defined(micro_batch_size, _known(accum_steps), effective_later, known)
+    _check_backup_and_strategy(known.backup_dir, known.backup_every, strategy)
+    exactness_mode(known.verify_exactness)
+    schedule = known.accum_schedule if measure or known.gradient_cache or ramp is not None else None
+    resolve(None, _known(accum_steps), _known(effective_batch_size), replicas=1, micro_batch_size=micro,
+            options=dataclasses.replace(known, measure_noise_scale=measure, lr_ramp_updates=ramp,
+                                        accum_schedule=schedule))
+
+
+def _known(value):
+    """`value`, or None for a RuntimeParameter (known when the run starts)."""
+    return None if isinstance(value, data_types.RuntimeParameter) else value
+
+
+def _micro_batch_when_defined(micro_batch_size, accum_steps, effective_later: bool, known: TrainerOptions):
+    """`micro_batch_size` checked against what it excludes (`micro_batch_setting`); returned
+    for `resolve`, or None when it is a RuntimeParameter (checked when the run starts) or
+    when the effective batch it needs may come later (a RuntimeParameter, or tuned)."""
+    if micro_batch_size is None or isinstance(micro_batch_size, data_types.RuntimeParameter):
+        return None
+    micro_batch_setting(
+        micro_batch_size, {}, accum_steps=accum_steps, schedule=known.accum_schedule,
+        gradient_cache=known.gradient_cache, partial_window=known.partial_window,
+        max_effective_batch_size=known.max_effective_batch_size, measure_noise_scale=known.measure_noise_scale)
+    return None if effective_later else micro_batch_size
+
+
+def _check_backup_and_strategy(backup_dir, backup_every, strategy) -> None:
+    """`backup_dir` (a non-empty path), `backup_every` (an int >= 1) and `strategy` (one of
+    `STRATEGY_CHOICES`), where they are known when the pipeline is defined (None: not set,
+    or a RuntimeParameter; `preemption.backup_for` checks those when the run starts)."""
+    if backup_dir is not None and (not isinstance(backup_dir, str) or not backup_dir.strip()):
+        raise ValueError(f"`backup_dir` must be a non-empty path (local or gs://) or None; "
+                         f"received {backup_dir!r}.")
+    if backup_every is not None:
+        integer_at_least(backup_every, "backup_every")
+    if strategy not in STRATEGY_CHOICES:
+        raise ValueError(f"`strategy` must be one of {STRATEGY_CHOICES}; received {strategy!r}.")
 
 
 def refuse_what_auto_excludes(accum_steps, schedule, cache: bool, max_effective_batch_size) -> None:

@@ -97,13 +97,15 @@ def compile_pipeline(output: str, project: str, region: str, image: str, pipelin
 
     from tfx_gradient_accumulator.components.cloud import VertexAccumulatingTrainer, vertex_training_config
     from tfx_gradient_accumulator.components.settings import resolve
+    from tfx_gradient_accumulator.components.trainer_options import TrainerOptions
     from tfx_gradient_accumulator.pipelines.digits.pipeline import MODULE, create_pipeline
 
     # The executor's own check, with the replicas the worker pools will have.
     if micro_batch_size is not None:
         accum_steps = None      # micro_batch_size splits the effective batch instead
     resolve(None, accum_steps, effective_batch_size, replicas=workers * max(gpus_per_worker, 1),
-            lr_scaling=lr_scaling, lr_ramp_updates=lr_ramp_updates, micro_batch_size=micro_batch_size)
+            options=TrainerOptions(lr_scaling=lr_scaling, lr_ramp_updates=lr_ramp_updates),
+            micro_batch_size=micro_batch_size)
     if backup_dir is None:
         backup_dir = f"{pipeline_root.rstrip('/')}/trainer-backups"
     backup_dir = None if backup_dir.lower() == "none" else backup_dir

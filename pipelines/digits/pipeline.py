@@ -11,7 +11,7 @@ from typing import Optional, Union
 import tensorflow_model_analysis as tfma
 from tfx import v1 as tfx
 
-from tfx_gradient_accumulator.components import AccumulatingTrainer
+from tfx_gradient_accumulator.components import AccumulatingTrainer, TrainerOptions
 from tfx_gradient_accumulator.pipelines.digits.data import LABEL_KEY
 
 MODULE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py")
@@ -141,7 +141,7 @@ def create_pipeline(
         measure_noise_scale: the Trainer estimates the gradient noise scale
             and records it on its model.
         backup_dir: the Trainer backs training up there, and a restarted
-            Trainer resumes (AccumulatingTrainer's parameter).
+            Trainer resumes (AccumulatingTrainer's option).
         backup_every: optimizer updates between backups.
         lr_scaling: the Trainer's learning-rate rule when the batch changes.
         lr_ramp_updates: the Trainer's learning-rate ramp (None: its default).
@@ -171,11 +171,8 @@ def create_pipeline(
         micro_batch_size=micro_batch_size,
         effective_batch_size=effective_batch_size,
         strategy=strategy,
-        measure_noise_scale=measure_noise_scale,
-        backup_dir=backup_dir,
-        backup_every=backup_every,
-        lr_scaling=lr_scaling,
-        lr_ramp_updates=lr_ramp_updates,
+        options=TrainerOptions(measure_noise_scale=measure_noise_scale, backup_dir=backup_dir,
+                               backup_every=backup_every, lr_scaling=lr_scaling, lr_ramp_updates=lr_ramp_updates),
     )
     evaluator = tfx.components.Evaluator(
         examples=example_gen.outputs["examples"],

@@ -1,7 +1,7 @@
 """Module file of the retrieval pipeline: a two-tower model with in-batch negatives.
 
 The batch is the set of negatives, so the model is wrapped in
-`GradientCache(two_tower, accum_steps=1)`, and `AccumulatingTrainer(gradient_cache=True)`
+`GradientCache(two_tower, accum_steps=1)`, and `AccumulatingTrainer(options=TrainerOptions(gradient_cache=True))`
 sets its accum_steps; the export has `query` and `candidate` signatures.
 """
 

@@ -1,4 +1,4 @@
-"""The retrieval pipeline: ExampleGen → statistics → schema → Tuner → AccumulatingTrainer(gradient_cache=True).
+"""The retrieval pipeline: ExampleGen → statistics → schema → Tuner → AccumulatingTrainer(options=TrainerOptions(gradient_cache=True)).
 
 A two-tower model trained with in-batch negatives on synthetic interactions
 with known clusters; no Evaluator (`evaluate.py` measures held-out recall@k).
@@ -11,7 +11,7 @@ from typing import Optional
 
 from tfx import v1 as tfx
 
-from tfx_gradient_accumulator.components import AccumulatingTrainer
+from tfx_gradient_accumulator.components import AccumulatingTrainer, TrainerOptions
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # The module file of each flavour of the model: {model: path}.
@@ -60,7 +60,7 @@ def create_pipeline(
 
     Returns:
         The `tfx.dsl.Pipeline`: ExampleGen, StatisticsGen, SchemaGen, the
-        Tuner (unless `max_trials=0`), `AccumulatingTrainer(gradient_cache=True)`.
+        Tuner (unless `max_trials=0`), `AccumulatingTrainer(options=TrainerOptions(gradient_cache=True))`.
 
     Raises:
         ValueError: `model` is not "keras" or "tfrs", or `max_trials` is not 0
@@ -100,7 +100,7 @@ def create_pipeline(
         accum_steps=accum_steps,
         effective_batch_size=effective_batch_size,
         strategy=strategy,
-        gradient_cache=True,
+        options=TrainerOptions(gradient_cache=True),
     )
     components.append(trainer)
     return tfx.dsl.Pipeline(

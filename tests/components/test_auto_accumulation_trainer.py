@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfx_gradient_accumulator.components import settings as settings_lib
+from tfx_gradient_accumulator.components import TrainerOptions, settings as settings_lib
 from tfx_gradient_accumulator.components.component import AccumulatingTrainer
 from tests.components import fixtures
 
@@ -120,18 +120,20 @@ def test_a_ramped_auto_run_moves_the_learning_rate_gradually_and_its_record_repl
 
 
 @pytest.mark.parametrize("arguments, error, message", [
-    (dict(accum_steps="auto", effective_batch_size=None, max_effective_batch_size=8), ValueError,
-     "needs `effective_batch_size`"),
+    (dict(accum_steps="auto", effective_batch_size=None, options=TrainerOptions(max_effective_batch_size=8)),
+     ValueError, "needs `effective_batch_size`"),
     (dict(accum_steps="auto", effective_batch_size=4), ValueError, "needs `max_effective_batch_size`"),
-    (dict(accum_steps="auto", effective_batch_size=8, max_effective_batch_size=4), ValueError,
+    (dict(accum_steps="auto", effective_batch_size=8, options=TrainerOptions(max_effective_batch_size=4)), ValueError,
      "`max_effective_batch_size` must be an integer >= 8"),
-    (dict(accum_steps=2, effective_batch_size=8, max_effective_batch_size=16), ValueError,
+    (dict(accum_steps=2, effective_batch_size=8, options=TrainerOptions(max_effective_batch_size=16)), ValueError,
      "is the limit of `accum_steps='auto'`"),
-    (dict(accum_steps="auto", effective_batch_size=8, max_effective_batch_size=16, gradient_cache=True),
+    (dict(accum_steps="auto", effective_batch_size=8,
+          options=TrainerOptions(max_effective_batch_size=16, gradient_cache=True)),
      ValueError, "not supported with `gradient_cache=True`"),
     (dict(accum_steps="some", effective_batch_size=8), ValueError, "must be an int >= 1, 'auto' or 'fit'"),
-    (dict(accum_steps=2, lr_scaling="cubic"), ValueError, "`lr_scaling` must be one of"),
-    (dict(accum_steps=2, accum_schedule_by="batch"), ValueError, "`accum_schedule_by` must be 'epoch' or 'update'"),
+    (dict(accum_steps=2, options=TrainerOptions(lr_scaling="cubic")), ValueError, "`lr_scaling` must be one of"),
+    (dict(accum_steps=2, options=TrainerOptions(accum_schedule_by="batch")), ValueError,
+     "`accum_schedule_by` must be 'epoch' or 'update'"),
 ])
 def test_bad_auto_settings_fail_when_the_pipeline_is_defined(arguments, error, message):
     examples = fixtures._examples_artifact("/nonexistent")
@@ -144,11 +146,13 @@ def test_bad_auto_settings_fail_when_the_pipeline_is_defined(arguments, error, m
 
 def test_auto_and_a_schedule_exclude_each_other():
     with pytest.raises(ValueError, match="makes its own schedule"):
-        settings_lib.resolve(None, "auto", 8, 1, schedule={0: 2}, max_effective_batch_size=16)
+        settings_lib.resolve(None, "auto", 8, 1,
+                             options=TrainerOptions(accum_schedule={0: 2}, max_effective_batch_size=16))
 
 
 def test_auto_ignores_a_tuned_accum_steps_and_measures_the_noise_scale():
-    settings = settings_lib.resolve({"accum_steps": 8}, "auto", 8, 1, max_effective_batch_size=32)
+    settings = settings_lib.resolve({"accum_steps": 8}, "auto", 8, 1,
+                                    options=TrainerOptions(max_effective_batch_size=32))
     assert (settings.accum_steps, settings.micro_batch, settings.measure_noise_scale) == (2, 4, True)
     # AutoAccumulation's own learning-rate ramp; recorded, so the replay ramps alike.
     assert settings.compile_arguments()["auto"] == {"micro_batch_size": 4, "max_effective_batch_size": 32,

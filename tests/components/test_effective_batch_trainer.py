@@ -14,7 +14,7 @@ from tfx.orchestration import data_types
 from tfx.types import Channel, standard_artifacts
 
 from tfx_gradient_accumulator.accumulator.core import options as library_options
-from tfx_gradient_accumulator.components import AccumulatingTrainer
+from tfx_gradient_accumulator.components import AccumulatingTrainer, TrainerOptions
 from tfx_gradient_accumulator.components import settings as settings_lib
 from tests.accumulator.reference import max_abs_diff
 from tests.components import fixtures
@@ -50,11 +50,12 @@ def _auto_has_landed():
 @pytest.mark.parametrize("parameters, match", [
     (dict(accum_steps=4), r"`micro_batch_size=16`.*`accum_steps`.*pass one.*accum_steps=4"),
     (dict(accum_steps="fit"), r"`accum_steps`.*pass one.*accum_steps='fit'"),
-    (dict(accum_steps="auto", max_effective_batch_size=128), r"`accum_steps`.*pass one.*accum_steps='auto'"),
-    (dict(gradient_cache=True), r"`micro_batch_size=16` does not go with `gradient_cache`"),
-    (dict(accum_schedule={0: 2}), r"does not go with `accum_schedule`"),
-    (dict(measure_noise_scale=True), r"does not go with `measure_noise_scale`"),
-    (dict(partial_window="carry"), r"does not go with `partial_window`"),
+    (dict(accum_steps="auto", options=TrainerOptions(max_effective_batch_size=128)),
+     r"`accum_steps`.*pass one.*accum_steps='auto'"),
+    (dict(options=TrainerOptions(gradient_cache=True)), r"`micro_batch_size=16` does not go with `gradient_cache`"),
+    (dict(options=TrainerOptions(accum_schedule={0: 2})), r"does not go with `accum_schedule`"),
+    (dict(options=TrainerOptions(measure_noise_scale=True)), r"does not go with `measure_noise_scale`"),
+    (dict(options=TrainerOptions(partial_window="carry")), r"does not go with `partial_window`"),
     (dict(effective_batch_size=None), r"`micro_batch_size=16` needs `effective_batch_size`"),
     (dict(micro_batch_size="large"), r"`micro_batch_size` must be an int >= 1 or 'auto'.*'large'"),
     (dict(micro_batch_size=0), r"`micro_batch_size` must be a positive integer"),

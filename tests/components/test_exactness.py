@@ -1,4 +1,4 @@
-"""`AccumulatingTrainer(verify_exactness=...)`: the check on the run_fn's model, before training.
+"""`AccumulatingTrainer(options=TrainerOptions(verify_exactness=...))`: the check on the run_fn's model, before training.
 
 The stock-style regression module (Adam with a schedule and clipnorm) must be
 recorded exact; the same module with a BatchNormalization layer must be recorded
@@ -11,7 +11,7 @@ import os
 import keras
 import pytest
 
-from tfx_gradient_accumulator.components import exactness
+from tfx_gradient_accumulator.components import TrainerOptions, exactness
 from tfx_gradient_accumulator.components.component import AccumulatingTrainer
 from tests.components import fixtures
 
@@ -124,7 +124,8 @@ def test_the_modes(mode, stored):
 @pytest.mark.parametrize("mode", ["yes", 1, "Refuse"])
 def test_a_bad_mode_is_refused_by_the_component(mode):
     with pytest.raises(ValueError, match=r"`verify_exactness` must be one of \(False, True, 'refuse'\)"):
-        AccumulatingTrainer(examples=_channel(), module_file=fixtures.MODULE, verify_exactness=mode)
+        AccumulatingTrainer(examples=_channel(), module_file=fixtures.MODULE,
+                            options=TrainerOptions(verify_exactness=mode))
 
 
 def _channel():

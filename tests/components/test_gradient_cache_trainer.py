@@ -162,7 +162,7 @@ def _tensorboard_scalar(model_run_uri, tag):
 
 def test_a_run_that_compiled_no_gradient_cache_fails_instead_of_recording_one(tmp_path):
     examples = fixtures.write_examples(str(tmp_path / "examples"))
-    with pytest.raises(RuntimeError, match=r"gradient_cache=True\) saw no GradientCache compiled"):
+    with pytest.raises(RuntimeError, match=r"TrainerOptions\(gradient_cache=True\)\) saw no GradientCache compiled"):
         fixtures.run_executor(tmp_path / "run", examples, num_steps=2, gradient_cache=1, accum_steps=4,
                               module=os.path.join(fixtures.TESTDATA, "custom_loop_module.py"))
     assert not os.path.exists(tmp_path / "run" / "model_run" / "accumulation")

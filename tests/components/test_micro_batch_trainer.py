@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from tfx_gradient_accumulator.components import settings as settings_lib
+from tfx_gradient_accumulator.components import TrainerOptions, settings as settings_lib
 from tests.components import fixtures
 
 MODULE = os.path.join(fixtures.TESTDATA, "memory_cliff_module.py")
@@ -53,8 +53,8 @@ def test_fit_finds_the_micro_batch_below_the_cliff_records_it_and_trains_as_the_
 
 @pytest.mark.parametrize("arguments, match", [
     (dict(), "needs `effective_batch_size`"),
-    (dict(effective_batch_size=64, schedule={0: 2}), "leave `accum_schedule`"),
-    (dict(effective_batch_size=64, gradient_cache=True), "gradient_cache"),
+    (dict(effective_batch_size=64, options=TrainerOptions(accum_schedule={0: 2})), "leave `accum_schedule`"),
+    (dict(effective_batch_size=64, options=TrainerOptions(gradient_cache=True)), "gradient_cache"),
 ])
 def test_fit_is_refused_with_what_it_cannot_go_with(arguments, match):
     with pytest.raises(ValueError, match=match):
@@ -77,7 +77,7 @@ def test_fit_tuned_alone_is_taken_from_the_hyperparameters_over_the_components_a
         settings_lib.resolve({"values": {"accum_steps": "fit"}}, None, None, replicas=1)
     with pytest.raises(ValueError, match=r"from hyperparameters.*leave `accum_schedule`"):
         settings_lib.resolve({"values": {"accum_steps": "fit", "effective_batch_size": 64}}, None, None,
-                             replicas=1, schedule={0: 2})
+                             replicas=1, options=TrainerOptions(accum_schedule={0: 2}))
 
 
 # Apart (48 s): tests/pipelines/test_tuned_fit_pipeline.py's Trainer takes the tuned "fit" and effective

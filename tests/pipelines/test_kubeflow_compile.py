@@ -183,3 +183,50 @@ def test_micro_batch_size_reaches_the_trainer_in_place_of_accum_steps(tmp_path):
     assert auto["inputs"]["parameters"]["micro_batch_size_auto"]["runtimeValue"]["constantValue"] == {"intValue": "1"}
     with pytest.raises(ValueError, match=r"`micro_batch_size=50` is global.*divide by 6"):
         _compile(tmp_path, micro_batch_size=50)
+
+
+def _trainer_ir(tmp_path, name, **accumulation):
+    """The Kubeflow V2 IR of ExampleGen -> AccumulatingTrainer, the Trainer given `accumulation`."""
+    import warnings
+
+    from tfx import v1 as tfx
+    from tfx.orchestration.kubeflow.v2 import kubeflow_v2_dag_runner
+
+    from tfx_gradient_accumulator.components import AccumulatingTrainer
+
+    example_gen = tfx.components.CsvExampleGen(input_base=str(tmp_path / "data"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)      # the old way of giving options, compiled alike
+        trainer = AccumulatingTrainer(run_fn="tfx_gradient_accumulator.pipelines.digits.model.run_fn",
+                                      examples=example_gen.outputs["examples"], **accumulation)
+    pipeline = tfx.dsl.Pipeline(pipeline_name="options", pipeline_root=str(tmp_path / "root"),
+                                components=[example_gen, trainer])
+    kubeflow_v2_dag_runner.KubeflowV2DagRunner(
+        config=kubeflow_v2_dag_runner.KubeflowV2DagRunnerConfig(default_image="img:1"),
+        output_dir=str(tmp_path), output_filename=f"{name}.json").run(pipeline, write_out=True)
+    spec = json.loads((tmp_path / f"{name}.json").read_text())["pipelineSpec"]
+    spec.pop("sdkVersion", None)
+    return spec
+
+
+def test_options_compile_to_the_same_ir_as_keywords_and_runtime_parameters_stay_pipeline_parameters(tmp_path):
+    from tfx.orchestration import data_types
+
+    from tfx_gradient_accumulator.components import TrainerOptions
+
+    def runtime(name, ptype, default):
+        return data_types.RuntimeParameter(name=name, ptype=ptype, default=default)
+
+    old = _trainer_ir(tmp_path, "old", accum_steps=4, effective_batch_size=64, lr_scaling="sqrt",
+                      measure_noise_scale=runtime("measure", int, 1), backup_dir=runtime("backup", str, "gs://b"),
+                      backup_every=runtime("every", int, 50), verify_exactness=True)
+    new = _trainer_ir(tmp_path, "new", accum_steps=4, effective_batch_size=64, options=TrainerOptions(
+        lr_scaling="sqrt", measure_noise_scale=runtime("measure", int, 1), backup_dir=runtime("backup", str, "gs://b"),
+        backup_every=runtime("every", int, 50), verify_exactness=True))
+    assert new == old
+    assert set(new["root"]["inputDefinitions"]["parameters"]) == {"measure", "backup", "every"}
+    parameters = new["root"]["dag"]["tasks"]["AccumulatingTrainer"]["inputs"]["parameters"]
+    assert parameters["backup_dir"] == {"componentInputParameter": "backup"}
+    assert parameters["measure_noise_scale"] == {"componentInputParameter": "measure"}
+    assert parameters["lr_scaling"]["runtimeValue"]["constantValue"] == {"stringValue": "sqrt"}
+    assert parameters["verify_exactness"]["runtimeValue"]["constantValue"] == {"stringValue": "record"}
