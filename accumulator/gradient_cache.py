@@ -12,7 +12,8 @@ import keras
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator.cache import across_replicas, cache_passes
-from tfx_gradient_accumulator.accumulator.core import flavours, refusals, seam
+from tfx_gradient_accumulator.accumulator.cache.wrapped_model import WrappedModel
+from tfx_gradient_accumulator.accumulator.core import flavours, rebuilding, refusals, seam
 from tfx_gradient_accumulator.accumulator.core.options import CacheOptions
 
 
@@ -34,7 +35,7 @@ def validate_gather_across_replicas(model: keras.Model, gather_across_replicas: 
 
 
 @keras.saving.register_keras_serializable(package="accumulator")
-class GradientCache(keras.Model, metaclass=flavours.OneNameForBothKeras):
+class GradientCache(WrappedModel, keras.Model, metaclass=flavours.OneNameForBothKeras):
     """Trains `model` on each batch in `accum_steps` micro-batches with the whole batch's loss.
 
     Exact large batches for losses that couple the batch (in-batch negatives, InfoNCE,
@@ -114,28 +115,6 @@ class GradientCache(keras.Model, metaclass=flavours.OneNameForBothKeras):
         # and loading need it built (the optimizer is restored onto its variables).
         self.built = model.built
 
-    def build(self, input_shape=None) -> None:
-        """Builds the wrapped model (when it is not built yet).
-
-        Args:
-            input_shape: the inputs' shape, for the wrapped model's `build`.
-        """
-        if not self.model.built:
-            self.model.build(input_shape)
-        self.built = True
-
-    def call(self, inputs, training=None):
-        """The wrapped model's outputs (the representations).
-
-        Args:
-            inputs: the wrapped model's inputs.
-            training: Keras' training flag.
-
-        Returns:
-            What the wrapped model returns.
-        """
-        return self.model(inputs, training=training)
-
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training: bool = True) -> tf.Tensor:
         """The wrapped model's own `compute_loss`, or else Keras' (the compiled loss).
 
@@ -191,13 +170,7 @@ class GradientCache(keras.Model, metaclass=flavours.OneNameForBothKeras):
             for v, value in zip(state, saved):
                 v.assign(value)
 
-        gather = None
-        if self.gather_across_replicas:
-            def gather(whole):
-                shares, gathered = across_replicas.global_batch(whole, scored)
-                scored.update(gathered)
-                return across_replicas.Scored(shares.whole["whole"], shares)
-
+        gather = across_replicas.gathering(scored) if self.gather_across_replicas else None
         loss, whole, grads = cache_passes.cached_gradients(
             lambda part: self.model(part, training=True), x, self.accum_steps, score, variables,
             after_pass_1=self._refuse_losses_added_while_running, before_pass_3=replay_state,
@@ -250,17 +223,8 @@ class GradientCache(keras.Model, metaclass=flavours.OneNameForBothKeras):
 
     @classmethod
     def from_config(cls, config: dict) -> GradientCache:
-        """Rebuilds it from `get_config()`.
-
-        Args:
-            config: what `get_config` returned.
-
-        Returns:
-            The `GradientCache`.
-        """
-        config = dict(config)
-        model = keras.saving.deserialize_keras_object(config.pop("model"))
-        return cls(model, **config)
+        """Rebuilds it from `get_config()` (`core.rebuilding`)."""
+        return rebuilding.rebuilt_from_config(cls, config, "model", keras.saving.deserialize_keras_object)
 
 
 def is_gradient_cache(model: object) -> bool:

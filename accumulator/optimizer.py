@@ -3,22 +3,26 @@
 The window's state and update rule are `accumulator.window.window` (shared with the Keras 2
 class); this module holds what is Keras 3's: the optimizer base class,
 `LossScaleOptimizer`, the forwarding of the inner optimizer's API, and serialization.
+Two Keras 3 parts are mixins of their own: the saving of the window's variables
+(`accumulator.window.keras3_saving`) and what `fit`'s micro-batch reads
+(`accumulator.batch.micro_batch_side`: `micro_batch_size`, `track_updates`).
 Given a Keras 2 optimizer, `GradientAccumulator(...)` makes the Keras 2 class, and
 `isinstance` holds for both (`accumulator.core.flavours.OneNameForBothKeras`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator.core import _tf, flavours, refusals, seam
+from tfx_gradient_accumulator.accumulator.core import flavours, rebuilding, refusals, seam
 from tfx_gradient_accumulator.accumulator.window import custom_loop
-from tfx_gradient_accumulator.accumulator.batch.micro_batch_changes import AUTO as AUTO_MICRO_BATCH
-from tfx_gradient_accumulator.accumulator.batch.micro_batch_changes import MicroBatchChange, state_of
+from tfx_gradient_accumulator.accumulator.batch.micro_batch_side import MicroBatchSide
 from tfx_gradient_accumulator.accumulator.window.forwarding import InnerOptimizerForwarding
+from tfx_gradient_accumulator.accumulator.window.keras3_saving import Keras3WindowSaving
 from tfx_gradient_accumulator.accumulator.core.loss_scaling import WindowLossScaling
 from tfx_gradient_accumulator.accumulator.core.options import (  # noqa: F401  (validators re-exported: the public names)
     DEFAULT_SMOOTHING, PARTIAL_WINDOW_MODES, WindowOptions, refuse_unknown_arguments,
@@ -44,13 +48,39 @@ _BASE_ARG_DEFAULTS = {
 }
 
 
+def _refuse_update_arguments(kwargs):
+    """Refuses Keras' update arguments (`clipnorm`, `use_ema`, ...) not at their defaults, and
+    unknown ones: they act on updates, so they belong to the inner optimizer."""
+    for arg_name, default in _BASE_ARG_DEFAULTS.items():
+        if arg_name in kwargs and kwargs.pop(arg_name) != default:
+            raise ValueError(
+                f"GradientAccumulator does not take `{arg_name}`; set it on "
+                "the inner optimizer, where it acts once per update."
+            )
+    kwargs.pop("learning_rate", None)
+    refuse_unknown_arguments(kwargs)
+
+
+def _refuse_unsupported_keras():
+    """Refuses Keras older than `OLDEST_KERAS`, and a Keras backend other than TensorFlow."""
+    if flavours.version_tuple(keras.__version__) < OLDEST_KERAS:
+        raise RuntimeError(
+            f"GradientAccumulator needs Keras >= {'.'.join(map(str, OLDEST_KERAS))} "
+            f"(with TensorFlow >= 2.16); this is Keras {keras.__version__}. Older Keras 3 "
+            "releases train differently under tf.distribute and mixed precision; "
+            "`pip install -U 'keras>=3.8'`."
+        )
+    if keras.backend.backend() != "tensorflow":
+        raise RuntimeError(
+            "GradientAccumulator needs the TensorFlow backend of Keras 3 "
+            f"(KERAS_BACKEND=tensorflow); the active backend is "
+            f"{keras.backend.backend()!r}."
+        )
+
+
 def _resolve_optimizer(optimizer):
     """The Keras 3 optimizer `optimizer` names or is; TypeError/ValueError otherwise."""
-    if isinstance(optimizer, str):
-        try:
-            optimizer = keras.optimizers.get(optimizer)
-        except ValueError as err:
-            raise ValueError(refusals.names_no_optimizer("Keras", optimizer, err)) from None
+    optimizer = rebuilding.optimizer_of_name(optimizer, keras.optimizers.get, "Keras")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(refusals.not_an_optimizer("Keras 3", "keras", optimizer, " (for example 'adam')"))
     refuse_nested_accumulation(optimizer)
@@ -58,8 +88,9 @@ def _resolve_optimizer(optimizer):
 
 
 @keras.saving.register_keras_serializable(package="accumulator")
-class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, AccumulationWindow, custom_loop.CustomLoopData,
-                          keras.optimizers.Optimizer, metaclass=flavours.OneNameForBothKeras):
+class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, MicroBatchSide, Keras3WindowSaving,
+                          AccumulationWindow, custom_loop.CustomLoopData, keras.optimizers.Optimizer,
+                          metaclass=flavours.OneNameForBothKeras):
     """Accumulates gradients over `accum_steps` micro-batches, then updates once.
 
     Wrap any Keras 3 optimizer; training then follows the run with a batch
@@ -255,27 +286,8 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
             max_effective_batch_size=max_effective_batch_size, lr_scaling=lr_scaling,
             micro_batch_size=micro_batch_size)
         optimizer = _resolve_optimizer(optimizer)
-        for arg_name, default in _BASE_ARG_DEFAULTS.items():
-            if arg_name in kwargs and kwargs.pop(arg_name) != default:
-                raise ValueError(
-                    f"GradientAccumulator does not take `{arg_name}`; set it on "
-                    "the inner optimizer, where it acts once per update."
-                )
-        kwargs.pop("learning_rate", None)
-        refuse_unknown_arguments(kwargs)
-        if flavours.version_tuple(keras.__version__) < OLDEST_KERAS:
-            raise RuntimeError(
-                f"GradientAccumulator needs Keras >= {'.'.join(map(str, OLDEST_KERAS))} "
-                f"(with TensorFlow >= 2.16); this is Keras {keras.__version__}. Older Keras 3 "
-                "releases train differently under tf.distribute and mixed precision; "
-                "`pip install -U 'keras>=3.8'`."
-            )
-        if keras.backend.backend() != "tensorflow":
-            raise RuntimeError(
-                "GradientAccumulator needs the TensorFlow backend of Keras 3 "
-                f"(KERAS_BACKEND=tensorflow); the active backend is "
-                f"{keras.backend.backend()!r}."
-            )
+        _refuse_update_arguments(kwargs)
+        _refuse_unsupported_keras()
         super().__init__(learning_rate=0.0, name=name)
         # What receives the window gradient: the given optimizer. Its update-
         # making core (inside a LossScaleOptimizer) is `inner_optimizer`.
@@ -287,22 +299,6 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
             self.loss_scale_optimizer = None
             self.inner_optimizer = optimizer
         self._init_window(options)
-
-    @property
-    def micro_batch_size(self) -> int | None:
-        """The samples of each micro-batch `fit`'s step splits its batch into, or None. With
-        `micro_batch_size="auto"`, the one in use (None before the first batch)."""
-        if self.options.micro_batch_size == AUTO_MICRO_BATCH:
-            return state_of(self).current
-        return self.options.micro_batch_size
-
-    @property
-    def micro_batch_changes(self) -> list[MicroBatchChange]:
-        """With `micro_batch_size="auto"`: each change of the micro-batch, in order (a
-        `MicroBatchChange`: `as_record()` gives its fields); empty otherwise."""
-        if self.options.micro_batch_size != AUTO_MICRO_BATCH:
-            return []
-        return list(state_of(self).changes)
 
     # ------------------------------------------------------------------ state
     def build(self, var_list: list) -> None:
@@ -320,18 +316,7 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
         self._updater.build(var_list)
         _check_supports_distribution(self)
         super().build(var_list)
-        hooked = getattr(seam.train_step_owner().train_step, "accumulator_hook", False)
-        if self.options.micro_batch_size is not None and not hooked:
-            logger.warning(
-                "accumulator's Keras hooks are not installed: `fit` trains each batch whole, not in "
-                "micro-batches of %s (micro_batch_size).", self.options.micro_batch_size)
-        if not self.is_passthrough and not getattr(keras.Model.fit, "accumulator_hook", False):
-            logger.warning(
-                "accumulator's Keras hooks are not installed (ACCUMULATOR_KERAS_HOOKS=0 or "
-                "tfx_gradient_accumulator.accumulator.hooks.uninstall()): in `fit`, windows do not close "
-                "at epoch ends unless you pass tfx_gradient_accumulator.EpochWindows(), and micro-batches "
-                "weigh 1 each."
-            )
+        _warn_where_hooks_are_missing(self)
 
     # ------------------------------------------------ what AccumulationWindow needs
     def _new_variable(self, shape, dtype, initial, name):
@@ -348,35 +333,7 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
         """The inner optimizer's one update with the window's (reduced) gradient."""
         if reduced and self.loss_scale_optimizer is not None:
             grads = self._beyond_float16_as_non_finite(grads, variables)
-        # A pass-through's update counts where "auto" retries a step (one device, nothing to reduce).
-        tracked = reduced or self.options.micro_batch_size == AUTO_MICRO_BATCH
-        begun = getattr(self, "_updates_begun", None) if tracked else None
-        if begun is None:
-            self._updater.apply(grads, variables)
-            return
-        # `track_updates`: +1 before any write of the update, +1 after its last one.
-        with tf.control_dependencies([begun.assign_add(1)]):
-            self._updater.apply(grads, variables)
-        _tf.assign_add_after(begun, 1, after=list(variables) + list(self._updater.variables))
-
-    def track_updates(self) -> tf.Variable:
-        """A counter that tells whether an error stopped an inner update half-way.
-
-        From the next traced step on, each update of the inner optimizer adds 1 before any
-        of its writes and 1 after its last (every variable it writes read back): an odd
-        count after an error says the update began and did not finish, some variables
-        written and others not; an even one, that it did not begin or finished.
-        `fit_with_out_of_memory_recovery` reads it. One device only. Not saved.
-
-        Returns:
-            The counter (int64, made on the first call).
-        """
-        if getattr(self, "_updates_begun", None) is None:
-            with tf.init_scope():
-                self._untracked(_updates_begun=tf.Variable(0, dtype=tf.int64, trainable=False,
-                                                           name="updates_begun"))
-            self._state.close_function = None   # the eager close, traced again with the counter
-        return self._updates_begun
+        self._counted_update(grads, variables, reduced)   # `MicroBatchSide.track_updates`
 
     def _updates_without_reduction(self):
         """Context in which the inner optimizers do not all-reduce again."""
@@ -401,30 +358,6 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
         if not hasattr(self.inner_optimizer, "optimizers"):
             raise AttributeError(f"{type(self.inner_optimizer).__name__} has no sub-optimizers.")
         return self.inner_optimizer.optimizers
-
-    def save_own_variables(self, store: dict) -> None:
-        """Saves the state, with every replica's window rows (Keras 3's saving).
-
-        Args:
-            store: Keras' store of this object's variables.
-        """
-        # Every replica's window rows (`window_state`), not the replica-0 value
-        # that reading the variables gives.
-        for i, value in enumerate(self.window_state()):
-            store[str(i)] = value
-
-    def load_own_variables(self, store: dict) -> None:
-        """Restores what `save_own_variables` saved (under any replica count).
-
-        Args:
-            store: Keras' store of this object's variables.
-        """
-        # Keras' own loop assigns through `keras.Variable.assign`, which holds a
-        # buffer to the size it was made with; the window's buffers change size.
-        values = self.restorable([store[str(i)] for i in range(len(store.keys()))])
-        if values is None:
-            return super().load_own_variables(store)   # Keras' warning, nothing loaded
-        self.restore_window_state(values)
 
     def finalize_variable_values(self, var_list: list) -> None:
         """Closes the open window as `partial_window` says, then the inner optimizer's.
@@ -472,21 +405,7 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
             ValueError: `grads` without `trainable_variables` before the optimizer is
                 built, or lists of different lengths.
         """
-        grads = list(grads)
-        if trainable_variables is None:
-            if not self.built:
-                raise ValueError(
-                    "When passing `grads` without `trainable_variables`, the "
-                    "optimizer must be built first: call "
-                    "`optimizer.build(model.trainable_variables)`."
-                )
-            trainable_variables = self._state.variables
-        trainable_variables = list(trainable_variables)
-        if len(grads) != len(trainable_variables):
-            raise ValueError(
-                f"`grads` ({len(grads)}) and `trainable_variables` "
-                f"({len(trainable_variables)}) must have the same length."
-            )
+        grads, trainable_variables = _paired_with_variables(self, grads, trainable_variables)
         if not self.built:
             self.build(trainable_variables)
             self.built = True
@@ -513,11 +432,45 @@ class GradientAccumulator(InnerOptimizerForwarding, WindowLossScaling, Accumulat
         Returns:
             The `GradientAccumulator`.
         """
-        config = dict(config)
-        inner = keras.saving.deserialize_keras_object(
-            config.pop("optimizer"), custom_objects=custom_objects
+        deserialize = functools.partial(keras.saving.deserialize_keras_object, custom_objects=custom_objects)
+        return rebuilding.rebuilt_from_config(cls, config, "optimizer", deserialize)
+
+
+def _paired_with_variables(optimizer, grads, trainable_variables):
+    """`apply`'s gradients and their variables as two lists of one length (where no variables
+    are given, those the built `optimizer` holds); ValueError otherwise."""
+    grads = list(grads)
+    if trainable_variables is None:
+        if not optimizer.built:
+            raise ValueError(
+                "When passing `grads` without `trainable_variables`, the "
+                "optimizer must be built first: call "
+                "`optimizer.build(model.trainable_variables)`."
+            )
+        trainable_variables = optimizer._state.variables
+    trainable_variables = list(trainable_variables)
+    if len(grads) != len(trainable_variables):
+        raise ValueError(
+            f"`grads` ({len(grads)}) and `trainable_variables` "
+            f"({len(trainable_variables)}) must have the same length."
         )
-        return cls(inner, **config)
+    return grads, trainable_variables
+
+
+def _warn_where_hooks_are_missing(optimizer):
+    """Warns where `optimizer`'s options need the Keras hooks and they are not installed."""
+    hooked = getattr(seam.train_step_owner().train_step, "accumulator_hook", False)
+    if optimizer.options.micro_batch_size is not None and not hooked:
+        logger.warning(
+            "accumulator's Keras hooks are not installed: `fit` trains each batch whole, not in "
+            "micro-batches of %s (micro_batch_size).", optimizer.options.micro_batch_size)
+    if not optimizer.is_passthrough and not getattr(keras.Model.fit, "accumulator_hook", False):
+        logger.warning(
+            "accumulator's Keras hooks are not installed (ACCUMULATOR_KERAS_HOOKS=0 or "
+            "tfx_gradient_accumulator.accumulator.hooks.uninstall()): in `fit`, windows do not close "
+            "at epoch ends unless you pass tfx_gradient_accumulator.EpochWindows(), and micro-batches "
+            "weigh 1 each."
+        )
 
 
 def _check_supports_distribution(optimizer):

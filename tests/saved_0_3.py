@@ -9,12 +9,12 @@ def in_the_0_3_layout(optimizer, open_sq=7.0, open_preconditioned=3.0):
     EMAs (the decayed sums times 1 - smoothing), weight, int64 count and moments, then with a
     preconditioner its sum and the preconditioned estimate's five. The open window's squared
     norms, which this version keeps elsewhere, are stand-ins."""
-    state, values = optimizer._state, optimizer.window_state()
-    noise = [v for v in (state.noise_squares, state.noise_sums) if v is not None]
-    estimates = [e for e in (state.noise_estimate, state.preconditioned_estimate) if e is not None]
+    measured, values = optimizer._state.saved.noise, optimizer.window_state()
+    noise = [v for v in (measured.squares, measured.sums) if v is not None]
+    estimates = [e for e in (measured.estimate, measured.preconditioned_estimate) if e is not None]
     first = [i for i, v in enumerate(optimizer.variables) if v is noise[0]][0]
     sums = values[first + len(noise) - 1]
-    sums = list(sums) if state.noise_squares is None else [open_sq] + list(sums)
+    sums = list(sums) if measured.squares is None else [open_sq] + list(sums)
     old = [np.float32(v) for v in sums]
     for k, estimate in enumerate(estimates):
         vector = values[first + len(noise) + k]

@@ -90,6 +90,17 @@ def global_batch(representations, scored: dict):
     return shares, {**scored, **{name: shares.whole[name] for name in given}}
 
 
+def gathering(scored: dict):
+    """The `gather` of `cache_passes.cached_gradients` for a `GradientCache` (both Keras): it
+    gathers the representations and what the loss reads beside them (`scored`, replaced
+    there by the global batch's) and returns them as `Scored`."""
+    def gather(whole):
+        shares, gathered = global_batch(whole, scored)
+        scored.update(gathered)
+        return Scored(shares.whole["whole"], shares)
+    return gather
+
+
 class Scored:
     """What `cache_passes.cached_gradients`' `gather` returns: the gathered
     representations (`whole`), with the way back to this replica's rows (`own`)

@@ -111,7 +111,7 @@ class WindowLossScaling:
         if self.loss_scale_optimizer is None or self.is_passthrough:
             return None
         if self._window_built():
-            return tf.cast(self._state.accum_steps, tf.float32)
+            return tf.cast(self._state.saved.accum_steps, tf.float32)
         return float(self._accum_steps)
 
     def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:

@@ -8,8 +8,11 @@ for a Keras 2 model; a TensorFlow Recommenders model goes to `keras2.task_cache`
 
 from __future__ import annotations
 
+import functools
+
 from tfx_gradient_accumulator.accumulator.cache import across_replicas, cache_passes
-from tfx_gradient_accumulator.accumulator.core import flavours, refusals, seam
+from tfx_gradient_accumulator.accumulator.cache.wrapped_model import WrappedModel
+from tfx_gradient_accumulator.accumulator.core import flavours, rebuilding, refusals, seam
 from tfx_gradient_accumulator.accumulator.keras2 import task_cache
 from tfx_gradient_accumulator.accumulator.core.options import CacheOptions
 
@@ -26,27 +29,18 @@ _RANDOM_LAYERS = tuple(getattr(keras2.layers, name) for name in
 
 
 def validate_gather_across_replicas(model, gather_across_replicas: bool) -> bool:
-    """Checks that the Keras 2 `model` can be scored over the global batch.
-
-    Args:
-        model: the wrapped model.
-        gather_across_replicas: the option asked for.
-
-    Returns:
-        `gather_across_replicas`.
-
-    Raises:
-        ValueError: it is not a bool, or it is True and `model` has no `compute_loss`
-            of its own and is no TensorFlow Recommenders model (Keras 2 scales a
-            compiled loss per replica, for the replica's share).
-    """
+    """`gather_across_replicas`, checked for the Keras 2 `model` as the Keras 3 class checks its
+    own (`accumulator.gradient_cache.validate_gather_across_replicas`): a ValueError where it
+    is not a bool, or where it is True and `model` has neither a `compute_loss` of its own
+    nor a TensorFlow Recommenders task (Keras 2 scales a compiled loss per replica, for the
+    replica's share)."""
     return across_replicas.refuse_gathering_with_a_compiled_loss(
         model, gather_across_replicas, keras2.Model, "Keras 2",
         scores_the_batch_itself=gather_across_replicas is True and task_cache.find_task(model) is not None)
 
 
 @keras2.utils.register_keras_serializable(package="accumulator")
-class GradientCache(keras2.Model):
+class GradientCache(WrappedModel, keras2.Model):
     """Trains a Keras 2 `model` on each batch in `accum_steps` micro-batches with the whole batch's loss.
 
     Exact large batches for losses that couple the batch, in the Keras 3 class's three
@@ -127,28 +121,6 @@ class GradientCache(keras2.Model):
         finally:
             self.built = built
 
-    def build(self, input_shape=None) -> None:
-        """Builds the wrapped model (when it is not built yet).
-
-        Args:
-            input_shape: the inputs' shape, for the wrapped model's `build`.
-        """
-        if not self.model.built:
-            self.model.build(input_shape)
-        self.built = True
-
-    def call(self, inputs, training=None):
-        """The wrapped model's outputs (the representations).
-
-        Args:
-            inputs: the wrapped model's inputs.
-            training: Keras' training flag.
-
-        Returns:
-            What the wrapped model returns.
-        """
-        return self.model(inputs, training=training)
-
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):
         """The wrapped model's own `compute_loss`, or else Keras 2's (the compiled loss).
 
@@ -192,13 +164,7 @@ class GradientCache(keras2.Model):
             loss = self.compute_loss(y_pred=whole, **scored)
             return loss, optimizer.get_scaled_loss(loss) if scaling else loss
 
-        gather = None
-        if self.gather_across_replicas:
-            def gather(whole):
-                shares, gathered = across_replicas.global_batch(whole, scored)
-                scored.update(gathered)
-                return across_replicas.Scored(shares.whole["whole"], shares)
-
+        gather = across_replicas.gathering(scored) if self.gather_across_replicas else None
         variables = self.trainable_variables
         _, whole, grads = cache_passes.cached_gradients(
             lambda part: self.model(part, training=True), x, self.accum_steps, score, variables,
@@ -265,18 +231,9 @@ class GradientCache(keras2.Model):
 
     @classmethod
     def from_config(cls, config: dict, custom_objects: dict | None = None) -> GradientCache:
-        """Rebuilds it from `get_config()`.
-
-        Args:
-            config: what `get_config` returned.
-            custom_objects: Keras' custom objects, for the wrapped model.
-
-        Returns:
-            The `GradientCache`.
-        """
-        config = dict(config)
-        model = keras2.utils.deserialize_keras_object(config.pop("model"), custom_objects=custom_objects)
-        return cls(model, **config)
+        """Rebuilds it from `get_config()`, the wrapped model with `custom_objects` (`core.rebuilding`)."""
+        deserialize = functools.partial(keras2.utils.deserialize_keras_object, custom_objects=custom_objects)
+        return rebuilding.rebuilt_from_config(cls, config, "model", deserialize)
 
 
 def _is_batch_norm(layer):

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 
 import numpy as np
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator.core import _tf, flavours, refusals, replicas
+from tfx_gradient_accumulator.accumulator.core import _tf, flavours, rebuilding, refusals, replicas
 from tfx_gradient_accumulator.accumulator.schedules import callbacks
 from tfx_gradient_accumulator.accumulator.window import custom_loop
 from tfx_gradient_accumulator.accumulator.window.forwarding import InnerOptimizerForwarding
@@ -38,11 +39,7 @@ _register = keras2.utils.register_keras_serializable(package="accumulator")
 
 def _resolve_optimizer(optimizer):
     """The Keras 2 optimizer `optimizer` names or is; refuses `optimizers.legacy` and non-optimizers."""
-    if isinstance(optimizer, str):
-        try:
-            optimizer = keras2.optimizers.get(optimizer)
-        except ValueError as err:
-            raise ValueError(refusals.names_no_optimizer("Keras 2", optimizer, err)) from None
+    optimizer = rebuilding.optimizer_of_name(optimizer, keras2.optimizers.get, "Keras 2")
     inner = optimizer.inner_optimizer if isinstance(optimizer, _LossScaleOptimizer) else optimizer
     if isinstance(inner, _LegacyOptimizer):
         raise TypeError(
@@ -56,6 +53,15 @@ def _resolve_optimizer(optimizer):
         raise TypeError(refusals.not_an_optimizer("Keras 2", keras2.__name__, optimizer))
     refuse_nested_accumulation(optimizer)
     return optimizer
+
+
+def _deserialize_optimizer(spec: dict, custom_objects: dict | None = None):
+    """The Keras 2 optimizer `spec` (`optimizers.serialize`'s) describes, never a legacy one."""
+    inner = keras2.optimizers.deserialize(
+        copy.deepcopy(spec), custom_objects=custom_objects, use_legacy_optimizer=False)
+    if isinstance(inner, str):   # Keras 2 deserializes no AdamW, Lion, Adafactor by name
+        inner = getattr(keras2.optimizers, spec["class_name"]).from_config(spec["config"])
+    return inner
 
 
 @_register
@@ -322,22 +328,10 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, custom_l
 
     @classmethod
     def from_config(cls, config: dict, custom_objects: dict | None = None) -> GradientAccumulator:
-        """Rebuilds a wrapper from `get_config()`.
-
-        Args:
-            config: what `get_config` returned.
-            custom_objects: Keras' custom objects, for the inner optimizer.
-
-        Returns:
-            The `GradientAccumulator` (or `LossScalingGradientAccumulator`).
-        """
-        config = dict(config)
-        spec = config.pop("optimizer")
-        inner = keras2.optimizers.deserialize(
-            copy.deepcopy(spec), custom_objects=custom_objects, use_legacy_optimizer=False)
-        if isinstance(inner, str):   # Keras 2 deserializes no AdamW, Lion, Adafactor by name
-            inner = getattr(keras2.optimizers, spec["class_name"]).from_config(spec["config"])
-        return cls(inner, **config)
+        """Rebuilds a wrapper from `get_config()` (a `LossScalingGradientAccumulator` around a
+        `LossScaleOptimizer`), the inner optimizer with `custom_objects` (`core.rebuilding`)."""
+        deserialize = functools.partial(_deserialize_optimizer, custom_objects=custom_objects)
+        return rebuilding.rebuilt_from_config(cls, config, "optimizer", deserialize)
 
     def save_own_variables(self, store) -> None:
         """Keras 2's save of the variables (`model.save`), after the open-window check.
@@ -347,7 +341,7 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, custom_l
         """
         # A custom loop's window still open is reported once (`accumulator.window.loop_notes`).
         if self._window_built():
-            self._state.loop_notes.note_saved(self.held_micro_batches)
+            self._state.notes.loop_notes.note_saved(self.held_micro_batches)
         super().save_own_variables(store)
 
     def load_own_variables(self, store) -> None:

@@ -165,7 +165,7 @@ def keeps_rows(state, index, grad, dense_is_exact, across_replicas):
 
     Rows of a lookup made once per batch (`accumulator.rows.lookups`, decided here
     from the traced program and remembered, for eager steps, in
-    `state.once_per_batch`) are summed position by position in buffers of a
+    `state.notes.once_per_batch`) are summed position by position in buffers of a
     size fixed when the step is traced: kept everywhere, XLA included. Rows
     per sample are kept under XLA (`jit_compile=True`) in a room made outside
     the step (`has_room`), where the rows' count is known when the step is
@@ -180,8 +180,8 @@ def keeps_rows(state, index, grad, dense_is_exact, across_replicas):
     XLA cannot merge rows); otherwise it is refused.
 
     Args:
-        state: the window's `WindowState` (reads `rows`, `variables`; notes
-            `once_per_batch`, `warned_eager_rows`).
+        state: the window's `WindowState` (reads `saved.rows`, `variables`; notes
+            `once_per_batch`, `warned_eager_rows` in `notes`).
         index: the variable's index in `state.variables`.
         grad: its `tf.IndexedSlices` gradient.
         dense_is_exact: whether summing the rows densely makes the same update.
@@ -193,19 +193,19 @@ def keeps_rows(state, index, grad, dense_is_exact, across_replicas):
     Raises:
         ValueError: under XLA, where neither rows nor a dense sum is exact.
     """
-    if state.rows[index] is None:
+    if state.saved.rows[index] is None:
         return False
-    kind = lookups.kind_of_rows(grad.indices)
+    notes, kind = state.notes, lookups.kind_of_rows(grad.indices)
     if kind == lookups.ONCE_PER_BATCH:
-        state.once_per_batch[index] = grad.indices.shape.num_elements()
+        notes.once_per_batch[index] = grad.indices.shape.num_elements()
     elif kind == lookups.PER_SAMPLE:
-        state.once_per_batch.pop(index, None)
-    elif index not in state.once_per_batch and not state.warned_eager_rows:
-        state.warned_eager_rows = True
+        notes.once_per_batch.pop(index, None)
+    elif index not in notes.once_per_batch and not notes.warned_eager_rows:
+        notes.warned_eager_rows = True
         logger.warning(EAGER_ROWS_MESSAGE)
     xla = seam.in_xla_context()
-    if index in state.once_per_batch:
-        if not xla or state.once_per_batch[index] is not None:
+    if index in notes.once_per_batch:
+        if not xla or notes.once_per_batch[index] is not None:
             return True
     elif not xla:
         if replicas.replicas_in_sync() == 1 or across_replicas:
@@ -225,10 +225,10 @@ def has_room(state, index, grad):
     rows = grad.indices.shape.num_elements()
     if rows is not None:
         note_room(state, index, rows)
-    if index not in state.row_room:
+    if index not in state.notes.row_room:
         return False
     with tf.init_scope():
-        window = backing_variable(state.accum_steps).numpy()
+        window = backing_variable(state.saved.accum_steps).numpy()
     # A window built while this step is traced is not initialized yet (it reads as an
     # empty array): its length is then the one it was built with.
     grow_rooms(state, window if window.shape == () else state.built_accum_steps, [index])
@@ -237,16 +237,17 @@ def has_room(state, index, grad):
 
 def note_room(state, index, rows):
     """Variable `index`'s room holds at least `rows` rows per micro-batch (rooms only grow)."""
-    state.row_room[index] = max(int(rows), state.row_room.get(index, 0))
+    state.notes.row_room[index] = max(int(rows), state.notes.row_room.get(index, 0))
 
 
 def grow_rooms(state, window, indices=None):
     """Outside any step: room for `window` micro-batches in the row buffers that have
-    a room (`state.row_room`; `indices`: only these). Rooms only grow, keeping the
+    a room (`state.notes.row_room`; `indices`: only these). Rooms only grow, keeping the
     rows they hold: a step compiled for the old size is compiled again."""
-    for index in state.row_room if indices is None else indices:
-        rows = state.rows[index]
-        _make_room(rows.values, rows.indices, state.row_room[index] * max(int(window), 1), state.strategy)
+    room = state.notes.row_room
+    for index in room if indices is None else indices:
+        rows = state.saved.rows[index]
+        _make_room(rows.values, rows.indices, room[index] * max(int(window), 1), state.strategy)
 
 
 def refuse_overflowed_room(state):
@@ -255,8 +256,8 @@ def refuse_overflowed_room(state):
     Raises:
         RuntimeError: naming the variable, the room, and what to do.
     """
-    for index, room in state.row_room.items():
-        rows = state.rows[index]
+    for index, room in state.notes.row_room.items():
+        rows = state.saved.rows[index]
         count = int(backing_variable(rows.count).numpy())
         if count > int(runtime_shape(backing_variable(rows.indices))[0]):
             variable = state.variables[index]

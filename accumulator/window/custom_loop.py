@@ -98,7 +98,7 @@ def micro_batches(window, data):
 
 def _feed(window, iterator):
     """Yields `iterator`'s elements with their weights written first; closes the window at its end."""
-    notes = window._state.loop_notes
+    notes = window._state.notes.loop_notes
     weight = _weight_variable(notes)
     notes.feeding += 1
     finished = False
@@ -151,7 +151,7 @@ def weight_for(window, micro_batch_weight):
     Called as the step is traced (or eagerly, per step); notes the window as fed by a
     loop (`loop_notes.note_fed`) so its open window can be told of.
     """
-    notes = window._state.loop_notes
+    notes = window._state.notes.loop_notes
     loop_notes.note_fed(window)
     if micro_batch_weight is not None or notes.weight is None or window.is_passthrough:
         return micro_batch_weight
@@ -163,5 +163,5 @@ def weight_for(window, micro_batch_weight):
 
 def _hook_noted_a_weight(window):
     """Whether the `compute_loss` hook handed over a weight for this micro-batch, in this graph."""
-    noted = window._state.noted_weight
+    noted = window._state.notes.noted_weight
     return noted.weight is not None and noted.graph is _tf.current_graph()

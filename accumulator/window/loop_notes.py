@@ -177,7 +177,7 @@ def note_fed(window):
     _fed.add(window)
     # Run when the optimizer is collected, or at the exit (`weakref.finalize` runs those
     # still alive then): it holds the notes and the count, not the optimizer.
-    weakref.finalize(window, _note_end, window._state.loop_notes, window._state.micro_step)
+    weakref.finalize(window, _note_end, window._state.notes.loop_notes, window._state.saved.micro_step)
 
 
 def note_model_read(model, saving):
@@ -186,7 +186,7 @@ def note_model_read(model, saving):
     of a model compiled with the optimizer saves its window too: `note_saved` says that."""
     ids = None
     for window in list(_fed):
-        notes = window._state.loop_notes
+        notes = window._state.notes.loop_notes
         if not notes.from_custom_loop or notes.feeding or "open" in notes.warned or not window._window_built() \
                 or (saving and getattr(model, "optimizer", None) is window):
             continue

@@ -39,7 +39,7 @@ class WindowSaving:
         """Every variable's value as NumPy arrays, in `variables` order, for saving: the
         window as one device holds it, every replica's rows (`saved`). A custom loop's
         window still open is reported once (`accumulator.window.loop_notes`)."""
-        self._state.loop_notes.note_saved(self.held_micro_batches)
+        self._state.notes.loop_notes.note_saved(self.held_micro_batches)
         return saved(self.variables, self._state)
 
     def restorable(self, values):
@@ -61,15 +61,15 @@ def held_after_a_restore(state) -> set:
     traced): the filled dense buffers and the rows with a count; those with rows are
     marked as such. Asked eagerly, before a close of that window alone."""
     held = set()
-    for i, (buffer, variable) in enumerate(zip(state.accumulators, state.variables)):
-        rows = state.rows[i]
+    for i, (buffer, variable) in enumerate(zip(state.saved.accumulators, state.variables)):
+        rows = state.saved.rows[i]
         if rows is not None and int(np.sum([c.numpy() for c in local_components(rows.count, state.strategy)])):
-            state.rows_seen.add(i)
+            state.notes.rows_seen.add(i)
             held.add(i)
         elif is_filled(buffer, tuple(variable.shape), state.strategy) and (
                 variable.shape[0] != 1 or any(np.any(c.numpy()) for c in local_components(buffer, state.strategy))):
             # A one-row variable's buffer looks filled as a stand-in too: held if it holds a sum.
-            state.dense_seen.add(i)
+            state.notes.dense_seen.add(i)
             held.add(i)
     return held
 
@@ -114,14 +114,15 @@ def saved(variables, state):
     """
     if state.strategy is None:   # not built: no window, no replicas
         return [np.asarray(v.numpy()) for v in variables]
-    seen = [rows for i, rows in enumerate(state.rows) if i in state.rows_seen]
+    seen = [rows for i, rows in enumerate(state.saved.rows) if i in state.notes.rows_seen]
     row_ids = {id(part) for rows in seen for part in rows.variables}
     values = {id(v): np.asarray(v.numpy()) for v in variables if id(v) not in row_ids}
     for rows, (row_values, indices) in zip(seen, rows_of_every_replica(
             [rows.variables for rows in seen], state.strategy)):
         values.update({id(rows.values): row_values, id(rows.indices): indices,
                        id(rows.count): np.int64(len(indices))})
-    values[id(state.weight_sum)] = values[id(state.weight_sum)] / state.strategy.num_replicas_in_sync
+    weight = id(state.saved.weight_sum)
+    values[weight] = values[weight] / state.strategy.num_replicas_in_sync
     return [values[id(v)] for v in variables]
 
 
@@ -138,11 +139,11 @@ def restore(variables, state, values):
             backing_variable(variable).assign(value, read_value=False)
         return
     value_of = {id(v): np.asarray(value) for v, value in zip(variables, values)}
-    weight = value_of[id(state.weight_sum)]
-    value_of[id(state.weight_sum)] = weight * np.asarray(state.strategy.num_replicas_in_sync, weight.dtype)
+    weight = value_of[id(state.saved.weight_sum)]
+    value_of[id(state.saved.weight_sum)] = weight * np.asarray(state.strategy.num_replicas_in_sync, weight.dtype)
     rows_variables = set()
     replica_ids = replicas.local_replica_ids(state.strategy)
-    for rows in state.rows:
+    for rows in state.saved.rows:
         if rows is None:
             continue
         rows_variables.update(map(id, rows.variables))

@@ -268,7 +268,10 @@ def test_no_function_is_longer_than_the_limit(packages):
     assert not long, f"functions over {LONGEST_FUNCTION} lines:\n" + "\n".join(long)
 
 
-LONGEST_LIBRARY_CODE = 60   # accumulator/: a function's code, its docstring (the API reference) left out
+LONGEST_LIBRARY_CODE = 59      # a function's code, its docstring (the API reference) left out
+LONGEST_CLASS = 399            # lines, docstring included
+LONGEST_MODULE = 899           # lines
+SHIPPED = ("accumulator", "components")   # the library and the component
 
 
 def _code_lines(node):
@@ -276,15 +279,34 @@ def _code_lines(node):
     return node.end_lineno - body[0].lineno + 2     # the `def` line and the code
 
 
-def test_no_library_function_has_more_code_than_the_limit():
+def over_the_limits(paths, root=ROOT):
+    """What in these files is over the limits: functions by code lines, classes and modules by lines."""
     long = []
-    for path in sorted((ROOT / "accumulator").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for path in paths:
+        source = path.read_text()
+        where = path.relative_to(root)
+        if len(source.splitlines()) > LONGEST_MODULE:
+            long.append(f"{where}: module of {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source, str(path))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _code_lines(node) > LONGEST_LIBRARY_CODE:
-                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({_code_lines(node)} lines)")
-    assert not long, f"functions with over {LONGEST_LIBRARY_CODE} lines of code:\n" + "\n".join(long)
-    long_one = ast.parse('def f():\n    """Doc."""\n' + "    x = 1\n" * 70).body[0]
-    assert _code_lines(long_one) == 71        # the check can fail
+                long.append(f"{where}:{node.lineno} {node.name} ({_code_lines(node)} lines of code)")
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > LONGEST_CLASS:
+                long.append(f"{where}:{node.lineno} class {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    return long
+
+
+def test_the_library_and_the_component_stay_under_the_limits():
+    """Every function under 60 lines of code, every class under 400 lines, every module under 900."""
+    long = over_the_limits(sorted(p for folder in SHIPPED for p in (ROOT / folder).rglob("*.py")))
+    assert not long, "over the limits:\n" + "\n".join(long)
+
+
+def test_the_limits_check_can_fail(tmp_path):
+    source = ('def f():\n    """Doc."""\n' + "    x = 1\n" * 70 + "class C:\n" + "    y = 1\n" * 400
+              + "z = 1\n" * 500)
+    (tmp_path / "m.py").write_text(source)
+    assert [entry.split(" (")[0] for entry in over_the_limits([tmp_path / "m.py"], tmp_path)] == [
+        "m.py: module of 973 lines", "m.py:1 f", "m.py:73 class C"]
 
 
 def _old_top_level_imports(text):

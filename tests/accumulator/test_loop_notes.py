@@ -162,13 +162,13 @@ def test_micro_batches_weighs_each_by_its_samples_unless_the_step_says_otherwise
             loss = loss_fn(yb, model(xb, training=True))
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables), micro_batch_weight=weight)
-        seen.append(float(optimizer._state.loop_notes.weight.numpy()))
+        seen.append(float(optimizer._state.notes.loop_notes.weight.numpy()))
 
     batches = [(x[s:s + 8], y[s:s + 8]) for s in range(0, 92, 8)]
     for xb, yb in optimizer.micro_batches(batches):
         micro_step(xb, yb)
     assert seen == [8.0] * 11 + [4.0] and optimizer.held_micro_batches == 0
-    assert float(optimizer._state.loop_notes.weight.numpy()) == -1.0   # outside: no weight
+    assert float(optimizer._state.notes.loop_notes.weight.numpy()) == -1.0   # outside: no weight
     for ours, theirs in zip(model.get_weights(), _large_batch(92).get_weights()):
         np.testing.assert_allclose(ours, theirs, atol=1e-5)
     # A weight of 1 each given explicitly: the helper's is not used, and the last window drifts.

@@ -221,12 +221,12 @@ def test_the_sums_reset_with_every_window(mode, inner):
     model.compile(optimizer, "mse")
     model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
     assert int(optimizer.noise_scale_estimate.window_count) == 1
-    state = optimizer._state
-    assert state.noise_sums.numpy().tolist() == [0.0] * (3 if inner == "adam" else 4)
-    assert (state.noise_squares is not None) == (inner == "adam")
-    if state.noise_squares is not None:
-        assert state.noise_squares.shape == (sum(int(np.prod(v.shape)) for v in model.trainable_variables),)
-        assert not np.any(state.noise_squares.numpy())
+    noise = optimizer._state.saved.noise
+    assert noise.sums.numpy().tolist() == [0.0] * (3 if inner == "adam" else 4)
+    assert (noise.squares is not None) == (inner == "adam")
+    if noise.squares is not None:
+        assert noise.squares.shape == (sum(int(np.prod(v.shape)) for v in model.trainable_variables),)
+        assert not np.any(noise.squares.numpy())
     # The same 4 micro-batches alone give the same estimate: nothing of the
     # fifth leaked into it, nor into the next window.
     assert optimizer.noise_scale == pytest.approx(_first_window_alone(inner), rel=1e-6)
@@ -463,7 +463,7 @@ def test_an_optimizer_saved_by_version_0_3_loads_with_its_estimates(inner):
                                    [float(getattr(optimizer, name).state[i]) for i in range(12)], rtol=1e-6)
     assert loaded.held_micro_batches == 2
     for a, b in zip(loaded.variables, optimizer.variables):
-        if not any(a is v for v in (loaded._state.noise_squares, loaded._state.noise_sums)):
+        if not any(a is v for v in (loaded._state.saved.noise.squares, loaded._state.saved.noise.sums)):
             np.testing.assert_allclose(np.asarray(a.numpy(), "float64"), np.asarray(b.numpy(), "float64"),
                                        rtol=1e-6, err_msg=a.path)
     # The open window (2 held + 2 more), then one more: the same training.

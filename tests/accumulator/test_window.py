@@ -178,7 +178,7 @@ def test_dataset_of_unknown_length_counts_only_real_micro_batches():
     model.compile(optimizer=optimizer, loss="mse")
     model.fit(dataset, verbose=0)
     assert int(optimizer.micro_step.numpy()) == 2
-    assert float(optimizer._state.weight_sum.numpy()) == 2 * MICRO
+    assert float(optimizer._state.saved.weight_sum.numpy()) == 2 * MICRO
     assert optimizer.close_partial_window("apply") == 2
     expected = _large_batch_of_ten_micro_batches()
     assert ref.max_abs_diff(model.get_weights(), expected.get_weights()) <= 1e-6

@@ -58,4 +58,4 @@ def test_an_uncompiled_models_weights_read_with_a_window_open_are_told_of_once()
     with pytest.warns(loop_notes.CustomLoopWarning, match="holds 2 micro-batch"):
         model.get_weights()
     optimizer.close_partial_window()
-    assert optimizer._state.loop_notes.warned == {"open"}
+    assert optimizer._state.notes.loop_notes.warned == {"open"}
