@@ -3,8 +3,9 @@
 `before_fit` (called by the `fit` hook of `accumulator.hooks`, for Keras 3 and Keras 2)
 refuses set-ups that would train wrong (also those `micro_batch_size` does not take yet:
 `fit_micro_batches.refuse_unsupported`, and `fit_auto_micro_batch.refuse_unsupported` for
-`micro_batch_size="auto"`, whose epochs it notes), warns where the batch size would make windows
-other than the effective batch `find_micro_batch` set the window for
+`micro_batch_size="auto"`, whose epochs it notes), builds a `micro_batch_size` model's optimizer
+before `fit` traces its step (`fit_micro_batches.build_before_tracing`: traced once, not twice),
+warns where the batch size would make windows other than the effective batch `find_micro_batch` set the window for
 (`micro_batch.warn_of_windows_off_the_effective_batch`), ties `AccumBatchNormalization` layers to the
 optimizer, and puts the window callback first, so the window closes before any other
 callback reads the weights. Models compiled with any other optimizer are left alone.
@@ -40,6 +41,7 @@ def before_fit(model, callbacks, fit_arguments=None):
     fit_auto_micro_batch.refuse_unsupported(model)
     if not flavours.is_keras2_object(model):
         fit_micro_batches.refuse_unsupported(model)
+        fit_micro_batches.build_before_tracing(model)
         callbacks = fit_auto_micro_batch.with_epoch_note(model, callbacks)
     else:
         from tfx_gradient_accumulator.accumulator.keras2 import fit_micro_batches as keras2_fit_micro_batches

@@ -9,7 +9,8 @@ taken round by round and summarized with its spread (`benchmarks.stats`):
 * **steady**: samples per second after warm-up, one process, rounds interleaved: ours at
   `fit(batch_size=E)` against plain `fit(batch_size=E)` (E fits here) and against Keras'
   built-in `gradient_accumulation_steps=N` at `fit(batch_size=b)` (the same b and N),
-  compiled with `BENCH_JIT_COMPILE` as the throughput part's contenders are;
+  compiled with `BENCH_JIT_COMPILE` as the throughput part's contenders are; each round
+  times every contender over the same segment of about 5 s (10 updates of E on 2 cores);
 * **first epoch**: `jit_compile=True`, a fresh process per contender and round: the
   seconds from `fit`'s call to the end of its first epoch (trace, XLA compile and the
   epoch's updates) for ours, Keras' built-in accumulation and plain `fit` at b; the second
@@ -28,7 +29,7 @@ taken round by round and summarized with its spread (`benchmarks.stats`):
 The goals (`GOALS`) are the issue's: steady >= 0.95x plain E and >= 1.05x the built-in;
 first epoch <= 1.0x the built-in and <= 1.2x plain b; memory <= 1.0x the window's plus
 the batch of E. The workload is the throughput part's CPU Transformer (b = 16, N = 4,
-E = 64): its micro-step is compute on 2 cores. About 10 minutes on 2 idle cores.
+E = 64): its micro-step is compute on 2 cores. About 14 minutes on 2 idle cores.
 
 `--quick` is a smoke run (tiny CNN, one round, the measurements grouped in two processes side
 by side, one with oneDNN off, one with it on): it checks that every path runs and the files
@@ -58,8 +59,11 @@ from benchmarks import stats  # noqa: E402  (no TensorFlow at import)
 ACCUM = 4
 # Per mode: the workload, the updates of an epoch in the first-epoch and auto runs, and the
 # micro-batch from which auto's cliff asks for 4 TiB (the largest even split under it fits).
-SETTINGS = {"full": dict(workload="transformer", epoch_updates=4, cliff=24, rounds=7, first_epoch_rounds=3,
-                         memory_repeats=2, auto_repeats=1, segment_seconds=2.0),
+# Steady: a round times each contender over one segment of about `segment_seconds` (a whole
+# number of updates, the same samples for all); a segment of a few updates let one slow update
+# (another process, a page fault) swing a round's ratio by 20%: 5 s segments, 9 rounds.
+SETTINGS = {"full": dict(workload="transformer", epoch_updates=4, cliff=24, rounds=9, first_epoch_rounds=3,
+                         memory_repeats=2, auto_repeats=1, segment_seconds=5.0),
             "quick": dict(workload="tiny_cnn", epoch_updates=2, cliff=96, rounds=2, first_epoch_rounds=1,
                           memory_repeats=1, auto_repeats=1, segment_seconds=0.2)}
 STEADY = ["effective", "plain_E", "keras_builtin"]
@@ -86,7 +90,7 @@ def _define_flags():
     global OUT, QUICK, ROUNDS, FIRST_EPOCH_ROUNDS, MEMORY_REPEATS, AUTO_REPEATS, MEASURE, FIXED, SEED
     OUT = flags.DEFINE_string("out", "docs/benchmarks/cpu", "Folder for effective_batch.json and .md.")
     QUICK = flags.DEFINE_bool("quick", False, "A smoke run (under a minute): tiny model, one round, grouped processes.")
-    ROUNDS = flags.DEFINE_integer("rounds", None, "Steady rounds (default: 7; quick 2).", lower_bound=1)
+    ROUNDS = flags.DEFINE_integer("rounds", None, "Steady rounds (default: 9; quick 2).", lower_bound=1)
     FIRST_EPOCH_ROUNDS = flags.DEFINE_integer("first_epoch_rounds", None, "First-epoch rounds, 3 processes each "
                                               "(default: 3; quick 1).", lower_bound=1)
     MEMORY_REPEATS = flags.DEFINE_integer("memory_repeats", None, "Memory repeats, 2 processes each (default: 2).",
@@ -510,7 +514,8 @@ def markdown(results):
         sign = "≥" if g["higher_is_better"] else "≤"
         lines.append(f"| {g['label']} | {sign} {g['target']:.2f} | {_cell(g['ratio'], 3)} | {g['verdict']} |")
     lines += ["", f"## Steady throughput (samples/s, {len(steady['seconds']['effective'])} rounds, one process; "
-              f"jit_compile {steady.get('jit_compile')})", ""]
+              f"jit_compile {steady.get('jit_compile')}; each contender timed over {steady['segment_updates']} "
+              f"updates of E a round)", ""]
     lines += _table(STEADY, lambda c: _per_round(m, "steady", c), 1)
     processes = "grouped in two processes: a smoke run" if results["quick"] else "a fresh process each"
     lines += ["", f"## First epoch under `jit_compile=True` (s; {processes}, "

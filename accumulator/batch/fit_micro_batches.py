@@ -44,7 +44,7 @@ float16's range in a float16 layer is made NaN first (`_float16_overflow_as_nan`
 large batch's float16 gradient would overflow. `merge_duplicate_rows` merges the rows
 after the sums (densely under XLA, which cannot merge rows).
 
-The loop pieces (`micro_batch`, `gradient_kinds`, `micro_batch_loop`,
+The loop pieces (`micro_batch`, `traced_micro_step`, `micro_batch_loop`,
 `sum_over_replicas`, `update_gradients`) and the padding's mask and metric weights
 (`masked`, `metric_weights`) are plain TensorFlow, shared with Keras 2.
 Keras' own `train_step` only: a model's own is refused before `fit` trains.
@@ -95,6 +95,23 @@ def refuse_unsupported(model):
             f"(for example {max(replica_count, size - size % replica_count)}).")
     if replica_count > 1 and getattr(model, "jit_compile", False) is True:
         raise NotImplementedError(NO_MERGE_CALL_MESSAGE)
+
+
+def build_before_tracing(model):
+    """Before `fit` traces its step: the optimizer built for a built model's variables, in the
+    model's strategy's scope, as Keras builds it itself under a strategy (`_symbolic_build`).
+    Without a strategy Keras leaves the build to the step's first trace, and a `tf.function`
+    whose first trace makes variables is traced again: the whole step (every micro-step's
+    forward and backward pass, the loop, the update) twice, most of a first epoch under
+    `jit_compile=True`. Built here, it is traced once. A model not built yet (a subclassed
+    one, built by its first step) is left to the trace."""
+    optimizer = getattr(model, "optimizer", None)
+    if micro_batch_size_of(model) is None or optimizer.built or not model.built:
+        return
+    if not all(layer.built for layer in seam.flatten_layers(model)):
+        return
+    with model.distribute_strategy.scope():
+        optimizer.build(model.trainable_variables)
 
 
 def micro_batch(batch, size, count, index):
@@ -216,29 +233,37 @@ def _times(grad, factor):
     return grad * tf.cast(factor, grad.dtype)
 
 
-def gradient_kinds(step):
-    """`step(index)` returns (gradients, ...). Each gradient as a traced micro-step makes it
-    (None, a tensor, `tf.IndexedSlices`), and the positions of those whose rows are a table
-    looked up once per batch (of a static row count): traced once in a scratch function,
-    never run, so the loop's variables can be made. Plain TensorFlow, for both Keras."""
+def traced_micro_step(step):
+    """`step(index=i)` trains micro-batch i and returns (gradients, loss, weight): traced
+    once, as a function of the index, and that one trace serves twice. Its outputs give
+    each gradient's kind (None, a tensor, `tf.IndexedSlices`: the loop's variables are
+    made from them) and the positions of those whose rows are a table looked up once per
+    batch (of a static row count); the loop's body calls it. Returns (the traced step,
+    kinds, once). Tracing the forward and backward passes is most of a first epoch under
+    `jit_compile=True`: they are traced once per batch shape, not once more in a scratch
+    function to learn the kinds first. Plain TensorFlow, for both Keras."""
     once = []
 
-    def scratch():
-        grads = step(0)[0]
-        once.extend(k for k, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)
+    def traced(index):
+        out = step(index=index)
+        once.extend(k for k, g in enumerate(out[0]) if isinstance(g, tf.IndexedSlices)
                     and g.values.shape.is_fully_defined()
                     and lookups.kind_of_rows(g.indices) == lookups.ONCE_PER_BATCH)
-        return grads
+        return out
 
-    traced = tf.function(scratch, autograph=False).get_concrete_function()
-    return list(traced.structured_outputs), once
+    function = tf.function(traced, autograph=False).get_concrete_function(tf.TensorSpec([], tf.int32))
+
+    def call(index):
+        return function(index)
+
+    return call, list(function.structured_outputs[0]), once
 
 
 def micro_batch_loop(step, kinds, once, count, size, variables):
     """The micro-batches in a `tf.while_loop`: (dense sums, sparse rows, loss sum, weight sum).
 
     `step(index=i)` trains micro-batch i and returns (gradients, loss, weight); `kinds` and
-    `once` are `gradient_kinds(step)`; `count` the batch's samples (an int or a scalar
+    `once` are `traced_micro_step(step)`'s; `count` the batch's samples (an int or a scalar
     tensor), `size` the micro-batch's, `variables` those the gradients are of (their
     shapes make the dense sums). Dense sums are `{position: sum of weight * gradient}`,
     sparse rows `{position: (weighted rows, ids)}`. Plain TensorFlow, for both Keras.
@@ -374,7 +399,7 @@ def train_step(model, data):
     loss_scale = _loss_scale(optimizer)
     step = functools.partial(_micro_step, model, variables, (x, y, sample_weight),
                              size=size, count=count, summed=summed, loss_scale=loss_scale)
-    kinds, once = gradient_kinds(step)
+    step, kinds, once = traced_micro_step(step)
     dense, sparse, loss_sum, weight_sum = sum_over_replicas(
         context, micro_batch_loop(step, kinds, once, count, size, variables), once, variables)
     # Keras scales a mean loss by 1 / R in each replica's `Loss.__call__` (not a sum): R undoes it.

@@ -140,7 +140,7 @@ def train_step(model, data):
     summed = fit_micro_batches.sums_its_samples(model)
     step = functools.partial(_micro_step, model, variables, (x, y, sample_weight),
                              size=size, count=count, summed=summed)
-    kinds, once = fit_micro_batches.gradient_kinds(step)
+    step, kinds, once = fit_micro_batches.traced_micro_step(step)
     loss_metric = _loss_metric(model)
     before = [tf.identity(v) for v in loss_metric.variables] if loss_metric is not None else []
     dense, sparse, loss_sum, weight_sum = fit_micro_batches.micro_batch_loop(step, kinds, once, count, size,

@@ -266,19 +266,21 @@ def test_the_padding_would_show_if_it_were_trained():
 
 
 def test_the_micro_batches_are_a_loop_in_one_traced_step(monkeypatch):
-    # 2 epochs of batches 20, 20, 10: 20 micro-batches trained, the micro-step traced twice per
-    # batch shape (its gradients' kinds, then the loop's body), never per micro-batch.
+    # 2 epochs of batches 20, 20, 10: 20 micro-batches trained, the micro-step traced once per
+    # trace of the step (its outputs give the gradients' kinds, the loop's body calls it), never
+    # per micro-batch.
     from tfx_gradient_accumulator.accumulator.keras2 import fit_micro_batches
 
-    traced = []
-    original = fit_micro_batches._micro_step
+    traced, steps = [], []
+    original, original_step = fit_micro_batches._micro_step, fit_micro_batches.train_step
     monkeypatch.setattr(fit_micro_batches, "_micro_step", lambda *a, **k: traced.append(1) or original(*a, **k))
+    monkeypatch.setattr(fit_micro_batches, "train_step", lambda *a: steps.append(1) or original_step(*a))
     x, y = _data()
     model = _mlp()
     model.compile(GradientAccumulator(_adam(), micro_batch_size=B), "mse")
     model.fit(x, y, batch_size=E, epochs=2, shuffle=False, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 6
-    assert 2 <= len(traced) <= 4, len(traced)
+    assert 2 <= len(traced) <= 4 and len(traced) == len(steps), (len(traced), len(steps))
 
 
 @pytest.mark.parametrize("arguments, error, match", [
