@@ -35,6 +35,7 @@ def _window_variables_in_saved_order(saved: WindowVariables):
 
 def test_an_optimizer_saved_before_the_split_loads_by_name_order_and_value_and_trains_on():
     saved = np.load(DATA / "window_variables_v2_keras3.npz")
+    keras.backend.clear_session()      # the layers' names, which the variables' names hold, as in a fresh process
     x, ids, y = v2.data()
     model, optimizer = v2.model_and_optimizer()
     model.set_weights([saved[f"weight_{i}"] for i in range(len(model.get_weights()))])
