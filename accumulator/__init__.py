@@ -53,7 +53,7 @@ else:
 hooks.install_unless_opted_out()
 
 
-# The modules that moved into the rooms (version 0.6), by their old name: the old path
+# The modules that moved into the rooms (version 0.5), by their old name: the old path
 # (`tfx_gradient_accumulator.accumulator.options`) still imports, as the module at its new
 # path (`...accumulator.core.options`, the same module object), with a FutureWarning naming it.
 MOVED_MODULES = {
@@ -123,4 +123,4 @@ __all__ = [
 if flavours.keras_is_3():
     __all__ += ["AccumBatchNormalization", "MicroBatchFit", "MicroBatchSwitch", "RecoveredFit", "find_micro_batch",
                 "fit_with_out_of_memory_recovery", "use_accumulated_batch_norm"]
-__version__ = "0.4.0"
+__version__ = "0.5.0"
