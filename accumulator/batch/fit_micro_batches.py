@@ -193,7 +193,7 @@ def _micro_step(model, variables, batch, index, size, count, summed, loss_scale=
     _weigh_by_real_rows(trackers, before, real, loss, count)
     grads = tape.gradient(loss if loss_scale is None else scaled, variables)
     if loss_scale is not None:
-        grads = [_times(g, 1.0 / share) for g in grads]
+        grads = [_tf.scaled_by(g, 1.0 / share) for g in grads]
     lookups.note_batch_size(size, _tf.current_graph())     # tells a table looked up once per batch
     weight = tf.constant(1.0)
     if not summed:
@@ -222,15 +222,6 @@ def _weigh_by_real_rows(trackers, before, real, loss, count):
             added = tf.identity(tracker.total) - total
             tracker.total.assign_add(added * tf.cast(weight / size - 1.0, added.dtype))
             tracker.count.assign_add(tf.cast(weight - size, tracker.count.dtype))
-
-
-def _times(grad, factor):
-    """`grad` (None, a tensor or `tf.IndexedSlices`) times `factor` (a float32 scalar)."""
-    if grad is None:
-        return None
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices, grad.dense_shape)
-    return grad * tf.cast(factor, grad.dtype)
 
 
 def traced_micro_step(step):
@@ -377,7 +368,7 @@ def _float16_overflow_as_nan(optimizer, grads, variables):
     if not values:
         return grads
     in_range = tf.reduce_all(tf.stack([tf.reduce_all(tf.abs(v) < loss_scaling.FLOAT16_OVERFLOW) for v in values]))
-    return [None if g is None else _times(g, tf.where(in_range, 1.0, float("nan"))) for g in grads]
+    return [None if g is None else _tf.scaled_by(g, tf.where(in_range, 1.0, float("nan"))) for g in grads]
 
 
 def _loss_scale(optimizer):

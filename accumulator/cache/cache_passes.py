@@ -12,7 +12,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator.rows import lookups
-from tfx_gradient_accumulator.accumulator.core import seam
+from tfx_gradient_accumulator.accumulator.core import _tf, seam
 
 
 def cached_gradients(forward, x, accum_steps: int, score, variables: list, after_pass_1=None,
@@ -59,7 +59,7 @@ def cached_gradients(forward, x, accum_steps: int, score, variables: list, after
     del tape
     if shares is not None and shares.replicas > 1:
         by_representation = shares.own(by_representation)
-        grads = [scaled_by(g, 1.0 / shares.replicas) for g in grads]
+        grads = [_tf.scaled_by(g, 1.0 / shares.replicas) for g in grads]
     if before_pass_3 is not None:
         before_pass_3()
     lookups.note_batch_size(tf.TensorShape(tf.nest.flatten(micro_batches[0])[0].shape)[0],
@@ -191,23 +191,6 @@ def add(total, grad):
         return tf.IndexedSlices(tf.concat([total.values, grad.values], 0),
                                 tf.concat([total.indices, grad.indices], 0), total.dense_shape)
     return tf.convert_to_tensor(total) + tf.convert_to_tensor(grad)
-
-
-def scaled_by(grad, factor):
-    """`grad` times `factor`.
-
-    Args:
-        grad: a gradient: a tensor, `tf.IndexedSlices` (its values are scaled) or None.
-        factor: a Python number or a scalar tensor, cast to the gradient's dtype.
-
-    Returns:
-        The scaled gradient, of `grad`'s kind (None stays None).
-    """
-    if grad is None:
-        return None
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices, grad.dense_shape)
-    return grad * tf.cast(factor, grad.dtype)
 
 
 def ready_for_update(grads):

@@ -168,3 +168,20 @@ def assign_add_after(variable, delta, after):
     values = [a.values if isinstance(a, tf.IndexedSlices) else a for a in after]
     with tf.control_dependencies([tf.convert_to_tensor(v) for v in values]):
         backing_variable(variable).assign_add(delta, read_value=False)
+
+
+def scaled_by(grad, factor):
+    """`grad` times `factor`.
+
+    Args:
+        grad: a gradient: a tensor, `tf.IndexedSlices` (its values are scaled) or None.
+        factor: a Python number or a scalar tensor, cast to the gradient's dtype.
+
+    Returns:
+        The scaled gradient, of `grad`'s kind (None stays None).
+    """
+    if grad is None:
+        return None
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices, grad.dense_shape)
+    return grad * tf.cast(factor, grad.dtype)
