@@ -212,7 +212,7 @@ LATEST_SECOND := $(addprefix tests/accumulator/,test_lookups.py test_sparse.py t
 LATEST_THIRD := $(addprefix tests/accumulator/,test_noise_scale.py test_noise_scale_estimator.py test_check.py \
 	test_auto_batch.py test_tuning.py test_tuning_fit.py test_tuning_effective_batch.py test_tuning_noise_scale.py \
 	test_batch_target.py test_preconditioning.py test_gradient_cache_gather.py test_reductions.py \
-	test_fit_auto_micro_batch.py)
+	test_fit_auto_micro_batch.py test_fit_auto_micro_batch_distributed.py)
 test-latest: $(LATEST)/.installed-py$(LATEST_PY)
 	$(LATEST)/bin/python -m pytest tests/accumulator $(LATEST_SECOND:%=--ignore=%) $(LATEST_THIRD:%=--ignore=%) \
 		-m "not apart and not sweep" $(PYTEST_ARGS) 2>&1 | $(PREFIX)
@@ -253,6 +253,7 @@ test-oldest: $(OLDEST)/.installed-py$(OLDEST_PY)
 # Keras 3, the every-optimizer sweeps (tests/sweeps.py): tf_keras runs them all.
 KERAS2_TF215_APART := tests/keras2/test_keras2_gradient_cache.py
 KERAS2_TF215_APART_RUNS := tests/keras2/test_keras2.py::test_two_worker_fit_matches_one_device_large_batch \
+	tests/keras2/test_fit_effective_batch_keras2_distributed.py::test_two_workers_train_the_one_device_large_batch \
 	tests/keras2/test_keras2.py::test_mirrored_fit_of_an_embedding_with_repeated_ids_matches_keras_2s_large_batch
 test-keras2-tf215: $(KERAS2_TF215)/.installed-py$(KERAS2_TF215_PY)
 	$(KERAS2_TF215)/bin/python -m pytest tests/keras2 --ignore=$(KERAS2_TF215_APART) \

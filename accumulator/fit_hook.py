@@ -3,9 +3,10 @@
 `before_fit` (called by the `fit` hook of `accumulator.hooks`, for Keras 3 and Keras 2)
 refuses set-ups that would train wrong (also those `micro_batch_size` does not take yet:
 `fit_micro_batches.refuse_unsupported`, and `fit_auto_micro_batch.refuse_unsupported` for
-`micro_batch_size="auto"`, whose epochs it notes), builds a `micro_batch_size` model's optimizer
-before `fit` traces its step (`fit_micro_batches.build_before_tracing`: traced once, not twice),
-warns where the batch size would make windows other than the effective batch `find_micro_batch` set the window for
+`micro_batch_size="auto"`, whose epochs it notes; for Keras 2 their `accumulator.keras2`
+twins), builds a `micro_batch_size` model's optimizer before `fit` traces its step
+(`fit_micro_batches.build_before_tracing`: traced once, not twice), warns where the batch
+size would make windows other than the effective batch `find_micro_batch` set the window for
 (`micro_batch.warn_of_windows_off_the_effective_batch`), ties `AccumBatchNormalization` layers to the
 optimizer, and puts the window callback first, so the window closes before any other
 callback reads the weights. Models compiled with any other optimizer are left alone.
@@ -38,15 +39,18 @@ def before_fit(model, callbacks, fit_arguments=None):
             "keras.optimizers.LossScaleOptimizer(inner), accum_steps)). An accumulator that "
             "was already built without loss scaling cannot take it: compile a new one."
         )
-    fit_auto_micro_batch.refuse_unsupported(model)
     if not flavours.is_keras2_object(model):
+        fit_auto_micro_batch.refuse_unsupported(model)
         fit_micro_batches.refuse_unsupported(model)
         fit_micro_batches.build_before_tracing(model)
         callbacks = fit_auto_micro_batch.with_epoch_note(model, callbacks)
     else:
+        from tfx_gradient_accumulator.accumulator.keras2 import fit_auto_micro_batch as keras2_fit_auto_micro_batch
         from tfx_gradient_accumulator.accumulator.keras2 import fit_micro_batches as keras2_fit_micro_batches
 
+        keras2_fit_auto_micro_batch.refuse_unsupported(model)
         keras2_fit_micro_batches.refuse_unsupported(model)
+        callbacks = keras2_fit_auto_micro_batch.with_epoch_note(model, callbacks)
     if not isinstance(optimizer, AccumulationWindow) or optimizer.is_passthrough:
         return callbacks
     if getattr(model, "jit_compile", False) is True and \

@@ -7,6 +7,7 @@ without the library. The changes: (1) at import, `install()` wraps `Model.fit` a
 model's loss scaling goes inside the accumulator), Keras 3's `train_step` and
 `make_train_function` (`micro_batch_size`: the batch split inside the step; with "auto", the
 batch fetched before the compiled step, to be trained again after an out-of-memory error),
+Keras 2's `train_step` and `make_train_function` (the same two, where Keras 2 is installed),
 and two Keras 3 functions that stop `fit`
 under `MultiWorkerMirroredStrategy` (`uninstall()` restores them; `ACCUMULATOR_KERAS_HOOKS=0`
 skips them); (2) while `accumulating_compile` is open, `Model.compile` wraps optimizers,
@@ -29,7 +30,7 @@ import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator import fit_hook
 from tfx_gradient_accumulator.accumulator.batch import fit_auto_micro_batch, fit_micro_batches
-from tfx_gradient_accumulator.accumulator.core import flavours, seam
+from tfx_gradient_accumulator.accumulator.core import flavours, loss_scaling, seam
 from tfx_gradient_accumulator.accumulator.window import loop_notes, weighting
 from tfx_gradient_accumulator.accumulator.window.window import AccumulationWindow
 
@@ -44,7 +45,7 @@ HOOKS_ENV = "ACCUMULATOR_KERAS_HOOKS"
 HOOKS = ("fit", "compute_loss", "compile", "symbolic_build", "scalar_logs", "get_weights", "save", "save_weights",
          "fit_micro_batches", "fit_auto_micro_batch",
          "keras2_fit", "keras2_compute_loss", "keras2_get_weights", "keras2_save", "keras2_save_weights",
-         "keras2_fit_micro_batches")
+         "keras2_fit_micro_batches", "keras2_fit_auto_micro_batch")
 
 # What restores each function `install()` replaced, by label.
 _restorers = {}
@@ -85,7 +86,9 @@ def install(hooks: Iterable[str] = HOOKS) -> list[str]:
       whose custom loop left a window open over the model's variables (its
       micro-batches are not in what is read); they change nothing else.
     * `"keras2_fit"`, `"keras2_compute_loss"`, `"keras2_get_weights"`, `"keras2_save"`,
-      `"keras2_save_weights"`, `"keras2_fit_micro_batches"` (its `train_step`): where
+      `"keras2_save_weights"`, `"keras2_fit_micro_batches"` (its `train_step`),
+      `"keras2_fit_auto_micro_batch"` (its `make_train_function`:
+      `accumulator.keras2.fit_auto_micro_batch.train_function` for an "auto" model): where
       Keras 2 is installed (`tf_keras`, or TF 2.15's `keras`), its `Model`'s, the same way.
 
     A hook whose Keras or function is absent here is skipped.
@@ -159,6 +162,7 @@ def _targets():
             "keras2_save": (keras2.Model, "save", functools.partial(_make_model_read, saving=True)),
             "keras2_save_weights": (keras2.Model, "save_weights", functools.partial(_make_model_read, saving=True)),
             "keras2_fit_micro_batches": (keras2.Model, "train_step", _make_keras2_train_step),
+            "keras2_fit_auto_micro_batch": (keras2.Model, "make_train_function", _make_keras2_make_train_function),
         })
     return targets
 
@@ -232,6 +236,29 @@ def _make_keras2_train_step(original):
     return train_step
 
 
+def _make_keras2_make_train_function(original):
+    """Keras 2's `make_train_function`, whose function takes the batch before the compiled step, to
+    train it again at a smaller micro-batch after an out-of-memory error, for a
+    `micro_batch_size="auto"` model (`accumulator.keras2.fit_auto_micro_batch`, imported only where
+    Keras 2 is installed); Keras 2's own for every other model."""
+    from tfx_gradient_accumulator.accumulator.keras2 import fit_auto_micro_batch as keras2_fit_auto_micro_batch
+    from tfx_gradient_accumulator.accumulator.keras2 import fit_micro_batches as keras2_fit_micro_batches
+
+    @functools.wraps(original)
+    def make_train_function(self, force=False):
+        if not fit_auto_micro_batch.is_auto(self):
+            return original(self, force)
+        if self.train_function is None or force:
+            # Here too, not only at `fit`: `train_on_batch` makes the function without `fit`'s hook.
+            keras2_fit_auto_micro_batch.refuse_unsupported(self)
+            keras2_fit_micro_batches.refuse_unsupported(self)
+            self.train_function = keras2_fit_auto_micro_batch.train_function(self)
+        return self.train_function
+
+    make_train_function.accumulator_hook = True     # `refuse_unsupported` asks
+    return make_train_function
+
+
 def _make_model_read(original, saving):
     """A `Model` method that reads the weights (`get_weights`; `save`, `save_weights`: `saving`),
     told first of a custom loop's open window over them (`loop_notes.note_model_read`)."""
@@ -279,29 +306,14 @@ def _make_compile(original):
         optimizer = getattr(self, "optimizer", None)
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and given is not optimizer and \
                 given is optimizer.inner_optimizer and isinstance(given, AccumulationWindow) and \
-                given.take_loss_scaling_from(optimizer, _float16_layers(self)):
+                given.take_loss_scaling_from(optimizer, loss_scaling.float16_layers(self)):
             self.optimizer = given
         elif isinstance(optimizer, AccumulationWindow) and getattr(optimizer, "loss_scale_optimizer", None) \
                 is not None and not flavours.is_keras2_object(optimizer):
-            optimizer.take_loss_scaling_from(optimizer.loss_scale_optimizer, _float16_layers(self))
+            optimizer.take_loss_scaling_from(optimizer.loss_scale_optimizer, loss_scaling.float16_layers(self))
         return result
 
     return compile
-
-
-def _float16_layers(model):
-    """`model`'s layers that compute in float16 (their gradients are the large batch's
-    float16 ones); a layer without sub-layers (`layers`) counts whole. Layers, not
-    variables: a model compiled before it is built has no variables yet."""
-    found, layers = [], list(getattr(model, "layers", []))
-    while layers:
-        layer = layers.pop()
-        inner = getattr(layer, "layers", None)
-        if inner:
-            layers.extend(inner)
-        elif getattr(layer, "compute_dtype", None) == "float16":
-            found.append(layer)
-    return found
 
 
 # ------------------------------------------------------------- scoped changes

@@ -41,7 +41,9 @@ could not have it again. For "auto" the `"fit_auto_micro_batch"` hook of
 `accumulator.hooks` makes `make_train_function` return `train_function(model)` here: it
 takes the next batch eagerly, then calls a compiled step for the current b (one
 `tf.function` per b, XLA where the model's `jit_compile` is True), catching the error
-there. `steps_per_execution` > 1 is refused at `fit` (one batch per call). One device.
+there. `steps_per_execution` > 1 is refused at `fit` (one batch per call). Under
+`MirroredStrategy` and `MultiWorkerMirroredStrategy` the step is split so that no
+out-of-memory error can come while a collective is in flight: `accumulator.batch.fit_auto_distributed`.
 
 Under XLA (`jit_compile=True`): each micro-batch size and batch shape is trained first by
 the step traced without XLA (an out-of-memory error there is survived as above), and by its
@@ -54,19 +56,18 @@ the cases measured here, so a later error there is not expected, and it would st
 
 from __future__ import annotations
 
-import logging
-import math
 import time
 
 import keras
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator.core import flavours
+from tfx_gradient_accumulator.accumulator.batch import fit_auto_distributed
 from tfx_gradient_accumulator.accumulator.batch.micro_batch import is_out_of_memory
-from tfx_gradient_accumulator.accumulator.batch.micro_batch_changes import (AUTO, MicroBatchChange, next_micro_batch,
-                                                                      state_of)
+from tfx_gradient_accumulator.accumulator.batch.micro_batch_changes import AUTO, next_micro_batch, state_of
+from tfx_gradient_accumulator.accumulator.batch.auto_batches import (  # also read from here (Keras 2)
+    _elements_per_sample, _first_tensor, _next_batch, _record)
 
-logger = logging.getLogger(__name__)
 
 
 def is_auto(model) -> bool:
@@ -77,7 +78,7 @@ def is_auto(model) -> bool:
 
 def refuse_unsupported(model) -> None:
     """Before `fit` trains: what "auto" does not take (Keras 2, several batches per call,
-    several devices)."""
+    strategies other than Mirrored and MultiWorkerMirrored)."""
     if not is_auto(model):
         return
     if flavours.is_keras2_object(model):
@@ -89,10 +90,7 @@ def refuse_unsupported(model) -> None:
             f"micro_batch_size='auto' trains one batch per call, to train it again after an "
             f"out-of-memory error; compile with steps_per_execution=1 (received "
             f"{model.steps_per_execution}), or pass an int micro_batch_size.")
-    if model.distribute_strategy.num_replicas_in_sync > 1 or tf.distribute.has_strategy():
-        raise NotImplementedError(
-            "micro_batch_size='auto' trains on one device; under a tf.distribute strategy pass an "
-            "int micro_batch_size (find one with find_micro_batch).")
+    fit_auto_distributed.refuse_unsupported(model)
 
 
 class EpochNote(keras.callbacks.Callback):
@@ -116,30 +114,6 @@ def with_epoch_note(model, callbacks):
         callbacks.callbacks.append(note)
         return callbacks
     return list(callbacks or []) + [note]
-
-
-def _first_tensor(x):
-    return next(t for t in tf.nest.flatten(x) if t is not None)
-
-
-def _elements_per_sample(x) -> int:
-    """The input elements of one sample: the batch's x, each tensor's shape past its rows."""
-    total = 0
-    for tensor in tf.nest.flatten(x):
-        if tensor is not None and hasattr(tensor, "shape"):
-            total += int(math.prod(int(d) for d in tensor.shape[1:]))
-    return max(total, 1)
-
-
-def _next_batch(iterator):
-    """The next batch, eagerly: from `fit`'s dataset iterator (StopIteration at its end, which
-    `fit` ends the epoch on), or from `train_on_batch`'s generator."""
-    if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
-        optional = iterator.get_next_as_optional()
-        if not optional.has_value():
-            raise StopIteration
-        return optional.get_value()
-    return next(iter(iterator))
 
 
 class _Shadows:
@@ -213,6 +187,8 @@ def train_function(model):
     optimizer = model.optimizer
     state = state_of(optimizer)
     halves = optimizer.track_updates()
+    if fit_auto_distributed.is_distributed(model):
+        return fit_auto_distributed.train_function(model, state, halves)
     shadows = []
     steps = _Steps(model, shadows)
 
@@ -275,15 +251,3 @@ def _after_out_of_memory(model, state, halves, shadows, err, per_sample):
             "more memory than the device has for one sample. The weights are those of the last update. "
             f"Original error: {err.message}")
     state.current = next_micro_batch(state.current, state.effective_batch, per_sample, state.elements_fit)
-
-
-def _record(model, state, previous, errors, lost):
-    change = MicroBatchChange(update=int(model.optimizer.iterations.numpy()) - 1, micro_batch=state.current,
-                              previous_micro_batch=previous, effective_batch=state.effective_batch,
-                              out_of_memory_errors=errors, seconds_lost=round(lost, 3), epoch=state.epoch)
-    state.changes.append(change)
-    logger.warning(
-        "micro_batch_size='auto': out of memory at micro-batch %d of %d in epoch %d, update %d; the batch was "
-        "trained again (%d out-of-memory errors, %.1f s lost) and training goes on at micro-batch %d (%d per "
-        "update).", previous, state.effective_batch, change.epoch, change.update, errors, lost, state.current,
-        math.ceil(state.effective_batch / state.current))

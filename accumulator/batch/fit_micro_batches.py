@@ -35,6 +35,10 @@ replica order (`sum_over_replicas`), and the update is R sum(D_i g_i) / sum(D_i)
 every replica's micro-batches (Keras divides each replica's mean loss by R): exact where
 the replicas' shares are uneven. The inner optimizer applies it once from cross-replica
 context with its own all-reduce off (`_apply_once`), so clipping sees the global gradient.
+The step is two halves, `replica_sums` (the loop, no collective) and `reduce_and_update`:
+`micro_batch_size="auto"` under a strategy runs them as two compiled functions
+(`accumulator.batch.fit_auto_distributed`), so that no out-of-memory error comes while a
+collective is in flight.
 
 Loss scaling (mixed_float16, `compile`'s LossScaleOptimizer taken inside the
 accumulator): each micro-batch's loss scaled by S times its share of the batch's samples
@@ -55,7 +59,7 @@ import functools
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator.core import _tf, loss_scaling, replicas, seam
+from tfx_gradient_accumulator.accumulator.core import _tf, loss_scaling, micro_batch_notes, replicas, seam
 from tfx_gradient_accumulator.accumulator.rows import lookups, window_rows
 from tfx_gradient_accumulator.accumulator.window import weighting
 from tfx_gradient_accumulator.accumulator.core.replicas import NO_MERGE_CALL_MESSAGE
@@ -95,6 +99,13 @@ def refuse_unsupported(model):
             f"(for example {max(replica_count, size - size % replica_count)}).")
     if replica_count > 1 and getattr(model, "jit_compile", False) is True:
         raise NotImplementedError(NO_MERGE_CALL_MESSAGE)
+    synchronized = [layer.name for layer in seam.flatten_layers(model)
+                    if isinstance(layer, keras.layers.BatchNormalization) and getattr(layer, "synchronized", False)]
+    if replica_count > 1 and synchronized:
+        raise NotImplementedError(
+            f"{', '.join(synchronized)}: synchronized=True under micro_batch_size with {replica_count} replicas "
+            "would all-reduce each micro-batch's moments inside the step's loop, which a strategy's replica "
+            "context cannot do. Pass synchronized=False, or train with accum_steps.")
 
 
 def build_before_tracing(model):
@@ -182,6 +193,7 @@ def _micro_step(model, variables, batch, index, size, count, summed, loss_scale=
     each sample's float16 gradient is scaled as in the large batch (S over the batch's
     samples, not over the micro-batch's); the gradients come back at S."""
     (x, y, sample_weight), real = micro_batch(batch, size, count, index)
+    micro_batch_notes.note_real_rows(real)
     trackers = seam.output_loss_trackers(model)
     before = [tf.identity(tracker.total) for tracker in trackers]
     with tf.GradientTape() as tape:
@@ -298,7 +310,7 @@ def micro_batch_loop(step, kinds, once, count, size, variables):
     return sums, rows, loss_sum, weight_sum
 
 
-def _replicas():
+def replica_context():
     """(the replica context, its replicas) in a replica context of several; (None, 1) else."""
     if not tf.distribute.has_strategy():
         return None, 1
@@ -381,23 +393,44 @@ def _loss_scale(optimizer):
 def train_step(model, data):
     """Keras' `train_step` for a model whose optimizer has `micro_batch_size`: one update
     from the batch, trained in micro-batches (the module's docstring)."""
+    _, replica_count = replica_context()
+    sums, kinds, once, count = replica_sums(model, data, replica_count)
+    return reduce_and_update(model, sums, kinds, once, count)
+
+
+def replica_sums(model, data, replica_count):
+    """The step's first half, in each replica, with no collective: the micro-batch loop over
+    this replica's share of `data`, at micro-batches of `micro_batch_size / replica_count`.
+    Returns (the loop's sums: dense, sparse rows, loss sum, weight sum; the gradients'
+    kinds; the positions of rows looked up once per batch; the share's rows, an int where
+    static). `accumulator.batch.fit_auto_distributed` runs it alone, so that an
+    out-of-memory error cannot come while a collective is in flight."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     first = next(t for t in tf.nest.flatten(x) if t is not None)
     count = first.shape[0] if first.shape[0] is not None else tf.shape(first)[0]
     optimizer, variables = model.optimizer, list(model.trainable_variables)
-    context, replica_count = _replicas()
-    size, summed = optimizer.micro_batch_size // replica_count, sums_its_samples(model)
-    loss_scale = _loss_scale(optimizer)
-    step = functools.partial(_micro_step, model, variables, (x, y, sample_weight),
-                             size=size, count=count, summed=summed, loss_scale=loss_scale)
+    size = optimizer.micro_batch_size // replica_count
+    step = functools.partial(_micro_step, model, variables, (x, y, sample_weight), size=size, count=count,
+                             summed=sums_its_samples(model), loss_scale=_loss_scale(optimizer))
     step, kinds, once = traced_micro_step(step)
-    dense, sparse, loss_sum, weight_sum = sum_over_replicas(
-        context, micro_batch_loop(step, kinds, once, count, size, variables), once, variables)
+    return micro_batch_loop(step, kinds, once, count, size, variables), kinds, once, count
+
+
+def reduce_and_update(model, sums, kinds, once, count):
+    """The step's second half, in each replica: `replica_sums`' sums added over the replicas
+    (one all-reduce), the layers' notes closed, the loss logged, the inner optimizer's one
+    update; returns the metrics' results. `kinds` only counts the gradients (one per
+    trainable variable)."""
+    context, replica_count = replica_context()
+    optimizer, variables = model.optimizer, list(model.trainable_variables)
+    summed = sums_its_samples(model)
+    dense, sparse, loss_sum, weight_sum = sum_over_replicas(context, sums, once, variables)
+    micro_batch_notes.close_after_micro_batches(model)
     # Keras scales a mean loss by 1 / R in each replica's `Loss.__call__` (not a sum): R undoes it.
     factor = tf.constant(1.0) if summed else tf.math.divide_no_nan(tf.constant(float(replica_count)), weight_sum)
     grads = update_gradients(kinds, variables, dense, sparse, factor, merge=optimizer.merge_duplicate_rows,
                              densify=seam.in_xla_context())
-    if loss_scale is not None:
+    if getattr(optimizer, "loss_scale_optimizer", None) is not None:
         grads = _float16_overflow_as_nan(optimizer, grads, variables)
     seam.loss_tracker(model).update_state(loss_sum * factor, sample_weight=count)
     _apply_once(optimizer, context, grads, variables)

@@ -46,7 +46,7 @@ class MicroBatchChange:
 
 
 def next_micro_batch(failed: int, effective_batch: int, elements_per_sample: int,
-                     elements_fit: Optional[int]) -> int:
+                     elements_fit: Optional[int], replicas: int = 1) -> int:
     """The b to try after a step ran out of memory at b = `failed` (the module's rule, 3).
 
     Args:
@@ -55,12 +55,20 @@ def next_micro_batch(failed: int, effective_batch: int, elements_per_sample: int
         elements_per_sample: s, the input elements of one sample of the batch that failed.
         elements_fit: the most input elements a micro-batch has trained in so far, or None
             (no step has fit yet: N doubles).
+        replicas: R, the replicas in sync: `failed` and the result are global, multiples
+            of R, each replica training b / R of its share ceil(E / R) (the rule applies
+            to that share, and to `elements_fit` / R).
 
     Returns:
         The largest ceil(E / N) below `failed` whose micro-batch holds at most
         `elements_fit` elements (1 where none does); without `elements_fit`,
-        ceil(E / 2N) for the N of `failed`.
+        ceil(E / 2N) for the N of `failed`. With `replicas` R, R times that of the
+        replicas' share (R where nothing smaller fits).
     """
+    if replicas > 1:
+        share_fit = None if elements_fit is None else elements_fit // replicas
+        return replicas * next_micro_batch(failed // replicas, -(-effective_batch // replicas),
+                                           elements_per_sample, share_fit)
     splits = math.ceil(effective_batch / failed)
     if elements_fit is None:
         return max(1, math.ceil(effective_batch / (2 * splits)))

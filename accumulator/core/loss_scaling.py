@@ -167,3 +167,18 @@ class WindowLossScaling:
             dynamic_growth_steps=wrapper.dynamic_growth_steps, name=wrapper.name)
         self.loss_scale_optimizer = self._updater
         return True
+
+
+def float16_layers(model):
+    """`model`'s layers that compute in float16 (their gradients are the large batch's
+    float16 ones); a layer without sub-layers (`layers`) counts whole. Layers, not
+    variables: a model compiled before it is built has no variables yet."""
+    found, layers = [], list(getattr(model, "layers", []))
+    while layers:
+        layer = layers.pop()
+        inner = getattr(layer, "layers", None)
+        if inner:
+            layers.extend(inner)
+        elif getattr(layer, "compute_dtype", None) == "float16":
+            found.append(layer)
+    return found

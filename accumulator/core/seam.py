@@ -10,7 +10,8 @@ mask of a tensor (`get_keras_mask`, `set_keras_mask`); TensorFlow's
 `strategy_supports_no_merge_call`, `GraphOrParentsInXlaContext`, `_collective_key_base`,
 `_set_global_seed`; Keras 2's `_callable_losses`, `_validate_compile`, the losses'
 `_allow_sum_over_batch_size` that `_get_reduction` reads, and a tensor's `_keras_mask`
-(what its `get_mask` reads: a padded micro-batch's padding masked out, `micro_batch_size`). Why each is needed:
+(what its `get_mask` reads: a padded micro-batch's padding masked out, `micro_batch_size`), and `_train_counter` (the steps
+`fit` trained, counted once a batch by `micro_batch_size="auto"`). Why each is needed:
 DEVELOPERS.md, "Design notes by module". Also the optimizers' second moments that
 `accumulator.noise.preconditioning` reads: `_get_variable_index` (Keras 2: `_var_key`,
 `_index_dict`) and the slot lists `_velocities`, `_velocity_hats`, `_average_gradients`,
@@ -88,7 +89,8 @@ PRIVATE_NAMES = (
     PrivateName("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer._maybe_symbolic_build",
                 "MultiWorkerMirroredStrategy fix (keras#20585)", since=(3, 5)),
     PrivateName("keras.src.backend.tensorflow.trainer", "reduce_per_replica",
-                "MultiWorkerMirroredStrategy fix (keras#20585)"),
+                "MultiWorkerMirroredStrategy fix (keras#20585); micro_batch_size='auto' under a strategy: the "
+                "logs of its split step"),
     PrivateName("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer.train_step",
                 "micro_batch_size: fit's step split into micro-batches (its owner, where the hook goes)"),
     PrivateName("keras", "_compute_loss", "micro_batch_size: a micro-batch's loss as Keras' step computes it",
@@ -125,6 +127,9 @@ PRIVATE_NAMES = (
     PrivateName("tf_keras", "src.utils.losses_utils.get_mask",
                 "Keras 2 micro_batch_size: a padded micro-batch's padding masked out of the loss and the "
                 "metrics (the tensor's `_keras_mask`, which it reads)", keras2=True),
+    PrivateName("tf_keras", "_train_counter",
+                "Keras 2 micro_batch_size='auto': the steps fit trained, which Keras 2's own train function "
+                "counts and its TensorBoard and BackupAndRestore callbacks read", on_compiled_model=True, keras2=True),
 )
 
 
@@ -405,6 +410,12 @@ def output_loss_trackers(model):
     return [m for m in (getattr(compiled, "metrics", None) or []) if m is not None]
 
 
+def keras2_train_counter(model):
+    """Keras 2's count of the steps `fit` trained (`Model._train_counter`), which its own train
+    function adds to and its callbacks read."""
+    return model._train_counter
+
+
 def keras2_weight_regularization_count(model):
     """How many weight-regularization losses a Keras 2 `model` and its layers hold:
     the callables Keras 2 evaluates each time `losses` is read (not losses added
@@ -513,6 +524,13 @@ def _make_symbolic_build(original):
         return original(self, iterator=None, data_batch=data_batch)
 
     return _maybe_symbolic_build
+
+
+def reduce_per_replica(logs, strategy):
+    """Keras' reduction of a step's per-replica logs (as its train function reduces them; with
+    the scalar logs' fix of `multiworker_fixes` where it is installed)."""
+    from keras.src.backend.tensorflow import trainer as tf_trainer       # read now: the fix applies
+    return tf_trainer.reduce_per_replica(logs, strategy, reduction="auto")
 
 
 def _make_reduce_per_replica(original):

@@ -23,6 +23,7 @@ from tfx_gradient_accumulator.accumulator.window import custom_loop
 from tfx_gradient_accumulator.accumulator.window.forwarding import InnerOptimizerForwarding
 from tfx_gradient_accumulator.accumulator.core.options import DEFAULT_SMOOTHING, WindowOptions, refuse_unknown_arguments
 from tfx_gradient_accumulator.accumulator.window.window import AccumulationWindow, refuse_nested_accumulation
+from tfx_gradient_accumulator.accumulator.keras2.micro_batch_side import Keras2MicroBatchSide
 
 keras2 = flavours.keras2_module()
 if keras2 is None:
@@ -65,7 +66,8 @@ def _deserialize_optimizer(spec: dict, custom_objects: dict | None = None):
 
 
 @_register
-class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, custom_loop.CustomLoopData, _Optimizer):
+class GradientAccumulator(InnerOptimizerForwarding, Keras2MicroBatchSide, AccumulationWindow, custom_loop.CustomLoopData,
+                          _Optimizer):
     """Accumulates gradients over `accum_steps` micro-batches, then updates once (Keras 2).
 
     ```python
@@ -115,8 +117,9 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, custom_l
         options: as for the Keras 3 class.
         micro_batch_size: as for the Keras 3 class: `fit`'s batch is the effective
             batch, one update, trained in micro-batches of this many samples inside
-            each training step (`accumulator.keras2.fit_micro_batches`; one device,
-            float32).
+            each training step (`accumulator.keras2.fit_micro_batches`; under a
+            strategy, global; under mixed_float16, `fit` takes compile's loss scaling
+            inside: `accumulator.keras2.micro_batch_scaling`).
         **kwargs: Keras 2's optimizer arguments as a saved config holds them; others
             are refused.
 
@@ -162,11 +165,6 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, custom_l
         return self._updater
 
     @property
-    def micro_batch_size(self) -> int | None:
-        """The samples of each micro-batch `fit`'s step splits its batch into, or None."""
-        return self.options.micro_batch_size
-
-    @property
     def loss_scale_optimizer(self):
         """The given LossScaleOptimizer, or None."""
         return self._updater if isinstance(self._updater, _LossScaleOptimizer) else None
@@ -197,12 +195,6 @@ class GradientAccumulator(InnerOptimizerForwarding, AccumulationWindow, custom_l
         return self.add_variable(
             shape=shape, dtype=dtype, name=name,
             initializer=lambda shape, dtype: _tf.filled(shape, dtype, initial))
-
-    def _hand_to_updater(self, grads, variables, reduced):
-        """The inner optimizer's one update, without a second aggregation."""
-        pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
-        if pairs:
-            self._updater.apply_gradients(pairs, skip_gradients_aggregation=reduced)
 
     def _updates_without_reduction(self):
         """Nothing to switch off: Keras 2 takes `skip_gradients_aggregation`."""

@@ -317,11 +317,8 @@ def test_what_it_does_not_take_is_refused_before_training():
     with pytest.raises(NotImplementedError, match="defines its own `train_step`"):
         model.fit(x, y, batch_size=8, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 0
-    scaled = GradientAccumulator(k2.mixed_precision.LossScaleOptimizer(k2.optimizers.Adam()), micro_batch_size=4)
-    model = _mlp()
-    model.compile(scaled, "mse")
-    with pytest.raises(NotImplementedError, match="does not take loss scaling"):
-        model.fit(x, y, batch_size=8, verbose=0)
+    # Several replicas and loss scaling are taken: test_fit_effective_batch_keras2_distributed.py
+    # and test_fit_effective_batch_keras2_mixed.py (their refusals too).
 
 
 def test_a_saved_model_loads_with_its_micro_batch_size_and_trains_on_alike(tmp_path):
@@ -336,12 +333,3 @@ def test_a_saved_model_loads_with_its_micro_batch_size_and_trains_on_alike(tmp_p
         trained.fit(x, y, batch_size=E, epochs=1, shuffle=False, verbose=0)
     assert int(loaded.optimizer.iterations.numpy()) == 6
     assert deltas.max_abs_diff(_weights(model), _weights(loaded)) < TOLERANCE
-
-
-def test_a_micro_batch_found_by_the_run_is_refused_before_training():
-    x, y = _data(8)
-    model = _mlp()
-    model.compile(GradientAccumulator(k2.optimizers.Adam(), micro_batch_size="auto"), "mse")
-    with pytest.raises(NotImplementedError, match="pass an int micro_batch_size"):
-        model.fit(x, y, batch_size=8, verbose=0)
-    assert int(model.optimizer.iterations.numpy()) == 0
