@@ -61,7 +61,6 @@ import time
 import keras
 import tensorflow as tf
 
-from tfx_gradient_accumulator.accumulator.core import flavours
 from tfx_gradient_accumulator.accumulator.batch import fit_auto_distributed
 from tfx_gradient_accumulator.accumulator.batch.micro_batch import is_out_of_memory
 from tfx_gradient_accumulator.accumulator.batch.micro_batch_changes import AUTO, next_micro_batch, state_of
@@ -77,14 +76,10 @@ def is_auto(model) -> bool:
 
 
 def refuse_unsupported(model) -> None:
-    """Before `fit` trains: what "auto" does not take (Keras 2, several batches per call,
-    strategies other than Mirrored and MultiWorkerMirrored)."""
+    """Before `fit` trains a Keras 3 model: what "auto" does not take (several batches per call,
+    strategies other than Mirrored and MultiWorkerMirrored). Keras 2's: `accumulator.keras2.fit_auto_micro_batch`."""
     if not is_auto(model):
         return
-    if flavours.is_keras2_object(model):
-        raise NotImplementedError(
-            "micro_batch_size='auto' trains Keras 3 models; with Keras 2 pass an int micro_batch_size "
-            "(the largest whose training step fits the device).")
     if getattr(model, "steps_per_execution", 1) != 1:
         raise ValueError(
             f"micro_batch_size='auto' trains one batch per call, to train it again after an "
