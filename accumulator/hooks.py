@@ -45,7 +45,7 @@ HOOKS_ENV = "ACCUMULATOR_KERAS_HOOKS"
 HOOKS = ("fit", "compute_loss", "compile", "symbolic_build", "scalar_logs", "get_weights", "save", "save_weights",
          "fit_micro_batches", "fit_auto_micro_batch",
          "keras2_fit", "keras2_compute_loss", "keras2_get_weights", "keras2_save", "keras2_save_weights",
-         "keras2_fit_micro_batches", "keras2_fit_auto_micro_batch")
+         "keras2_fit_micro_batches", "keras2_fit_auto_micro_batch", "keras2_compile")
 
 # What restores each function `install()` replaced, by label.
 _restorers = {}
@@ -88,8 +88,11 @@ def install(hooks: Iterable[str] = HOOKS) -> list[str]:
     * `"keras2_fit"`, `"keras2_compute_loss"`, `"keras2_get_weights"`, `"keras2_save"`,
       `"keras2_save_weights"`, `"keras2_fit_micro_batches"` (its `train_step`),
       `"keras2_fit_auto_micro_batch"` (its `make_train_function`:
-      `accumulator.keras2.fit_auto_micro_batch.train_function` for an "auto" model): where
-      Keras 2 is installed (`tf_keras`, or TF 2.15's `keras`), its `Model`'s, the same way.
+      `accumulator.keras2.fit_auto_micro_batch.train_function` for an "auto" model),
+      `"keras2_compile"` (under mixed_float16, the `LossScaleOptimizer` Keras 2's `compile`
+      put around a `GradientAccumulator` with `micro_batch_size` taken inside it at once:
+      `_make_keras2_compile`): where Keras 2 is installed (`tf_keras`, or TF 2.15's
+      `keras`), its `Model`'s, the same way.
 
     A hook whose Keras or function is absent here is skipped.
 
@@ -163,6 +166,7 @@ def _targets():
             "keras2_save_weights": (keras2.Model, "save_weights", functools.partial(_make_model_read, saving=True)),
             "keras2_fit_micro_batches": (keras2.Model, "train_step", _make_keras2_train_step),
             "keras2_fit_auto_micro_batch": (keras2.Model, "make_train_function", _make_keras2_make_train_function),
+            "keras2_compile": (keras2.Model, "compile", _make_keras2_compile),
         })
     return targets
 
@@ -234,6 +238,24 @@ def _make_keras2_train_step(original):
 
     train_step.accumulator_hook = True
     return train_step
+
+
+def _make_keras2_compile(original):
+    """Keras 2's `Model.compile`, then, for a `GradientAccumulator` with `micro_batch_size` that
+    Keras 2 put inside a `LossScaleOptimizer` (mixed_float16: it wraps any optimizer, with no
+    switch to stop it), the scaling taken inside the accumulator
+    (`accumulator.keras2.micro_batch_scaling.take_loss_scaling_inside`): `model.optimizer` is the
+    accumulator given, and `train_on_batch` trains in micro-batches as `fit` does (`fit` takes it
+    inside too, for a model compiled before the hooks). Every other model: Keras 2's own."""
+    from tfx_gradient_accumulator.accumulator.keras2 import micro_batch_scaling
+
+    @functools.wraps(original)
+    def compile(self, *args, **kwargs):
+        compiled = original(self, *args, **kwargs)
+        micro_batch_scaling.take_loss_scaling_inside(self)
+        return compiled
+
+    return compile
 
 
 def _make_keras2_make_train_function(original):

@@ -163,8 +163,9 @@ def test_an_accumulator_built_without_loss_scaling_is_refused_before_training(mi
     model = _mlp()
     optimizer = GradientAccumulator(_sgd(), micro_batch_size=4)
     optimizer.build(model.trainable_variables)
-    model.compile(optimizer, "mse")
     before = model.get_weights()
+    with pytest.raises(ValueError, match="built without loss scaling"):
+        model.compile(optimizer, "mse")           # the compile hook; `fit` refuses it too
     with pytest.raises(ValueError, match="built without loss scaling"):
         model.fit(x, y, batch_size=8, verbose=0)
     assert deltas.max_abs_diff(before, model.get_weights()) == 0.0
@@ -188,3 +189,19 @@ def test_mixed_float16_on_two_workers(mixed_policy, tmp_path):
     assert iterations == int(large.optimizer.iterations.numpy()) == 4
     assert float(np.load(f"{tmp_path / 'out'}.0.npz")["scale"]) == _scale(large.optimizer)
     assert deltas.max_abs_diff(weights, large.get_weights()) <= FLOAT16_ROUNDING
+
+
+def test_compile_takes_the_scaling_inside_so_train_on_batch_splits_too(mixed_policy):
+    """Keras 2's `compile` puts a LossScaleOptimizer around the accumulator; the compile hook takes
+    it inside at once, so `train_on_batch` (no `fit` hook) trains the batch in micro-batches too."""
+    x, y = _data(E)
+    model, given = _mlp(), GradientAccumulator(_sgd(), micro_batch_size=B)
+    model.compile(given, "mse")
+    assert model.optimizer is given and given.loss_scale_optimizer is not None
+    model.train_on_batch(x, y)
+    assert int(given.iterations.numpy()) == 1
+    split, _, _ = _fit(lambda: GradientAccumulator(_sgd(), micro_batch_size=B), E, samples=E, epochs=1)
+    assert _gap(split, model) < TOLERANCE             # fit's micro-batches, one loss scale
+    large, _, _ = _fit(_sgd, E, samples=E, epochs=1)
+    assert _scale(given) == _scale(large.optimizer)
+    assert _gap(large, model) <= FLOAT16_ROUNDING
