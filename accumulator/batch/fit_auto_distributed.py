@@ -46,7 +46,7 @@ import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator.core import seam
 from tfx_gradient_accumulator.accumulator.batch import auto_batches as auto, fit_micro_batches
-from tfx_gradient_accumulator.accumulator.batch.micro_batch import is_out_of_memory
+from tfx_gradient_accumulator.accumulator.batch.micro_batch import is_out_of_memory, unique_variables
 from tfx_gradient_accumulator.accumulator.batch.micro_batch_changes import next_micro_batch
 
 
@@ -86,12 +86,8 @@ class _ComponentShadows:
     SyncOnRead metric's per-replica partial sums stay per replica."""
 
     def __init__(self, model):
-        seen, self.components = set(), []
-        for variable in list(model.metrics_variables) + list(model.non_trainable_variables):
-            for component in _components(variable):
-                if id(component) not in seen:
-                    seen.add(id(component))
-                    self.components.append(component)
+        variables = list(model.metrics_variables) + list(model.non_trainable_variables)
+        self.components = unique_variables(c for v in variables for c in _components(v))
         self.copies = []
 
     def take(self):
@@ -132,6 +128,7 @@ class _Halves:
 
     def _first(self, data):
         self.traced_first.append(tf.compat.v1.get_default_graph())
+
         def in_replica(data):
             sums, kinds, once, count = fit_micro_batches.replica_sums(self.model, data, self.replicas)
             self.once, self.gradients = list(once), len(kinds)      # read by `_second`'s trace
@@ -141,6 +138,7 @@ class _Halves:
 
     def _second(self, halves):
         self.traced_second.append(tf.compat.v1.get_default_graph())
+
         def in_replica(sums, count):
             # Placed on the replica's device: the function's inputs have none, and the
             # collectives take their destinations from their values' devices.

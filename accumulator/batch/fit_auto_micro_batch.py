@@ -62,7 +62,7 @@ import keras
 import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator.batch import fit_auto_distributed
-from tfx_gradient_accumulator.accumulator.batch.micro_batch import is_out_of_memory
+from tfx_gradient_accumulator.accumulator.batch.micro_batch import is_out_of_memory, unique_variables
 from tfx_gradient_accumulator.accumulator.batch.micro_batch_changes import AUTO, next_micro_batch, state_of
 from tfx_gradient_accumulator.accumulator.batch.auto_batches import (  # also read from here (Keras 2)
     _elements_per_sample, _first_tensor, _next_batch, _record)
@@ -117,12 +117,8 @@ class _Shadows:
     after an out-of-memory error. `copies` counts the steps that wrote them, so a step that
     did not begin (an XLA program refused its memory at launch) restores nothing."""
 
-    def __init__(self, model):
-        seen, self.variables = set(), []
-        for variable in list(model.metrics_variables) + list(model.non_trainable_variables):
-            if id(variable) not in seen:
-                seen.add(id(variable))
-                self.variables.append(variable)
+    def __init__(self, variables):
+        self.variables = unique_variables(variables)
         with tf.init_scope():
             self.copies = tf.Variable(0, dtype=tf.int64, trainable=False, name="auto_micro_batch_copies")
             self.shadows = [tf.Variable(tf.convert_to_tensor(v), trainable=False, shape=v.shape,
@@ -196,7 +192,7 @@ def train_function(model):
                 state.current = state.effective_batch = int(_first_tensor(
                     keras.utils.unpack_x_y_sample_weight(data)[0]).shape[0])
             tf.function(model.train_step, autograph=False).get_concrete_function(data)
-            shadows.append(_Shadows(model))
+            shadows.append(_Shadows(list(model.metrics_variables) + list(model.non_trainable_variables)))
         return _train(model, state, halves, shadows[0], steps, data)
 
     return function

@@ -75,12 +75,29 @@ def micro_batch_size_of(model):
 
 
 def refuse_unsupported(model):
-    """Before `fit` trains: what `micro_batch_size` cannot do (without Keras' hooks, a model's
-    own `train_step`, XLA under several replicas) and a micro-batch the replicas cannot share."""
-    size = micro_batch_size_of(model)
+    """Before `fit` trains: what `micro_batch_size` cannot do (`refuse_what_the_step_cannot_take`)
+    and a synchronized `BatchNormalization` under several replicas."""
+    size = refuse_what_the_step_cannot_take(model, seam.train_step_owner())
     if size is None:
         return
-    owner = seam.train_step_owner()
+    replica_count = model.distribute_strategy.num_replicas_in_sync
+    synchronized = [layer.name for layer in seam.flatten_layers(model)
+                    if isinstance(layer, keras.layers.BatchNormalization) and getattr(layer, "synchronized", False)]
+    if replica_count > 1 and synchronized:
+        raise NotImplementedError(
+            f"{', '.join(synchronized)}: synchronized=True under micro_batch_size with {replica_count} replicas "
+            "would all-reduce each micro-batch's moments inside the step's loop, which a strategy's replica "
+            "context cannot do. Pass synchronized=False, or train with accum_steps.")
+
+
+def refuse_what_the_step_cannot_take(model, owner):
+    """Before `fit` trains, for both Keras (`owner`: the class whose `train_step` the hook
+    wraps): the step without Keras' hooks, a model's own `train_step`, a micro-batch the
+    replicas cannot share (naming a multiple that works), XLA under several replicas.
+    Returns the `micro_batch_size` (None: the model has none, nothing to refuse)."""
+    size = micro_batch_size_of(model)
+    if size is None:
+        return None
     if not getattr(owner.train_step, "accumulator_hook", False):
         raise RuntimeError(
             f"micro_batch_size={size} needs accumulator's Keras hooks (ACCUMULATOR_KERAS_HOOKS=0 or "
@@ -99,13 +116,7 @@ def refuse_unsupported(model):
             f"(for example {max(replica_count, size - size % replica_count)}).")
     if replica_count > 1 and getattr(model, "jit_compile", False) is True:
         raise NotImplementedError(NO_MERGE_CALL_MESSAGE)
-    synchronized = [layer.name for layer in seam.flatten_layers(model)
-                    if isinstance(layer, keras.layers.BatchNormalization) and getattr(layer, "synchronized", False)]
-    if replica_count > 1 and synchronized:
-        raise NotImplementedError(
-            f"{', '.join(synchronized)}: synchronized=True under micro_batch_size with {replica_count} replicas "
-            "would all-reduce each micro-batch's moments inside the step's loop, which a strategy's replica "
-            "context cannot do. Pass synchronized=False, or train with accum_steps.")
+    return size
 
 
 def build_before_tracing(model):
@@ -368,12 +379,12 @@ def update_gradients(kinds, variables, dense, sparse, factor, merge=False, densi
     return grads
 
 
-def _float16_overflow_as_nan(optimizer, grads, variables):
+def _float16_overflow_as_nan(layers, grads, variables):
     """`grads` (the update's mean at the loss scale S), NaN throughout where a variable of a
-    float16 layer has one beyond float16's range: the large batch's float16 gradient there
-    is that sum, and would be inf; the LossScaleOptimizer then skips the update and lowers
-    the scale, as for the large batch (`loss_scaling.WindowLossScaling` does it for a window)."""
-    layers = getattr(optimizer, "_float16_layers", None)
+    float16 layer (`layers`: the model's, None for none) has one beyond float16's range: the
+    large batch's float16 gradient there is that sum, and would be inf; the LossScaleOptimizer
+    then skips the update and lowers the scale, as for the large batch
+    (`loss_scaling.WindowLossScaling` does it for a window)."""
     checked = {id(v) for layer in layers or () for v in layer.trainable_weights}
     values = [g.values if isinstance(g, tf.IndexedSlices) else g
               for g, v in zip(grads, variables) if g is not None and id(v) in checked]
@@ -431,7 +442,7 @@ def reduce_and_update(model, sums, kinds, once, count):
     grads = update_gradients(kinds, variables, dense, sparse, factor, merge=optimizer.merge_duplicate_rows,
                              densify=seam.in_xla_context())
     if getattr(optimizer, "loss_scale_optimizer", None) is not None:
-        grads = _float16_overflow_as_nan(optimizer, grads, variables)
+        grads = _float16_overflow_as_nan(getattr(optimizer, "_float16_layers", None), grads, variables)
     seam.loss_tracker(model).update_state(loss_sum * factor, sample_weight=count)
     _apply_once(optimizer, context, grads, variables)
     return model.get_metrics_result()

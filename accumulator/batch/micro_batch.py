@@ -457,7 +457,7 @@ class _StatePutBack:
             self._optimizer.build(self._model.trainable_variables)
         self._accum_steps = int(self._optimizer.accum_steps)
         strategy = self._model.distribute_strategy
-        variables = _unique(list(self._model.variables) + list(self._optimizer.variables)
+        variables = unique_variables(list(self._model.variables) + list(self._optimizer.variables)
                             + list(self._model.metrics_variables))
         self._components = [c for v in variables for c in _tf.local_components(v, strategy)]
         self._values = [c.numpy() for c in self._components]
@@ -500,7 +500,7 @@ def _grown(value, held):
     return np.concatenate([value, np.zeros((held[0] - value.shape[0],) + held[1:], value.dtype)])
 
 
-def _unique(variables):
+def unique_variables(variables):
     """`variables` without repeats (a variable can be the model's and a metric's), in order."""
     return list({id(v): v for v in variables}.values())
 

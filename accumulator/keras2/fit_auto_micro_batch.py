@@ -32,7 +32,6 @@ What is Keras 2's own, here:
 from __future__ import annotations
 
 import functools
-import types
 
 import tensorflow as tf
 
@@ -139,5 +138,4 @@ def _shadows_after_building(model, state, data):
         state.current = state.effective_batch = int(auto._first_tensor(x).shape[0])
     tf.function(model.train_step, autograph=False).get_concrete_function(data)
     metrics = [variable for metric in model.metrics for variable in metric.variables]
-    return auto._Shadows(types.SimpleNamespace(metrics_variables=metrics,
-                                               non_trainable_variables=list(model.non_trainable_variables)))
+    return auto._Shadows(metrics + list(model.non_trainable_variables))

@@ -49,7 +49,6 @@ import tensorflow as tf
 
 from tfx_gradient_accumulator.accumulator.core import _tf, flavours, seam
 from tfx_gradient_accumulator.accumulator.batch import fit_micro_batches
-from tfx_gradient_accumulator.accumulator.core.replicas import NO_MERGE_CALL_MESSAGE
 from tfx_gradient_accumulator.accumulator.keras2 import micro_batch_scaling
 from tfx_gradient_accumulator.accumulator.rows import lookups
 from tfx_gradient_accumulator.accumulator.window import weighting
@@ -61,34 +60,7 @@ def refuse_unsupported(model):
     the step does not do refused (no hooks, a model's own `train_step`, XLA under several
     replicas) and a micro-batch the replicas cannot share."""
     micro_batch_scaling.take_loss_scaling_inside(model)
-    size = fit_micro_batches.micro_batch_size_of(model)
-    if size is None:
-        return
-    owner = flavours.keras_package_of(model).Model
-    if not getattr(owner.train_step, "accumulator_hook", False):
-        raise RuntimeError(
-            f"micro_batch_size={size} needs accumulator's Keras hooks (ACCUMULATOR_KERAS_HOOKS=0 or "
-            "hooks.uninstall() left them out): without them `fit` would train each batch whole.")
-    if type(model).train_step is not owner.train_step:
-        raise NotImplementedError(
-            f"micro_batch_size={size}: the model defines its own `train_step`, which the accumulator "
-            "cannot split into micro-batches. Use `accum_steps` (fit at the micro-batch), or Keras' "
-            "own train_step.")
-    _refuse_what_the_replicas_cannot_take(model, size)
-
-
-def _refuse_what_the_replicas_cannot_take(model, size):
-    """A micro-batch the replicas cannot share (naming a multiple that works), and XLA under
-    several replicas (no `merge_call` there, which the inner optimizer's update needs)."""
-    replica_count = model.distribute_strategy.num_replicas_in_sync
-    if isinstance(size, int) and size % replica_count:
-        raise ValueError(
-            f"micro_batch_size={size} is not divisible by the {replica_count} replicas in sync: it is global, "
-            f"as fit's batch_size is, and each replica trains micro-batches of micro_batch_size / "
-            f"{replica_count}. Pass a multiple of {replica_count} "
-            f"(for example {max(replica_count, size - size % replica_count)}).")
-    if replica_count > 1 and getattr(model, "jit_compile", False) is True:
-        raise NotImplementedError(NO_MERGE_CALL_MESSAGE)
+    fit_micro_batches.refuse_what_the_step_cannot_take(model, flavours.keras_package_of(model).Model)
 
 
 def _micro_step(model, variables, batch, index, size, count, summed, loss_scale=None, scaled_rows=None):

@@ -22,7 +22,6 @@ batch's samples, one unscaling and one finiteness check), read by
   and lowers the scale, as it does for the large batch.
 """
 
-import types
 
 import tensorflow as tf
 
@@ -84,6 +83,5 @@ def unscaled(model, optimizer, grads, variables):
     LossScaleOptimizer, NaN throughout where a float16 layer's variable has one beyond
     float16's range (the large batch's float16 sum would be inf there): the
     LossScaleOptimizer then skips the update and lowers the scale, as for the large batch."""
-    layers = types.SimpleNamespace(_float16_layers=loss_scaling.float16_layers(model))   # what the check reads
-    grads = fit_micro_batches._float16_overflow_as_nan(layers, grads, variables)
+    grads = fit_micro_batches._float16_overflow_as_nan(loss_scaling.float16_layers(model), grads, variables)
     return optimizer.loss_scale_optimizer.get_unscaled_gradients(grads)
